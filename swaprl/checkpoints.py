@@ -1,0 +1,160 @@
+"""Random-weight checkpoints of real architectures, with a tokenizer, written without any model hub.
+
+No hub is reachable where swaprl's examples, tests and benchmarks run, yet memory and speed only mean something on
+the real shapes. `write_random_checkpoint` writes a Hugging Face directory (`config.json`, sharded safetensors with
+an index, tokenizer files) that transformers and vLLM load like any downloaded model:
+
+    python -m swaprl.checkpoints qwen2.5-1.5b /tmp/qwen1.5b [--layers 4] [--device cuda]
+
+Tensors are generated one at a time and flushed into shards of `shard_bytes`, so a 72B checkpoint needs one shard
+of memory, not 145 GB. The tokenizer is byte-level (256 byte tokens plus the Qwen chat special tokens): every text
+round-trips, and its ids all lie inside every preset's vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .presets import get_preset
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_SHARD_BYTES = 4 * 2**30
+
+
+def write_tokenizer(path: str | os.PathLike) -> dict[str, int]:
+    """Write a byte-level BPE tokenizer (no merges) to `path`; returns the special tokens' ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return {t: fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+def _meta_state_shapes(config) -> list[tuple[str, torch.Size]]:
+    """Names and shapes of every tensor a checkpoint of `config` holds, without allocating any of them."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    seen: set[int] = set()
+    out = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # tied lm_head: stored once, as transformers does
+            continue
+        seen.add(id(tensor))
+        out.append((name, tensor.shape))
+    return out
+
+
+def _init_tensor(name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                 generator: torch.Generator, std: float) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    out.normal_(0.0, std, generator=generator)
+    return out.to(dtype)
+
+
+def write_random_checkpoint(preset: str, path: str | os.PathLike, *, layers: int | None = None,
+                            dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str | None = None,
+                            shard_bytes: int = _SHARD_BYTES) -> Path:
+    """Write a random-weight checkpoint of `preset` (e.g. "qwen2.5-1.5b", "tiny") to `path` and return it.
+
+    `layers` cuts the depth while keeping each layer's real shapes. `device` is where the random numbers are drawn
+    ("cuda" is much faster for large models; default: cuda when available). An existing complete checkpoint at
+    `path` with the same settings is reused.
+    """
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config
+
+    spec = get_preset(preset)
+    if layers is not None and not 1 <= layers <= spec.num_hidden_layers:
+        raise ValueError(f"layers={layers} is outside 1..{spec.num_hidden_layers} for {spec.name}")
+    path = Path(path)
+    stamp = {"preset": spec.name, "layers": layers, "dtype": str(dtype), "seed": seed}
+    done = path / "swaprl_random.json"
+    if done.exists() and json.loads(done.read_text()) == stamp:
+        logger.info("reusing random checkpoint at %s", path)
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(path)
+    cfg_dict = spec.config_dict(layers=layers, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+    config = Qwen2Config(**{k: v for k, v in cfg_dict.items() if k != "model_type"}, dtype=dtype)
+    config.save_pretrained(str(path))
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg_dict["bos_token_id"], "eos_token_id": cfg_dict["eos_token_id"], "do_sample": True}))
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    shapes = _meta_state_shapes(config)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    filled = 0
+    weight_map: dict[str, int] = {}
+    total = 0
+
+    def flush() -> None:
+        index = len(shards)
+        save_file({k: v.cpu().contiguous() for k, v in shards[-1].items()},
+                  str(path / f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
+        shards[-1] = {}
+        shards.append({})
+
+    for name, shape in shapes:
+        t = _init_tensor(name, shape, dtype, dev, gen, std=0.02)
+        nbytes = t.numel() * t.element_size()
+        if filled and filled + nbytes > shard_bytes:
+            flush()
+            filled = 0
+        shards[-1][name] = t
+        weight_map[name] = len(shards)
+        filled += nbytes
+        total += nbytes
+    flush()
+    n = len(shards) - 1
+    names = {i: f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)}
+    for i, final in names.items():
+        os.replace(path / f"model-{i:05d}.safetensors", path / final)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in weight_map.items()}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    done.write_text(json.dumps(stamp))
+    logger.info("wrote random %s checkpoint (%.2f GiB, %d shards) to %s", spec.name, total / 2**30, n, path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m swaprl.checkpoints", description=__doc__.splitlines()[0])
+    parser.add_argument("preset", help="tiny, qwen2.5-0.5b ... qwen2.5-72b")
+    parser.add_argument("path")
+    parser.add_argument("--layers", type=int, default=None, help="cut the depth to this many layers")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    write_random_checkpoint(args.preset, args.path, layers=args.layers, dtype=getattr(torch, args.dtype),
+                            seed=args.seed, device=args.device)
+
+
+if __name__ == "__main__":
+    main()

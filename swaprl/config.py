@@ -1,0 +1,78 @@
+"""`SwapConfig`: what moves where in each phase. One dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+GradPolicy = Literal["free", "offload", "keep"]
+ParamPolicy = Literal["keep", "offload"]
+SleepLevel = Literal[1, 2, "auto"]
+
+_GRAD_POLICIES = ("free", "offload", "keep")
+_PARAM_POLICIES = ("keep", "offload")
+
+
+@dataclass(kw_only=True, slots=True)
+class SwapConfig:
+    """How the runtime moves memory between the `train` and `generate` phases.
+
+    The optimizer states always leave the GPU during `generate`: that is what makes room for the engine.
+    """
+
+    grads: GradPolicy = "offload"
+    """Gradients during `generate`: "offload" keeps them in host memory and brings them back (costs nothing when
+    the loop zeroes them with `set_to_none=True` before generating, the usual case); "free" drops them (use only
+    when no gradient is accumulated across a generate phase); "keep" leaves them on the GPU."""
+
+    params: ParamPolicy = "keep"
+    """Trainer parameters during `generate`: "keep" leaves them on the GPU; "offload" moves them to host memory
+    (only with an engine that holds its own copy of the weights, such as vLLM: the embedded HF engine generates
+    with the trainer's parameters)."""
+
+    sleep_level: SleepLevel = "auto"
+    """Engine sleep during `train`: 1 offloads the engine's weights to host memory, 2 discards them (they are
+    re-synced from the trainer at the next wake-up). "auto" picks 2 when the engine's weights are synced from the
+    trainer at each wake-up anyway, which is always the case in on-policy RL."""
+
+    host_budget_bytes: int | None = None
+    """Most host memory the runtime may hold in offload buffers. None: what the OS reports available when the
+    buffers are first sized, less `host_margin_bytes`."""
+
+    host_margin_bytes: int = 4 * 2**30
+    """Host memory left to everything else when `host_budget_bytes` is None."""
+
+    pin_memory: bool = True
+    """Page-lock the host buffers (needed for asynchronous copies at full PCIe speed). Ignored without CUDA."""
+
+    sync_bucket_bytes: int = 512 * 2**20
+    """Weight sync trainer -> engine moves parameters in buckets of about this many bytes."""
+
+    gpu_memory_utilization: float | None = None
+    """Fraction of the GPU a vLLM engine may use. None: computed from what is free when the engine is built (see
+    `swaprl.engines.VLLMEngine`)."""
+
+    profile: str | os.PathLike | None = None
+    """Write a memory profile (JSON Lines) to this path; None: no profiling."""
+
+    verify_sync: bool = False
+    """Run the on-policy check (`Runtime.verify_sync`) after every weight sync and raise if it fails."""
+
+    def __post_init__(self) -> None:
+        if self.grads not in _GRAD_POLICIES:
+            raise ValueError(f"SwapConfig.grads={self.grads!r}; use one of {_GRAD_POLICIES}")
+        if self.params not in _PARAM_POLICIES:
+            raise ValueError(f"SwapConfig.params={self.params!r}; use one of {_PARAM_POLICIES}")
+        if self.sleep_level not in (1, 2, "auto"):
+            raise ValueError(f"SwapConfig.sleep_level={self.sleep_level!r}; use 1, 2 or 'auto'")
+        if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
+            raise ValueError(f"SwapConfig.host_budget_bytes={self.host_budget_bytes} is negative; "
+                             "give a byte count, or None to use what the OS reports available")
+        if self.host_margin_bytes < 0:
+            raise ValueError(f"SwapConfig.host_margin_bytes={self.host_margin_bytes} is negative")
+        if self.sync_bucket_bytes < 2**20:
+            raise ValueError(f"SwapConfig.sync_bucket_bytes={self.sync_bucket_bytes} is under 1 MiB; "
+                             "buckets that small make the weight sync launch-bound: use 64 MiB or more")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"SwapConfig.gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]")

@@ -1,0 +1,109 @@
+"""The generation-engine interface the phase controller drives, and the helpers every engine shares."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+Tag = str  # "weights" or "kv_cache", as vLLM names the parts of its memory pool
+TAGS: tuple[Tag, ...] = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sampling:
+    """How completions are drawn; the subset of sampling options every engine supports."""
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens}; ask for at least one token")
+        if self.n < 1:
+            raise ValueError(f"n={self.n}; ask for at least one completion per prompt")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} is negative; use 0 for greedy decoding")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} is outside (0, 1]")
+
+
+class EngineStateError(RuntimeError):
+    """The engine was asked to do something its current state does not allow (e.g. generate while asleep)."""
+
+
+class Engine(abc.ABC):
+    """A rollout engine the runtime can put to sleep and wake up.
+
+    `shares_trainer_weights`: the engine generates with the trainer's own parameters (nothing to sync, and the
+    trainer's parameters must stay on the device while it generates). `own_memory_pool`: the engine allocates
+    outside torch's caching allocator (vLLM's CUDA virtual-memory pool), so memory torch has cached must be handed
+    back to the driver before the engine wakes.
+    """
+
+    shares_trainer_weights: bool = False
+    own_memory_pool: bool = False
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Called by `attach` with the trainer's model (an engine that needs no model ignores it)."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[list[int]]:
+        """Completion token ids, `sampling.n` per prompt, grouped by prompt (prompt-major order)."""
+
+    @abc.abstractmethod
+    def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """For each sequence, float32 log-probabilities of tokens 1..L-1 given their prefixes, on the CPU."""
+
+    def sleep(self, level: int) -> None:
+        """Release device memory: level 1 keeps the weights in host memory, level 2 discards them."""
+
+    def wake(self, tags: Sequence[Tag] | None = None) -> None:
+        """Bring back the named parts of the engine's memory (all of them when `tags` is None)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy trainer weights (Hugging Face names) into the engine's parameters, in place."""
+        if self.shares_trainer_weights:
+            return
+        raise NotImplementedError(f"{type(self).__name__} cannot load weights")
+
+    def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
+        """Names (Hugging Face naming), shapes and dtypes the engine's checkpoint holds; None if unknown."""
+        return None
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes: they were computed with the old weights."""
+
+    def memory(self) -> dict:
+        """{"location": "device" | "host" | "released", "bytes": device bytes held now, ...}."""
+        return {"location": "device", "bytes": 0}
+
+    def close(self) -> None:
+        """Free the engine's resources for good."""
+
+
+def sequence_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Log-probabilities a causal LM assigns to each token of each sequence given its prefix (float32, CPU).
+
+    Runs each sequence on its own so no padding or attention mask can change the numbers, in eval mode and without
+    gradients, and puts the module's training mode back afterwards.
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        with torch.no_grad():
+            for seq in sequences:
+                ids = torch.tensor([list(seq)], dtype=torch.long, device=device)
+                logits = model(input_ids=ids).logits[0, :-1].float()
+                logp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+                out.append(logp.cpu())
+    finally:
+        model.train(was_training)
+    return out

@@ -1,0 +1,63 @@
+"""Readings of device and host memory: NVML where present (it sees every allocator, vLLM's pool included),
+`torch.cuda.mem_get_info` otherwise, psutil for the host."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import psutil
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _nvml():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception as exc:  # no driver, no library, or no GPU: callers fall back
+        logger.debug("NVML unavailable: %s", exc)
+        return None
+
+
+def nvml_available() -> bool:
+    return torch.cuda.is_available() and _nvml() is not None
+
+
+def _nvml_handle(device: torch.device):
+    nvml = _nvml()
+    props = torch.cuda.get_device_properties(device)
+    # CUDA and NVML may number devices differently (CUDA_VISIBLE_DEVICES); the PCI bus id names the same card.
+    bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    return nvml.nvmlDeviceGetHandleByPciBusId_v2(bus)
+
+
+def device_used_bytes(device: torch.device) -> int:
+    """Bytes in use on the whole device (every process and allocator), as NVML or the CUDA driver report."""
+    if nvml_available():
+        try:
+            return int(_nvml().nvmlDeviceGetMemoryInfo(_nvml_handle(device)).used)
+        except Exception as exc:
+            logger.debug("NVML reading failed (%s); using cudaMemGetInfo", exc)
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def device_free_bytes(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def device_total_bytes(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[1]
+
+
+def host_available_bytes() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+def gib(n: float) -> float:
+    return n / 2**30

@@ -1,0 +1,211 @@
+"""Moving tensor storage between the device and reusable host buffers, keeping every tensor's identity.
+
+A tensor is moved by copying its bytes into a slice of a host buffer and then pointing the *same* tensor object at
+that slice (`tensor.data = host_view`); it comes back by the reverse. Parameters stay the same `nn.Parameter`
+objects and optimizer state tensors the same entries of `optimizer.state`, so optimizers, hooks and user code keep
+their references. While a tensor lives on the host it still holds correct data: `optimizer.state_dict()` or
+`model.state_dict()` taken in the `generate` phase is complete (its offloaded tensors are host tensors).
+
+Why `.data` and not `untyped_storage().resize_(0)` (what FSDP and torch_memory_saver do): a tensor whose storage
+was resized to zero crashes the process on its next access (a segmentation fault on CPU), while a tensor whose data
+sits on the host stays safe to read, save and even modify.
+
+Host buffers are allocated once per resource and reused: first-touch page-locking costs about 1 s per GiB, while
+copies into locked pages run at PCIe speed. Copies run on a side CUDA stream; the offload waits for its copies once
+(the device memory is released only when the bytes are safe), the reload does not block the host at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 512  # host slices start on 512-byte boundaries: any dtype views them, and DMA runs at full speed
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns the memory: the local shard of a DTensor (FSDP2), else `t` itself.
+
+    DTensor keeps its shard in the private `_local_tensor`; `to_local()` goes through autograd and may return a
+    view, whose `.data` we could not swap. This is the one place swaprl reaches into DTensor.
+    """
+    return getattr(t, "_local_tensor", t)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when `t` covers exactly numel elements of its storage span (any dimension order, no gaps)."""
+    if t.numel() <= 1:
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class HostBufferError(MemoryError):
+    """An offload would need more host memory than the budget allows."""
+
+
+class HostBuffer:
+    """One host byte buffer, allocated on first use and grown only when a larger set of tensors arrives."""
+
+    def __init__(self, name: str, *, pin: bool) -> None:
+        self.name = name
+        self.pin = pin and torch.cuda.is_available()
+        self._buf: torch.Tensor | None = None
+        self._registered = False
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buf is None else self._buf.numel()
+
+    def ensure(self, size: int) -> torch.Tensor:
+        if self._buf is not None and self._buf.numel() >= size:
+            return self._buf
+        self.release()
+        start = time.perf_counter()
+        self._buf, self._registered = _host_empty(size, pin=self.pin)
+        logger.info("host buffer %r: allocated %.2f GiB%s in %.2f s", self.name, size / 2**30,
+                    " pinned" if self.pin else "", time.perf_counter() - start)
+        return self._buf
+
+    def release(self) -> None:
+        if self._buf is not None and self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
+        self._buf, self._registered = None, False
+
+
+def _host_empty(size: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
+    """An uninitialised host byte tensor of exactly `size` bytes, page-locked when `pin`.
+
+    torch's `pin_memory=True` goes through its caching host allocator, which rounds every request up to a power
+    of two (a 12 GiB optimizer would take 16 GiB of locked host memory). Registering an ordinary allocation with
+    `cudaHostRegister` locks exactly what is needed; the caching allocator is the fallback.
+    """
+    buf = torch.empty(max(size, 1), dtype=torch.uint8)
+    if not pin:
+        return buf, False
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    if int(err) == 0 and buf.is_pinned():
+        return buf, True
+    logger.warning("cudaHostRegister failed (%s); falling back to torch's pinned allocator", err)
+    return torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True), False
+
+
+@dataclass(slots=True)
+class Moved:
+    """A tensor now living in a host slice: enough to put it back exactly as it was."""
+
+    tensor: torch.Tensor
+    offset: int
+    device: torch.device
+    host_ptr: int
+
+
+def layout_bytes(tensors: list[torch.Tensor]) -> int:
+    """Host bytes needed to hold `tensors` back to back with the buffer's alignment."""
+    return sum(_align(nbytes(t)) for t in tensors)
+
+
+def _host_view(buf: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
+    return buf[offset:offset + nbytes(t)].view(t.dtype).as_strided(t.shape, t.stride())
+
+
+class Mover:
+    """Copies sets of tensors device <-> host buffer on one side stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def offload(self, tensors: list[torch.Tensor], buffer: HostBuffer) -> list[Moved]:
+        """Copy `tensors` (all on `self.device`, distinct, dense) into `buffer` and re-point them there.
+
+        Nothing is re-pointed until every copy has finished, and an interruption while re-pointing puts back what
+        was already switched: either all of `tensors` end on the host or none does.
+        """
+        for t in tensors:
+            if not _is_dense(t):
+                raise ValueError(f"cannot offload a tensor with gaps in its storage (shape {tuple(t.shape)}, "
+                                 f"stride {t.stride()}); make it contiguous before attaching")
+        buf = buffer.ensure(layout_bytes(tensors))
+        plan: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        offset = 0
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            for t in tensors:
+                host = _host_view(buf, offset, t)
+                host.copy_(t.data, non_blocking=self.stream is not None)
+                plan.append((t, offset, host))
+                offset += _align(nbytes(t))
+        if self.stream is not None:
+            self.stream.synchronize()  # the device copies may be freed only once the bytes are on the host
+        moved: list[Moved] = []
+        originals: list[torch.Tensor] = []
+        try:
+            for t, off, host in plan:
+                originals.append(t.data)
+                t.data = host
+                moved.append(Moved(t, off, self.device, host.data_ptr()))
+        except BaseException:
+            for m, original in zip(moved, originals):
+                m.tensor.data = original
+            raise
+        return moved
+
+    def reload(self, moved: list[Moved], buffer: HostBuffer) -> None:
+        """Bring `moved` back to the device. All allocations happen before any tensor is re-pointed, so an
+        out-of-memory error leaves every tensor on the host, intact."""
+        todo = []
+        for m in moved:
+            if m.tensor.data_ptr() != m.host_ptr:
+                # The user replaced this tensor's data while it was on the host (e.g. load_state_dict): theirs wins.
+                logger.warning("tensor of shape %s was replaced while offloaded; keeping the replacement",
+                               tuple(m.tensor.shape))
+                continue
+            todo.append(m)
+        fresh = [torch.empty_strided(m.tensor.shape, m.tensor.stride(), dtype=m.tensor.dtype, device=m.device)
+                 for m in todo]
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            for m, dev in zip(todo, fresh):
+                dev.copy_(m.tensor.data, non_blocking=self.stream is not None)
+        if self.stream is not None:
+            # Later work on the compute stream sees the copied bytes; the host is not blocked.
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            for dev in fresh:
+                dev.record_stream(self.stream)
+        done = 0
+        try:
+            for m, dev in zip(todo, fresh):
+                m.tensor.data = dev
+                done += 1
+        except BaseException:
+            for m in todo[:done]:
+                m.tensor.data = _host_view(buffer._buf, m.offset, m.tensor)
+            raise
+
+    def wait(self) -> None:
+        """Block until this mover's copies are done (needed before the host buffer is written again)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+

@@ -1,0 +1,454 @@
+"""The phase controller: which memory is on the device in `train` and in `generate`, and the moves between them.
+
+Every transition is a list of steps; each step that succeeds is recorded with its undo, so a failure (an
+exception, an out-of-memory error, a KeyboardInterrupt) anywhere in a transition undoes what was done, in reverse,
+and re-raises with the runtime still in the phase it was in. No tensor is ever lost: a tensor's device copy is only
+dropped after its host copy is complete, and its host copy is only reused after it is back on the device.
+
+    train -> generate: offload optimizer states, offload/free gradients, [engine: wake weights, sync weights from
+                       the trainer], offload trainer parameters (if configured), [engine: wake KV cache]
+    generate -> train: [engine: sleep], reload parameters, gradients, optimizer states
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from . import memory
+from .config import SwapConfig
+from .engines.base import Engine, EngineStateError
+from .residency import HostBuffer, HostBufferError, Mover, Moved, layout_bytes, local_tensor, nbytes
+
+logger = logging.getLogger(__name__)
+
+Phase = Literal["train", "generate"]
+PHASES: tuple[Phase, ...] = ("train", "generate")
+Location = Literal["device", "host", "released"]
+
+
+class PhaseError(RuntimeError):
+    """A phase request that cannot be honoured (unknown name, nothing attached, wrong nesting)."""
+
+
+@dataclass(slots=True)
+class _Step:
+    name: str
+    do: Callable[[], object]
+    undo: Callable[[], object] | None = None
+    commit: Callable[[], object] | None = None
+
+
+@dataclass(slots=True)
+class _Resource:
+    """One kind of trainer memory ("optimizer", "grads", "params") and where it is now."""
+
+    name: str
+    buffer: HostBuffer
+    location: Location = "device"
+    moved: list[Moved] = field(default_factory=list)
+    dropped: list[tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
+
+    def host_bytes(self) -> int:
+        return sum(nbytes(m.tensor) for m in self.moved)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReport:
+    """Result of the on-policy check: trainer and engine log-probabilities of the same tokens."""
+
+    max_abs_diff: float
+    mean_abs_diff: float
+    tolerance: float
+    tokens: int
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+
+class Runtime:
+    """Owns the phase state of one trainer (model + optimizer) and one engine. Build it with `swaprl.attach`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Engine,
+                 config: SwapConfig) -> None:
+        self.model, self.optimizer, self.engine, self.config = model, optimizer, engine, config
+        self.device = _model_device(model)
+        self._mover = Mover(self.device)
+        pin = config.pin_memory and self.device.type == "cuda"
+        self._resources = {name: _Resource(name, HostBuffer(name, pin=pin)) for name in ("optimizer", "grads",
+                                                                                          "params")}
+        self._phase: Phase = "train"
+        self._depth = 0
+        self._cycle = 0
+        self._engine_stale = not engine.shares_trainer_weights
+        self._listeners: list[Callable[[dict], None]] = []
+        self._closed = False
+        self._step_hook = optimizer.register_step_pre_hook(self._check_step_allowed)
+        self.sleep_level = self._resolve_sleep_level()
+        self.last_sync: SyncReport | None = None
+        if not engine.shares_trainer_weights:
+            self._run_steps("attach", [_Step("engine sleep", lambda: self._engine_sleep(),
+                                             lambda: self._engine_wake(None))])
+
+    # ---------------------------------------------------------------- public API
+    @property
+    def current_phase(self) -> Phase:
+        return self._phase
+
+    @contextlib.contextmanager
+    def phase(self, name: Phase) -> Iterator[Runtime]:
+        """Make `name`'s resources resident for the `with` block; restore the previous phase on the way out."""
+        self._check_open()
+        if name not in PHASES:
+            raise PhaseError(f"unknown phase {name!r}; use one of {PHASES}")
+        previous = self._phase
+        self._transition(previous, name)
+        self._depth += 1
+        try:
+            yield self
+        finally:
+            self._depth -= 1
+            self._transition(name, previous)
+
+    def status(self) -> dict:
+        """Where each resource is and how many device bytes it holds now, plus the device and host totals."""
+        out: dict = {"phase": self._phase, "device": str(self.device)}
+        for name, res in self._resources.items():
+            on_host = {id(m.tensor) for m in res.moved}  # on a CPU-only machine host and device look alike
+            on_device = sum(nbytes(t) for t in self._tensors(name) if id(t) not in on_host)
+            out[name] = {"location": res.location, "bytes": on_device, "host_bytes": res.host_bytes()}
+        out["engine"] = self.engine.memory()
+        out["host_buffers"] = {"bytes": sum(r.buffer.capacity for r in self._resources.values()),
+                               "pinned": any(r.buffer.pin for r in self._resources.values())}
+        if self.device.type == "cuda":
+            out["device_memory"] = {"used": memory.device_used_bytes(self.device),
+                                    "total": memory.device_total_bytes(self.device),
+                                    "torch_allocated": torch.cuda.memory_allocated(self.device),
+                                    "torch_reserved": torch.cuda.memory_reserved(self.device)}
+        return out
+
+    def sync_weights(self) -> int:
+        """Copy the trainer's parameters into the engine (bucketed, in place); returns the bytes sent."""
+        from .sync import push_weights
+
+        self._check_open()
+        if self.engine.shares_trainer_weights:
+            return 0
+        sent = push_weights(self.model, self.engine, bucket_bytes=self.config.sync_bucket_bytes)
+        self._engine_stale = False
+        return sent
+
+    def verify_sync(self, sequences: list[list[int]] | None = None, *, tolerance: float | None = None) -> SyncReport:
+        """On-policy check: log-probabilities of fixed token sequences under the trainer and under the engine.
+
+        Catches rollouts silently generated with stale weights. The default tolerance allows for the engine's
+        reduced precision (bf16 engines differ from an fp32 trainer by rounding); pass your own to be stricter.
+        """
+        self._check_open()
+        if self._resources["params"].location != "device":
+            raise PhaseError("verify_sync() needs the trainer's parameters on the device; call it in the 'train' "
+                             "phase or with SwapConfig(params='keep')")
+        seqs = sequences or _probe_sequences(self.model)
+        from .engines.base import sequence_logprobs
+
+        mine = sequence_logprobs(self.model, seqs)
+        theirs = self.engine.logprobs(seqs)
+        diffs = torch.cat([(a - b).abs() for a, b in zip(mine, theirs)])
+        tol = tolerance if tolerance is not None else _default_tolerance(self.model, self.engine)
+        report = SyncReport(float(diffs.max()), float(diffs.mean()), tol, int(diffs.numel()))
+        self.last_sync = report
+        logger.info("on-policy check: max |dlogp| %.4g, mean %.4g over %d tokens (tolerance %.3g)",
+                    report.max_abs_diff, report.mean_abs_diff, report.tokens, tol)
+        return report
+
+    def add_listener(self, fn: Callable[[dict], None]) -> Callable[[], None]:
+        """Call `fn(event)` at every phase boundary and transition step; returns a function that removes it."""
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn) if fn in self._listeners else None
+
+    def profile(self, path):
+        """Start recording a memory profile to `path` (JSON Lines); it stops at `detach()` or `.close()`."""
+        from .profile import attach_profiler
+
+        self._check_open()
+        return attach_profiler(self, path)
+
+    def detach(self) -> None:
+        """Make the trainer's state resident again, release the host buffers and unregister this runtime."""
+        if self._closed:
+            return
+        if self._depth:
+            raise PhaseError("detach() called inside a `with phase(...)` block; leave the block first")
+        if self._phase != "train":
+            self._transition(self._phase, "train")
+        self._step_hook.remove()
+        self._emit({"type": "detach", "status": self.status()})
+        self._listeners.clear()
+        for res in self._resources.values():
+            res.buffer.release()
+        self._closed = True
+        from . import _unregister
+
+        _unregister(self)
+
+    # ---------------------------------------------------------------- transitions
+    def _transition(self, src: Phase, dst: Phase) -> None:
+        if src == dst:
+            return
+        steps = self._to_generate() if dst == "generate" else self._to_train()
+        start = time.perf_counter()
+        moved = self._run_steps(f"{src}->{dst}", steps)
+        self._phase = dst
+        if dst == "generate":
+            self._cycle += 1
+        seconds = time.perf_counter() - start
+        logger.info("%s -> %s: %.2f GiB moved in %.3f s", src, dst, memory.gib(moved), seconds)
+        self._emit({"type": "phase", "phase": dst, "from": src, "cycle": self._cycle, "seconds": seconds,
+                    "bytes": moved, "status": self.status()})
+
+    def _run_steps(self, transition: str, steps: list[_Step]) -> int:
+        done: list[_Step] = []
+        total = 0
+        try:
+            for step in steps:
+                t0 = time.perf_counter()
+                moved = step.do() or 0
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                dt = time.perf_counter() - t0
+                done.append(step)
+                total += int(moved)
+                self._emit({"type": "step", "transition": transition, "step": step.name, "bytes": int(moved),
+                            "seconds": dt})
+        except BaseException as exc:
+            logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition,
+                           steps[len(done)].name if len(done) < len(steps) else "?", type(exc).__name__, len(done))
+            for step in reversed(done):
+                if step.undo is None:
+                    continue
+                try:
+                    step.undo()
+                except Exception:  # keep undoing: the remaining steps still hold tensors to put back
+                    logger.exception("undoing %r after a failed %s also failed", step.name, transition)
+            raise
+        for step in done:
+            if step.commit is not None:
+                step.commit()
+        return total
+
+    def _to_generate(self) -> list[_Step]:
+        cfg, engine = self.config, self.engine
+        self._check_host_budget()
+        steps = [_Step("offload optimizer", lambda: self._offload("optimizer"), lambda: self._reload("optimizer"))]
+        if cfg.grads == "offload":
+            steps.append(_Step("offload grads", lambda: self._offload("grads"), lambda: self._reload("grads")))
+        elif cfg.grads == "free":
+            steps.append(_Step("free grads", self._drop_grads, self._restore_grads, self._forget_dropped_grads))
+        if not engine.shares_trainer_weights:
+            steps += [
+                _Step("release cached memory", self._release_cache),
+                _Step("engine wake weights", lambda: self._engine_wake(["weights"]), lambda: self._engine_sleep()),
+                _Step("sync weights", self.sync_weights),
+            ]
+            if cfg.verify_sync:
+                steps.append(_Step("verify sync", self._verify_or_raise))
+        if cfg.params == "offload":
+            steps.append(_Step("offload params", lambda: self._offload("params"), lambda: self._reload("params")))
+        if not engine.shares_trainer_weights:
+            steps += [_Step("release cached memory", self._release_cache),
+                      _Step("engine wake kv_cache", lambda: self._engine_wake(["kv_cache"]), self._engine_sleep)]
+        return steps
+
+    def _to_train(self) -> list[_Step]:
+        steps = []
+        if not self.engine.shares_trainer_weights:
+            steps.append(_Step("engine sleep", self._engine_sleep, self._engine_rewake))
+        for name in ("params", "grads", "optimizer"):
+            res = self._resources[name]
+            if res.location == "host":
+                steps.append(_Step(f"reload {name}", lambda n=name: self._reload(n),
+                                   lambda n=name: self._offload(n)))
+            elif res.location == "released":  # freed for good; the next backward allocates them afresh
+                steps.append(_Step("grads to device", lambda: self._set_grads_location("device"),
+                                   lambda: self._set_grads_location("released")))
+        return steps
+
+    # ---------------------------------------------------------------- steps
+    def _tensors(self, name: str) -> list[torch.Tensor]:
+        """The distinct tensors of a resource that live on the runtime's device now."""
+        if name == "optimizer":
+            candidates = (v for state in self.optimizer.state.values() for v in state.values())
+        elif name == "grads":
+            candidates = (p.grad for p in self.model.parameters())
+        else:
+            candidates = self.model.parameters()
+        seen: set[int] = set()
+        out = []
+        for t in candidates:
+            if not isinstance(t, torch.Tensor):
+                continue
+            lt = local_tensor(t)
+            if lt.device != self.device or lt.numel() == 0 or id(lt) in seen:
+                continue
+            seen.add(id(lt))
+            out.append(lt)
+        return out
+
+    def _offload(self, name: str) -> int:
+        res = self._resources[name]
+        tensors = self._tensors(name)
+        res.moved = self._mover.offload(tensors, res.buffer) if tensors else []
+        res.location = "host"
+        return sum(nbytes(t) for t in tensors)
+
+    def _reload(self, name: str) -> int:
+        res = self._resources[name]
+        moved = res.host_bytes()
+        try:
+            self._mover.reload(res.moved, res.buffer)
+        except torch.OutOfMemoryError as exc:
+            free = memory.device_free_bytes(self.device) if self.device.type == "cuda" else 0
+            raise torch.OutOfMemoryError(
+                f"swaprl could not bring the {name} back to {self.device}: {memory.gib(moved):.2f} GiB needed, "
+                f"{memory.gib(free):.2f} GiB free. Something allocated during 'generate' is still alive "
+                f"(rollout tensors, a cache): delete it before leaving the phase. ({exc})") from exc
+        res.moved = []
+        res.location = "device"
+        return moved
+
+    def _drop_grads(self) -> int:
+        res = self._resources["grads"]
+        freed = 0
+        for p in self.model.parameters():
+            if p.grad is not None and local_tensor(p.grad).device == self.device:
+                res.dropped.append((p, p.grad))
+                freed += nbytes(local_tensor(p.grad))
+                p.grad = None
+        res.location = "released"
+        return freed
+
+    def _restore_grads(self) -> None:
+        res = self._resources["grads"]
+        for p, g in res.dropped:
+            p.grad = g
+        res.dropped = []
+        res.location = "device"
+
+    def _forget_dropped_grads(self) -> None:
+        self._resources["grads"].dropped = []  # the transition stands: let the gradients go
+
+    def _set_grads_location(self, location: Location) -> None:
+        self._resources["grads"].location = location
+
+    def _check_host_budget(self) -> None:
+        """Refuse before moving a byte if the host buffers would have to grow past the budget."""
+        wanted = {"optimizer": layout_bytes(self._tensors("optimizer"))}
+        if self.config.grads == "offload":
+            wanted["grads"] = layout_bytes(self._tensors("grads"))
+        if self.config.params == "offload":
+            wanted["params"] = layout_bytes(self._tensors("params"))
+        growth = sum(max(0, n - self._resources[k].buffer.capacity) for k, n in wanted.items())
+        if growth == 0:
+            return
+        held = sum(r.buffer.capacity for r in self._resources.values())
+        if self.config.host_budget_bytes is not None:
+            available = self.config.host_budget_bytes - held
+            source = f"SwapConfig.host_budget_bytes={self.config.host_budget_bytes}"
+        else:
+            available = memory.host_available_bytes() - self.config.host_margin_bytes
+            source = (f"available host memory less SwapConfig.host_margin_bytes "
+                      f"({memory.gib(self.config.host_margin_bytes):.1f} GiB)")
+        if growth > available:
+            parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in wanted.items())
+            raise HostBufferError(
+                f"offloading for 'generate' needs {growth} more bytes ({memory.gib(growth):.2f} GiB: {parts}) of "
+                f"host memory but only {max(available, 0)} bytes ({memory.gib(max(available, 0)):.2f} GiB) are "
+                f"allowed ({source}). Nothing was moved. Free host memory, raise host_budget_bytes, or move less: "
+                f"grads='free' or 'keep', params='keep'.")
+
+    def _release_cache(self) -> None:
+        # One call per transition, not per tensor: hands torch's cached blocks to the driver so an engine with
+        # its own memory pool can map them.
+        if self.device.type == "cuda" and self.engine.own_memory_pool:
+            torch.cuda.empty_cache()
+
+    def _engine_sleep(self) -> None:
+        self.engine.sleep(self.sleep_level)
+        if self.sleep_level == 2:
+            self._engine_stale = True
+
+    def _engine_wake(self, tags: list[str] | None) -> None:
+        self.engine.wake(tags)
+        if tags is None or "kv_cache" in tags:
+            self.engine.reset_prefix_cache()
+
+    def _engine_rewake(self) -> None:
+        self._engine_wake(None)
+        if self._engine_stale:
+            self.sync_weights()
+
+    def _verify_or_raise(self) -> None:
+        report = self.verify_sync()
+        if not report.ok:
+            raise EngineStateError(
+                f"on-policy check failed after the weight sync: the engine's log-probabilities differ from the "
+                f"trainer's by up to {report.max_abs_diff:.4g} (tolerance {report.tolerance:.3g}); the engine is "
+                "not generating with the trainer's weights")
+
+    # ---------------------------------------------------------------- helpers
+    def _resolve_sleep_level(self) -> int:
+        level = self.config.sleep_level
+        if level == "auto":
+            return 1 if self.engine.shares_trainer_weights else 2
+        return int(level)
+
+    def _check_step_allowed(self, optimizer, args, kwargs) -> None:
+        if self._resources["optimizer"].location != "device":
+            raise PhaseError("optimizer.step() was called while its states are in host memory (phase "
+                             f"{self._phase!r}); call it inside `with phase('train')`")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PhaseError("this runtime was detached; call swaprl.attach(model, optimizer) again")
+
+    def _emit(self, event: dict) -> None:
+        if not self._listeners:
+            return
+        event = {"t": time.time(), **event}
+        for fn in list(self._listeners):
+            try:
+                fn(event)
+            except Exception:  # a broken listener must never break a transition
+                logger.exception("swaprl listener failed on %s event", event.get("type"))
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    devices = {local_tensor(p).device for p in model.parameters()}
+    if not devices:
+        raise ValueError("the model has no parameters; attach the module you train")
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; swaprl drives one "
+                         "device per process: move the model to one device (or shard it with FSDP2)")
+    return devices.pop()
+
+
+def _probe_sequences(model: torch.nn.Module) -> list[list[int]]:
+    """Fixed pseudo-random token sequences inside the model's vocabulary (the same on every call)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 256
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(0, min(vocab, 256), (2, 48), generator=gen).tolist()
+
+
+def _default_tolerance(model: torch.nn.Module, engine: Engine) -> float:
+    if engine.shares_trainer_weights:
+        return 1e-5
+    # An engine computing in bf16 against a trainer in fp32 differs by rounding: log-probs move by up to a few
+    # hundredths on a random-weight model; a stale-weights engine differs by far more after any training step.
+    return 0.1

@@ -1,0 +1,97 @@
+"""Weight sync trainer -> engine: the trainer's parameters, in buckets, into the engine's own storage.
+
+Buckets bound the transient memory: a bucket holds at most about `bucket_bytes` of parameters cast to the
+engine's dtype (an fp32 trainer feeding a bf16 engine sends bf16), and under FSDP2 each parameter of a bucket is
+gathered (`DTensor.full_tensor`) only when its bucket is built, so the whole model is never gathered at once.
+Names are the trainer's Hugging Face names; the engine's `load_weights` maps them (vLLM stacks q/k/v and gate/up).
+Before anything is sent, names and shapes are checked against what the engine's checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Wrappers that prefix parameter names: DDP, torch.compile, FSDP1 and activation checkpointing.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def hf_name(name: str) -> str:
+    """The checkpoint name of a trainer parameter, without the prefixes wrappers add."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(t, "full_tensor", None)  # DTensor (FSDP2): gather this one parameter
+    return full_tensor() if full_tensor is not None else t
+
+
+def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer's parameters by checkpoint name (tied parameters appear once, as `named_parameters` does)."""
+    return {hf_name(n): p for n, p in model.named_parameters()}
+
+
+def check_names(model: torch.nn.Module, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Raise if trainer and engine disagree on parameter names or shapes, listing the first offenders."""
+    mine = {n: tuple(p.shape) for n, p in trainer_weights(model).items()}
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    missing = [n for n in expected if n not in mine and not (tied and n == "lm_head.weight")]
+    extra = [n for n in mine if n not in expected]
+    shapes = [f"{n}: trainer {mine[n]} vs engine {tuple(expected[n][0])}" for n in mine
+              if n in expected and tuple(expected[n][0]) != mine[n]]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} engine weight(s) the trainer lacks: {missing[:5]}")
+    if extra:
+        problems.append(f"{len(extra)} trainer parameter(s) the engine lacks: {extra[:5]}")
+    if shapes:
+        problems.append(f"{len(shapes)} shape mismatch(es): {shapes[:5]}")
+    if problems:
+        raise ValueError("trainer and engine models do not match; " + "; ".join(problems) +
+                         ". Build the engine from a checkpoint of the trained architecture (save_pretrained of "
+                         "the trainer's model works), and attach the bare model rather than a wrapper that renames "
+                         "its parameters.")
+
+
+def buckets(model: torch.nn.Module, bucket_bytes: int,
+            dtypes: dict[str, torch.dtype] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield lists of (name, tensor) of about `bucket_bytes`, each tensor gathered and cast to the engine dtype."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    filled = 0
+    with torch.no_grad():
+        for name, param in trainer_weights(model).items():
+            t = _full(param.detach())
+            want = (dtypes or {}).get(name)
+            if want is not None and t.dtype != want:
+                t = t.to(want)
+            bucket.append((name, t))
+            filled += t.numel() * t.element_size()
+            if filled >= bucket_bytes:
+                yield bucket
+                bucket, filled = [], 0
+    if bucket:
+        yield bucket
+
+
+def push_weights(model: torch.nn.Module, engine, *, bucket_bytes: int) -> int:
+    """Send every trainer parameter to `engine` bucket by bucket; returns the bytes sent."""
+    expected = engine.expected_weights()
+    if expected is not None:
+        check_names(model, expected)
+    dtypes = {n: dt for n, (_, dt) in expected.items()} if expected else None
+    start = time.perf_counter()
+    sent = 0
+    count = 0
+    for bucket in buckets(model, bucket_bytes, dtypes):
+        engine.load_weights(bucket)
+        sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        count += 1
+    logger.info("weight sync: %.2f GiB in %d bucket(s) in %.3f s", sent / 2**30, count, time.perf_counter() - start)
+    return sent

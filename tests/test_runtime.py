@@ -1,0 +1,275 @@
+"""The phase controller on real transformers models and real optimizers: equivalence, identities, faults."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import swaprl
+from swaprl.engines import HFEngine
+
+from . import grpo
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adamw_single_tensor": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def load(path, device="cpu"):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+
+
+def optimizer_tensors(opt):
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def assert_bitwise_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("grads", ["offload", "free", "keep"])
+def test_swapping_is_bitwise_invisible(tiny_checkpoint, device, opt_name, grads):
+    """N GRPO steps with swapping give the same parameters and optimizer states, bit for bit, as without."""
+    results = []
+    for swap in (False, True):
+        model = load(tiny_checkpoint, device)
+        opt = OPTIMIZERS[opt_name](model.parameters())
+        engine = HFEngine(model)
+        rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(grads=grads)) if swap else None
+        losses = grpo.run(model, opt, engine, steps=3, runtime=rt)
+        swaprl.detach()
+        results.append((losses, {k: v.cpu() for k, v in model.state_dict().items()},
+                        [t.cpu() for t in optimizer_tensors(opt)]))
+    (l0, p0, s0), (l1, p1, s1) = results
+    assert l0 == l1
+    assert_bitwise_equal(p0, p1)
+    assert len(s0) == len(s1) > 0
+    for a, b in zip(s0, s1):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_generate_moves_storage_and_keeps_identities(tiny_checkpoint, device):
+    model = load(tiny_checkpoint, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)  # creates the optimizer state lazily
+    states = optimizer_tensors(opt)
+    ids_before = [id(t) for t in states]
+    values = [t.detach().clone() for t in states]
+    dev_bytes = rt.status()["optimizer"]["bytes"]
+    assert dev_bytes > 0
+    with swaprl.phase("generate"):
+        st = rt.status()
+        assert st["phase"] == "generate"
+        assert st["optimizer"]["location"] == "host"
+        assert st["optimizer"]["bytes"] == 0
+        assert st["optimizer"]["host_bytes"] == dev_bytes
+        assert [id(t) for t in optimizer_tensors(opt)] == ids_before
+        assert all(t.device.type == "cpu" for t in optimizer_tensors(opt))
+        for t, v in zip(optimizer_tensors(opt), values):
+            torch.testing.assert_close(t, v.cpu(), rtol=0, atol=0)
+    st = rt.status()
+    assert st["optimizer"] == {"location": "device", "bytes": dev_bytes, "host_bytes": 0}
+    assert [id(t) for t in optimizer_tensors(opt)] == ids_before
+    assert all(t.device == torch.device(device if device == "cpu" else "cuda:0") for t in states)
+    for t, v in zip(states, values):
+        torch.testing.assert_close(t, v, rtol=0, atol=0)
+
+
+def test_checkpoint_saved_in_generate_is_complete(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(grads="offload"))
+    grpo.run(model, opt, rt.engine, steps=2, runtime=rt)
+    reference = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    buf = io.BytesIO()
+    with swaprl.phase("generate"):
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    assert_bitwise_equal(saved["model"], reference[0])
+    for pid, st in reference[1]["state"].items():
+        assert_bitwise_equal(saved["optimizer"]["state"][pid], st)
+    # And the checkpoint restores into a fresh trainer that continues identically.
+    fresh = load(tiny_checkpoint)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh.load_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["optimizer"])
+    swaprl.detach()
+    a = grpo.run(model, opt, HFEngine(model), steps=1)
+    b = grpo.run(fresh, fresh_opt, HFEngine(fresh), steps=1)
+    assert a == b
+
+
+def test_nested_phases_restore_the_previous_one(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    assert rt.current_phase == "train"
+    with swaprl.phase("generate"):
+        with swaprl.phase("train"):
+            assert rt.status()["optimizer"]["location"] == "device"
+            with swaprl.phase("generate"):
+                assert rt.status()["optimizer"]["location"] == "host"
+            assert rt.current_phase == "train"
+        assert rt.current_phase == "generate"
+        assert rt.status()["optimizer"]["location"] == "host"
+    assert rt.current_phase == "train"
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_unknown_phase_name_is_refused_before_anything_moves(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters())
+    rt = swaprl.attach(model, opt)
+    with pytest.raises(swaprl.PhaseError, match=r"unknown phase 'rollout'.*'train', 'generate'"):
+        with swaprl.phase("rollout"):
+            pass
+    assert rt.current_phase == "train"
+
+
+def test_phase_without_attach_names_the_fix():
+    with pytest.raises(swaprl.PhaseError, match=r"call swaprl.attach\(model, optimizer\) first"):
+        with swaprl.phase("generate"):
+            pass
+
+
+def test_second_attach_names_the_fix(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    swaprl.attach(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(swaprl.PhaseError, match=r"call swaprl.detach\(\) first"):
+        swaprl.attach(model, torch.optim.AdamW(model.parameters()))
+    swaprl.detach()
+    swaprl.attach(model, torch.optim.AdamW(model.parameters()))  # and after detach() it works
+
+
+def test_optimizer_of_another_model_is_refused(tiny_checkpoint):
+    model, other = load(tiny_checkpoint), load(tiny_checkpoint)
+    with pytest.raises(ValueError, match=r"not parameters of the model.*AdamW\(model.parameters\(\)\)"):
+        swaprl.attach(model, torch.optim.AdamW(other.parameters()))
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()  # nothing was registered
+
+
+def test_params_offload_with_the_embedded_engine_is_refused(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    with pytest.raises(ValueError, match="params='keep'"):
+        swaprl.attach(model, torch.optim.AdamW(model.parameters()), config=swaprl.SwapConfig(params="offload"))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(grads="drop"), "grads='drop'"),
+    (dict(params="host"), "params='host'"),
+    (dict(sleep_level=3), "sleep_level=3"),
+    (dict(host_budget_bytes=-1), "negative"),
+    (dict(sync_bucket_bytes=10), "64 MiB or more"),
+    (dict(gpu_memory_utilization=1.5), "outside"),
+])
+def test_config_validation_names_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        swaprl.SwapConfig(**kwargs)
+
+
+def test_host_budget_refuses_before_moving_a_byte(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(host_budget_bytes=4096))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)  # first generate: no state yet, nothing to offload
+    before = [t.clone() for t in optimizer_tensors(opt)]
+    needed = sum((t.numel() * t.element_size() + 511) // 512 * 512 for t in optimizer_tensors(opt))
+    with pytest.raises(swaprl.HostBufferError, match=rf"needs {needed} more bytes .* only 4096 bytes .*"
+                                                     r"Nothing was moved"):
+        with swaprl.phase("generate"):
+            pass
+    assert rt.current_phase == "train"
+    assert rt.status()["optimizer"]["location"] == "device"
+    for t, b in zip(optimizer_tensors(opt), before):
+        torch.testing.assert_close(t, b, rtol=0, atol=0)
+
+
+def test_step_inside_generate_is_refused(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    with swaprl.phase("generate"):
+        with pytest.raises(swaprl.PhaseError, match=r"inside `with phase\('train'\)`"):
+            opt.step()
+
+
+def test_detach_inside_a_phase_is_refused(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    rt = swaprl.attach(model, torch.optim.AdamW(model.parameters()))
+    with swaprl.phase("generate"):
+        with pytest.raises(swaprl.PhaseError, match="leave the block first"):
+            rt.detach()
+
+
+# ---------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize("exc", [ValueError("user bug"), KeyboardInterrupt()])
+def test_exception_inside_a_phase_block_leaves_a_consistent_runtime(tiny_checkpoint, exc):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    before = [t.clone() for t in optimizer_tensors(opt)]
+    with pytest.raises(type(exc)):
+        with swaprl.phase("generate"):
+            raise exc
+    assert rt.current_phase == "train"
+    assert rt.status()["optimizer"]["location"] == "device"
+    for t, b in zip(optimizer_tensors(opt), before):
+        torch.testing.assert_close(t, b, rtol=0, atol=0)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)  # and the next phase() works
+
+
+@pytest.mark.parametrize("interrupted_after", ["offload optimizer", "offload grads"])
+def test_interrupt_halfway_through_a_transition_rolls_back(tiny_checkpoint, interrupted_after):
+    """Ctrl-C between two steps of train->generate: the finished steps are undone and nothing is lost."""
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(grads="offload"))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    prompts = [[1, 2, 3]]
+    loss = grpo.policy_loss(model, prompts, [[4, 5], [6, 7]], n=2)
+    loss.backward()  # gradients present, so both resources have something to move
+    grads = [p.grad.clone() for p in model.parameters()]
+    states = [t.clone() for t in optimizer_tensors(opt)]
+
+    def interrupt(event):
+        if event["type"] == "step" and event["step"] == interrupted_after:
+            raise KeyboardInterrupt
+
+    remove = rt.add_listener(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with swaprl.phase("generate"):
+            pytest.fail("the block must not run when entering the phase failed")
+    remove()
+    st = rt.status()
+    assert rt.current_phase == "train"
+    assert st["optimizer"]["location"] == st["grads"]["location"] == "device"
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    for t, s in zip(optimizer_tensors(opt), states):
+        torch.testing.assert_close(t, s, rtol=0, atol=0)
+    with swaprl.phase("generate"):
+        assert rt.status()["grads"]["location"] == "host"
