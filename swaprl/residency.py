@@ -125,6 +125,7 @@ def layout_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def _host_view(buf: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
+    """`t`'s dtype, shape and strides over the bytes of `buf` starting at `offset` (host or device)."""
     return buf[offset:offset + nbytes(t)].view(t.dtype).as_strided(t.shape, t.stride())
 
 
@@ -182,8 +183,11 @@ class Mover:
                                tuple(m.tensor.shape))
                 continue
             todo.append(m)
-        fresh = [torch.empty_strided(m.tensor.shape, m.tensor.stride(), dtype=m.tensor.dtype, device=m.device)
-                 for m in todo]
+        # One allocation for the whole set, carved like the host buffer: after the runtime hands torch's cache back
+        # to the driver, a few hundred separate cudaMallocs would cost more than the copies themselves.
+        flat = torch.empty(max((m.offset + _align(nbytes(m.tensor)) for m in todo), default=0),
+                           dtype=torch.uint8, device=self.device)
+        fresh = [_host_view(flat, m.offset, m.tensor) for m in todo]
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
@@ -192,8 +196,7 @@ class Mover:
         if self.stream is not None:
             # Later work on the compute stream sees the copied bytes; the host is not blocked.
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            for dev in fresh:
-                dev.record_stream(self.stream)
+            flat.record_stream(self.stream)
         done = 0
         try:
             for m, dev in zip(todo, fresh):

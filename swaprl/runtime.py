@@ -251,19 +251,19 @@ class Runtime:
             steps.append(_Step("offload grads", lambda: self._offload("grads"), lambda: self._reload("grads")))
         elif cfg.grads == "free":
             steps.append(_Step("free grads", self._drop_grads, self._restore_grads, self._forget_dropped_grads))
+        steps.append(_Step("release cached memory", self._release_cache))
         if not engine.shares_trainer_weights:
-            steps += [
-                _Step("release cached memory", self._release_cache),
-                _Step("engine wake weights", lambda: self._engine_wake(["weights"]), lambda: self._engine_sleep()),
-                _Step("sync weights", self.sync_weights),
-            ]
+            # Staged wake-up: weights first, synced while the trainer's parameters are still on the device; the
+            # KV cache last, once the parameters have left, so old + new weights + KV never coexist.
+            steps += [_Step("engine wake weights", lambda: self._engine_wake(["weights"]), self._engine_sleep),
+                      _Step("sync weights", self.sync_weights)]
             if cfg.verify_sync:
                 steps.append(_Step("verify sync", self._verify_or_raise))
         if cfg.params == "offload":
-            steps.append(_Step("offload params", lambda: self._offload("params"), lambda: self._reload("params")))
+            steps += [_Step("offload params", lambda: self._offload("params"), lambda: self._reload("params")),
+                      _Step("release cached memory", self._release_cache)]
         if not engine.shares_trainer_weights:
-            steps += [_Step("release cached memory", self._release_cache),
-                      _Step("engine wake kv_cache", lambda: self._engine_wake(["kv_cache"]), self._engine_sleep)]
+            steps.append(_Step("engine wake kv_cache", lambda: self._engine_wake(["kv_cache"]), self._engine_sleep))
         return steps
 
     def _to_train(self) -> list[_Step]:
@@ -374,9 +374,9 @@ class Runtime:
                 f"grads='free' or 'keep', params='keep'.")
 
     def _release_cache(self) -> None:
-        # One call per transition, not per tensor: hands torch's cached blocks to the driver so an engine with
-        # its own memory pool can map them.
-        if self.device.type == "cuda" and self.engine.own_memory_pool:
+        # One call per transition, not per tensor: hands the blocks just freed back to the driver, so an engine
+        # with its own memory pool (vLLM) can map them and NVML shows the drop.
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _engine_sleep(self) -> None:

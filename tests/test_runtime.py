@@ -43,6 +43,8 @@ def assert_bitwise_equal(a: dict, b: dict):
 @pytest.mark.parametrize("grads", ["offload", "free", "keep"])
 def test_swapping_is_bitwise_invisible(tiny_checkpoint, device, opt_name, grads):
     """N GRPO steps with swapping give the same parameters and optimizer states, bit for bit, as without."""
+    if device == "cuda":  # the same kernels twice must give the same bits: no atomics-based reductions
+        torch.use_deterministic_algorithms(True)
     results = []
     for swap in (False, True):
         model = load(tiny_checkpoint, device)
@@ -53,6 +55,7 @@ def test_swapping_is_bitwise_invisible(tiny_checkpoint, device, opt_name, grads)
         swaprl.detach()
         results.append((losses, {k: v.cpu() for k, v in model.state_dict().items()},
                         [t.cpu() for t in optimizer_tensors(opt)]))
+    torch.use_deterministic_algorithms(False)
     (l0, p0, s0), (l1, p1, s1) = results
     assert l0 == l1
     assert_bitwise_equal(p0, p1)
@@ -69,6 +72,7 @@ def test_generate_moves_storage_and_keeps_identities(tiny_checkpoint, device):
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)  # creates the optimizer state lazily
     states = optimizer_tensors(opt)
     ids_before = [id(t) for t in states]
+    devices = [t.device for t in states]  # AdamW keeps its step counters on the CPU: those stay where they are
     values = [t.detach().clone() for t in states]
     dev_bytes = rt.status()["optimizer"]["bytes"]
     assert dev_bytes > 0
@@ -85,7 +89,7 @@ def test_generate_moves_storage_and_keeps_identities(tiny_checkpoint, device):
     st = rt.status()
     assert st["optimizer"] == {"location": "device", "bytes": dev_bytes, "host_bytes": 0}
     assert [id(t) for t in optimizer_tensors(opt)] == ids_before
-    assert all(t.device == torch.device(device if device == "cpu" else "cuda:0") for t in states)
+    assert [t.device for t in states] == devices
     for t, v in zip(states, values):
         torch.testing.assert_close(t, v, rtol=0, atol=0)
 

@@ -1,0 +1,69 @@
+"""On a GPU: the offloaded bytes really leave the device (torch allocator and NVML) and really come back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import swaprl
+from swaprl import memory
+
+pytestmark = pytest.mark.gpu
+MiB = 2**20
+
+
+def _trained_model(layers: int = 2):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from swaprl.presets import get_preset
+
+    spec = get_preset("qwen2.5-0.5b")
+    cfg = Qwen2Config(**{k: v for k, v in spec.config_dict(layers=layers, bos_token_id=0, eos_token_id=1).items()
+                         if k != "model_type"})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
+def test_offloaded_bytes_leave_the_device_and_come_back():
+    model, opt = _trained_model()
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(grads="offload"))
+    state_bytes = rt.status()["optimizer"]["bytes"]
+    assert state_bytes > 1000 * MiB
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    alloc0, used0 = torch.cuda.memory_allocated(), memory.device_used_bytes(torch.device("cuda"))
+    for _ in range(3):  # and again: the host buffers are reused, nothing accumulates
+        with swaprl.phase("generate"):
+            moved = state_bytes + grad_bytes
+            assert torch.cuda.memory_allocated() == alloc0 - moved
+            dropped = used0 - memory.device_used_bytes(torch.device("cuda"))
+            assert abs(dropped - moved) < 64 * MiB, (dropped, moved)
+            assert rt.status()["optimizer"]["location"] == "host"
+        assert torch.cuda.memory_allocated() == alloc0
+        assert rt.status()["optimizer"]["bytes"] == state_bytes
+    assert rt.status()["host_buffers"]["pinned"]
+
+
+def test_reload_that_does_not_fit_leaves_the_runtime_in_generate():
+    model, opt = _trained_model()
+    rt = swaprl.attach(model, opt)
+    state = [v.clone() for st in opt.state.values() for v in st.values() if v.is_cuda]
+    filler = None
+    with pytest.raises(torch.OutOfMemoryError, match=r"could not bring the optimizer back .* GiB needed"):
+        with swaprl.phase("generate"):
+            free = torch.cuda.mem_get_info()[0]
+            filler = torch.empty(free - 256 * MiB, dtype=torch.uint8, device="cuda")  # user code hogging memory
+    assert rt.current_phase == "generate"
+    assert rt.status()["optimizer"]["location"] == "host"
+    del filler
+    with rt.phase("train"):
+        now = [v for st in opt.state.values() for v in st.values() if v.is_cuda]
+        for a, b in zip(now, state):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
