@@ -68,7 +68,8 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset(name="tiny", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        # head_dim 32: the smallest head size vLLM's CPU attention supports.
+        Preset(name="tiny", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=2048),
         Preset(name="qwen2.5-0.5b", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),

