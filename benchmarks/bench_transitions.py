@@ -60,12 +60,14 @@ def main(argv=None) -> dict:
 
     from swaprl.engines.vllm import VLLMEngine
 
+    floors = copy_floor(1 << 30)  # before the engine takes the GPU's free memory for its KV cache
+    d2d = device_copy_GBps()
+    torch.cuda.empty_cache()
     path = write_random_checkpoint(args.preset, Path(args.workdir) / args.preset)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.param_dtype)).cuda()
+    torch.cuda.empty_cache()
     engine = VLLMEngine(path, max_model_len=1024, enforce_eager=args.enforce_eager)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    floors = copy_floor(1 << 30)
-    d2d = device_copy_GBps()
     rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=args.sleep_level, grads="free"))
     with swaprl.phase("train"):
         for p in model.parameters():

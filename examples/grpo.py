@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
     if out:
         (out / "metrics.json").write_text(json.dumps(summary, indent=1, default=str))
         try:
-            from swaprl.profile.report import write_report
+            from swaprl.profile.report import load_run, write_report
 
-            write_report([out / "profile.jsonl"], out / "report")
+            write_report([load_run(out / "profile.jsonl")], out / "report")
         except ImportError:
             log.info("report module unavailable; the profile is at %s", out / "profile.jsonl")
     print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, default=str))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -33,7 +34,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Eng
     """Register the default runtime for `model` trained by `optimizer`, generating with `engine`.
 
     `engine`: an `Engine`, "hf" (generate with the trainer's own module), "vllm" (a colocated vLLM engine built
-    from the model's checkpoint directory), or None: vLLM when it is installed and a GPU is present, else "hf".
+    from the model's checkpoint directory), or None: vLLM when it is installed, a GPU is present and the model was
+    loaded from a local checkpoint directory; else "hf".
     Validates everything before moving any memory.
     """
     global _default
@@ -105,7 +107,10 @@ def _make_engine(engine: Engine | str | None, model: torch.nn.Module, config: Sw
     from .engines import HFEngine, vllm_available
 
     if engine is None:
-        engine = "vllm" if vllm_available() and torch.cuda.is_available() else "hf"
+        path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+        has_checkpoint = bool(path) and (Path(path) / "config.json").exists()
+        engine = "vllm" if vllm_available() and torch.cuda.is_available() and has_checkpoint else "hf"
+        logger.info("engine: %s", engine)
     if engine == "hf":
         return HFEngine()
     if engine == "vllm":

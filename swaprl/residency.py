@@ -91,6 +91,14 @@ class HostBuffer:
             torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
         self._buf, self._registered = None, False
 
+    def __del__(self) -> None:
+        # Registered pages must be unregistered before the allocation is freed: the driver otherwise keeps the
+        # range registered and a later allocation reusing those addresses fails with "resource already mapped".
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: CUDA may already be gone
+            pass
+
 
 def _host_empty(size: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
     """An uninitialised host byte tensor of exactly `size` bytes, page-locked when `pin`.

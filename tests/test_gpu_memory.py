@@ -42,11 +42,12 @@ def test_offloaded_bytes_leave_the_device_and_come_back():
     for _ in range(3):  # and again: the host buffers are reused, nothing accumulates
         with swaprl.phase("generate"):
             moved = state_bytes + grad_bytes
-            assert torch.cuda.memory_allocated() == alloc0 - moved
+            # The allocator rounds blocks (2 MiB for large ones): compare to within a few MiB.
+            assert abs(torch.cuda.memory_allocated() - (alloc0 - moved)) < 8 * MiB
             dropped = used0 - memory.device_used_bytes(torch.device("cuda"))
             assert abs(dropped - moved) < 64 * MiB, (dropped, moved)
             assert rt.status()["optimizer"]["location"] == "host"
-        assert torch.cuda.memory_allocated() == alloc0
+        assert abs(torch.cuda.memory_allocated() - alloc0) < 8 * MiB
         assert rt.status()["optimizer"]["bytes"] == state_bytes
     assert rt.status()["host_buffers"]["pinned"]
 
@@ -56,7 +57,7 @@ def test_reload_that_does_not_fit_leaves_the_runtime_in_generate():
     rt = swaprl.attach(model, opt)
     state = [v.clone() for st in opt.state.values() for v in st.values() if v.is_cuda]
     filler = None
-    with pytest.raises(torch.OutOfMemoryError, match=r"could not bring the optimizer back .* GiB needed"):
+    with pytest.raises(torch.OutOfMemoryError, match=r"could not bring the (grads|optimizer) back .* GiB needed"):
         with swaprl.phase("generate"):
             free = torch.cuda.mem_get_info()[0]
             filler = torch.empty(free - 256 * MiB, dtype=torch.uint8, device="cuda")  # user code hogging memory

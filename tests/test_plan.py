@@ -1,0 +1,197 @@
+"""The memory planner (swaprl/plan.py, formulas in docs/plan.md): numbers users act on, and its error messages."""
+
+import dataclasses
+import json
+
+import pytest
+
+import swaprl.plan as sp
+from swaprl.presets import get_preset
+
+GiB = 2**30
+ROLLOUT = sp.Rollout(prompts=64, completions_per_prompt=8, prompt_tokens=512, completion_tokens=1024)
+
+
+def close(actual: float, expected: float, rel: float = 0.01) -> bool:
+    return abs(actual - expected) <= rel * abs(expected)
+
+
+def test_72b_on_8xh200_fits_with_bf16_optimizer_states():
+    p = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, optimizer_dtype="bfloat16", rollout=ROLLOUT)
+    n = 72.7e9
+    assert p.ok and all(p.fits.values())
+    assert close(p.parameters, n, 0.001)
+    train, gen = p.gpu["train"], p.gpu["generate"]
+    assert set(train) == set(gen) == set(sp.CATEGORIES)
+    assert close(train["params"], n * 2 / 8)
+    assert close(train["grads"], n * 2 / 8)
+    assert close(train["optimizer"], n * 2 * 2 / 8)  # exp_avg + exp_avg_sq in bf16
+    assert close(gen["engine_weights"], n * 2 / 4)  # TP 4
+    assert gen["optimizer"] == 0 and train["engine_weights"] == train["kv_cache"] == 0
+    assert train["unattributed"] == gen["unattributed"] == 0
+    # every phase stays within the 92% cap, and the KV cache takes the rest of generate's
+    assert sum(train.values()) <= p.gpu_budget_bytes
+    assert sum(gen.values()) == p.gpu_budget_bytes == int(sp.CLUSTERS["8xH200"].gpu_memory_bytes * 0.92)
+    assert 40 * GiB < p.kv_cache_bytes < 100 * GiB
+    # K and V, 80 layers, 8 KV heads / TP 4, head dim 128, bf16
+    assert p.kv_bytes_per_token == 2 * 80 * 2 * 128 * 2
+    assert p.concurrent_sequences == p.kv_cache_bytes // (p.kv_bytes_per_token * 1536)
+    assert p.sequences_per_engine == 512 // 2 and p.waves == 1
+    # the optimizer states of the 8 GPUs are pinned on the node in generate
+    assert p.host["generate"]["optimizer"] == 8 * train["optimizer"] == p.host_pinned_bytes
+    assert p.settings == sp.Settings(grads="free", params="keep", sleep_level=2, activation_checkpointing=True)
+    assert p.verdict.startswith("fits") and "checkpointing=on" in p.verdict
+    # the search went from the least moving candidate up to the chosen one
+    moved = [c.moved_bytes for c in p.candidates]
+    assert moved == sorted(moved) and len(p.candidates) == 24
+    assert not p.candidates[0].settings.activation_checkpointing and not all(p.candidates[0].fits.values())
+
+
+def test_72b_with_fp32_states_overflows_one_8xh200_host_and_says_what_helps():
+    p = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT)
+    assert not p.ok and p.settings is None
+    assert p.fits == {"train": True, "generate": True, "host": False}
+    assert close(p.host_pinned_bytes, 72.7e9 * 8)  # two fp32 states per parameter, all on one node
+    assert "host needs" in p.verdict and "over by" in p.verdict
+    assert any("optimizer_dtype='bfloat16'" in s for s in p.suggestions)
+    assert any("nodes=2" in s for s in p.suggestions)
+    assert "DOES NOT FIT" in p.table()
+
+
+def test_72b_on_one_h100_does_not_fit_and_says_why():
+    p = sp.plan("qwen2.5-72b", cluster="1xH100", rollout=ROLLOUT)
+    assert not p.ok
+    assert not p.fits["train"] and not p.fits["generate"] and not p.fits["host"]
+    assert "train needs" in p.verdict and "generate needs" in p.verdict and "host needs" in p.verdict
+    assert p.concurrent_sequences == 0 and p.waves is None and p.kv_cache_bytes == 0
+    assert p.suggestions  # even if only "use a bigger cluster"
+    table = p.table()
+    assert "none fits" in table and "NO" in table
+
+
+def test_1_5b_on_one_h100_fits_with_most_of_the_gpu_for_kv():
+    p = sp.plan("qwen2.5-1.5b", cluster="1xH100", rollout=ROLLOUT)
+    assert p.ok
+    gpu = sp.CLUSTERS["1xH100"].gpu_memory_bytes
+    assert p.kv_cache_bytes > 0.7 * gpu
+    assert p.waves == 1 and p.concurrent_sequences >= 512
+    # one GPU: nothing sharded, no FSDP buffers, optimizer states offloaded to host
+    assert close(p.gpu["train"]["params"], get_preset("1.5b").num_parameters() * 2, 1e-9)
+    assert p.host["generate"]["optimizer"] == p.gpu["train"]["optimizer"]
+
+
+def test_72b_on_8xh100_needs_more_than_one_node():
+    p = sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT)
+    assert not p.ok and not p.fits["train"]
+    assert any("nodes=2" in s for s in p.suggestions)
+
+
+def test_pinned_settings_restrict_the_search_and_level_1_pins_engine_weights_on_host():
+    p = sp.plan("qwen2.5-7b", cluster="8xH100", tp=2, rollout=ROLLOUT, settings={"sleep_level": 1, "grads": "offload"})
+    assert p.ok and p.settings.sleep_level == 1 and p.settings.grads == "offload"
+    assert all(c.settings.sleep_level == 1 and c.settings.grads == "offload" for c in p.candidates)
+    assert p.host["train"]["engine_weights"] == 8 * p.gpu["generate"]["engine_weights"]
+    assert p.host["generate"]["grads"] == 8 * p.gpu["train"]["grads"]
+    free = sp.plan("qwen2.5-7b", cluster="8xH100", tp=2, rollout=ROLLOUT)
+    assert free.settings.sleep_level == 2 and free.host_pinned_bytes < p.host_pinned_bytes
+
+
+def test_kv_heads_are_replicated_when_tp_exceeds_them():
+    # qwen2.5-1.5b: 2 KV heads; with TP 4 each rank still holds one
+    p = sp.plan("qwen2.5-1.5b", cluster="8xH100", tp=4, rollout=ROLLOUT)
+    assert p.kv_bytes_per_token == 2 * 28 * 1 * 128 * 2
+    fp8 = sp.plan("qwen2.5-1.5b", cluster="8xH100", tp=4, kv_dtype="fp8", rollout=ROLLOUT)
+    assert fp8.kv_bytes_per_token * 2 == p.kv_bytes_per_token
+
+
+def test_reduced_depth_counts_only_the_kept_layers():
+    p = sp.plan("qwen2.5-72b", cluster="1xH100", layers=2, rollout=ROLLOUT)
+    assert p.layers == 2 and p.parameters == get_preset("72b").num_parameters(2)
+
+
+def test_a_local_config_json_plans_like_its_preset(tmp_path):
+    preset = get_preset("qwen2.5-72b")
+    ckpt = tmp_path / "qwen72"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(preset.config_dict(bos_token_id=0, eos_token_id=1)))
+    kwargs = {"cluster": "8xH200", "tp": 8, "optimizer_dtype": "bf16", "rollout": ROLLOUT}
+    expected = sp.plan("qwen2.5-72b", **kwargs).to_dict()
+    for source in (ckpt, ckpt / "config.json", str(ckpt)):
+        got = sp.plan(source, **kwargs).to_dict()
+        assert got.pop("model") == "qwen72"
+        assert got == {k: v for k, v in expected.items() if k != "model"}
+
+
+def test_a_written_checkpoint_plans_like_its_preset(tmp_path):
+    pytest.importorskip("transformers")
+    from swaprl.checkpoints import write_random_checkpoint
+
+    path = write_random_checkpoint("tiny", tmp_path / "tiny")
+    rollout = sp.Rollout(prompts=4, completions_per_prompt=2, prompt_tokens=16, completion_tokens=16)
+    got, expected = (sp.plan(m, cluster="1xH100", rollout=rollout).to_dict() for m in (path, "tiny"))
+    assert got.pop("model") == "tiny" and expected.pop("model") == "tiny"
+    assert got == expected
+
+
+def test_json_round_trip():
+    for p in (sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, optimizer_dtype="bfloat16", rollout=ROLLOUT),
+              sp.plan("qwen2.5-72b", cluster="1xH100", rollout=ROLLOUT)):
+        text = p.to_json()
+        data = json.loads(text)
+        assert set(data["gpu"]) == {"train", "generate"} and data["kv_cache_bytes"] == p.kv_cache_bytes
+        assert sp.Plan.from_json(text) == p
+
+
+def _kv3_preset():
+    return dataclasses.replace(get_preset("qwen2.5-7b"), name="kv3", num_attention_heads=12, num_key_value_heads=3,
+                               hidden_size=12 * 128)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"shard_degree": 3}, "must divide the 8 GPUs"),
+    ({"tp": 16}, "must divide gpus_per_node=8"),
+    ({"tp": 3}, "must divide gpus_per_node=8"),
+    ({"model": "qwen2.5-7b", "tp": 8}, "does not divide qwen2.5-7b's 28 attention heads; use tp in [1, 2, 4]"),
+    ({"model": _kv3_preset(), "tp": 2}, "KV heads divisible by tp"),
+    ({"param_dtype": "fp12"}, "unknown dtype 'fp12'"),
+    ({"optimizer": "adagrad"}, "unknown optimizer 'adagrad'"),
+    ({"param_dtype": "float32", "master_weights": True}, "drop master_weights"),
+    ({"model": "qwen9"}, "unknown model preset"),
+    ({"model": "/nonexistent/dir"}, "no config.json at /nonexistent/dir"),
+    ({"layers": 100}, "outside 1..80"),
+    ({"gpu_utilization_cap": 1.5}, "must lie in (0, 1]"),
+    ({"cluster": "4xA100"}, "unknown cluster '4xA100'"),
+    ({"settings": {"sleep": 1}}, "unknown settings ['sleep']"),
+    ({"settings": {"grads": "drop"}}, "grads='drop'; use one of free, keep, offload"),
+    ({"settings": {"optimizer": "keep"}}, "can only be 'offload'"),
+    ({"rollout": sp.Rollout(prompts=1, completions_per_prompt=1, prompt_tokens=32768, completion_tokens=1)},
+     "exceeds qwen2.5-72b's max_position_embeddings=32768"),
+])
+def test_bad_inputs_name_the_fix(kwargs, message):
+    args = {"model": "qwen2.5-72b", "cluster": "8xH200", "rollout": ROLLOUT, **kwargs}
+    model = args.pop("model")
+    with pytest.raises(ValueError) as info:
+        sp.plan(model, **args)
+    assert message in str(info.value)
+
+
+def test_bad_dataclass_fields_raise():
+    with pytest.raises(ValueError, match="Rollout.prompts must be a positive integer"):
+        sp.Rollout(prompts=0, completions_per_prompt=8, prompt_tokens=1, completion_tokens=1)
+    with pytest.raises(ValueError, match="Cluster.gpus_per_node"):
+        sp.Cluster(gpus_per_node=0, gpu_memory_bytes=1, host_memory_bytes=1)
+
+
+def test_cli_prints_a_table_or_json_and_returns_the_verdict(capsys):
+    assert sp.main(["qwen2.5-1.5b", "--cluster", "1xH100", "--prompts", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU (GiB)" in out and "kv_cache" in out and "verdict   fits" in out
+    assert sp.main(["72b", "--cluster", "8xH200", "--tp", "4", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["settings"] is None and data["fits"]["host"] is False
+    assert sp.main(["72b", "--cluster", "8xH200", "--tp", "4", "--optimizer-dtype", "bf16", "--sleep-level", "1",
+                    "--nodes", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["settings"]["sleep_level"] == 1 and data["inputs"]["shard_degree"] == 16
+    assert sp.main(["72b", "--tp", "3"]) == 2
+    assert "error: tp=3 must divide gpus_per_node=8" in capsys.readouterr().err

@@ -1,0 +1,245 @@
+"""The memory profiler: what it records over a real training loop, when it stops, and that the attribution of
+device memory always adds up to the device figure (synthetic CUDA figures here, real ones on the GPU machine)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import swaprl
+from swaprl.profile import CATEGORIES, attach_profiler, attribute
+
+GiB, MiB = 2**30, 2**20
+
+
+def read(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def load(path, device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+
+
+def cycles(rt, model, opt, n=3):
+    device = next(model.parameters()).device
+    for _ in range(n):
+        with swaprl.phase("generate"):
+            out = rt.engine.generate([[1, 2, 3]], swaprl.Sampling(max_tokens=4, seed=0))
+        with swaprl.phase("train"):
+            ids = torch.tensor([[1, 2, 3, *out[0]]], device=device)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def state_bytes(opt) -> int:
+    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor))
+
+
+def profiler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "swaprl-profiler"]
+
+
+def test_profile_of_a_training_loop(tiny_checkpoint, tmp_path):
+    path = tmp_path / "run.jsonl"
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters())
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(profile=path))
+    cycles(rt, model, opt)
+    expected_optimizer = state_bytes(opt)
+    swaprl.detach()
+
+    recs = read(path)
+    header = recs[0]
+    assert header["schema"] == "swaprl.profile" and header["version"] == 1
+    assert header["rank"] == 0 and header["torch"] == torch.__version__ and header["swaprl"] == swaprl.__version__
+    # on a CPU there is neither NVML nor a device figure, and no copy ceiling to measure
+    assert header["nvml"] is False and header["device_used_source"] is None and header["copy_bandwidth"] is None
+    assert recs[-1]["type"] == "end" and recs[-1]["reason"] == "detach"
+    samples = [r for r in recs if r["type"] == "sample"]
+    assert len(samples) >= 2 and all(s["host_rss"] > 0 for s in samples)
+    assert all("device_used" not in s for s in samples)
+
+    phases = [r for r in recs if r["type"] == "phase"]
+    assert [(p["phase"], p["cycle"]) for p in phases] == [("train", None), ("generate", 1), ("train", 1),
+                                                         ("generate", 2), ("train", 2), ("generate", 3), ("train", 3)]
+    for p in phases:
+        a = p["attribution"]
+        assert tuple(a["categories"]) == CATEGORIES
+        assert sum(a["categories"].values()) == a["total"]
+        assert a["source"] == "runtime" and any("no device memory figure" in n for n in a["notes"])
+    assert phases[-1]["attribution"]["categories"]["optimizer"] == expected_optimizer
+    assert phases[-2]["attribution"]["categories"]["optimizer"] == 0  # in host memory while generating
+    assert phases[-2]["status"]["host_buffers"]["bytes"] >= expected_optimizer
+
+    offloads = [r for r in recs if r["type"] == "step" and r["step"] == "offload optimizer"]
+    assert len(offloads) == 3 and offloads[-1]["bytes"] == expected_optimizer
+
+    # detach stopped the sampler: nothing is written afterwards
+    size = path.stat().st_size
+    time.sleep(0.2)
+    assert path.stat().st_size == size
+    assert not profiler_threads()
+
+
+def test_profile_from_runtime_as_context_manager(tiny_checkpoint, tmp_path):
+    path = tmp_path / "run.jsonl"
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters())
+    rt = swaprl.attach(model, opt)
+    with rt.profile(path) as prof:
+        assert prof.path == path
+        cycles(rt, model, opt, n=1)
+    assert not profiler_threads()
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[-1])["reason"] == "close"
+    cycles(rt, model, opt, n=1)  # the runtime keeps working; the closed profile does not grow
+    prof.close()
+    assert path.read_text().splitlines() == lines
+
+
+def test_profiler_is_off_by_default(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters())
+    rt = swaprl.attach(model, opt)
+    cycles(rt, model, opt, n=1)
+    assert not profiler_threads()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rank_suffix_under_torch_distributed(tiny_checkpoint, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = load(tiny_checkpoint)
+        opt = torch.optim.AdamW(model.parameters())
+        rt = swaprl.attach(model, opt)
+        with attach_profiler(rt, tmp_path / "run.jsonl") as prof:
+            cycles(rt, model, opt, n=1)
+    finally:
+        dist.destroy_process_group()
+    assert prof.path == tmp_path / "run.rank0.jsonl"
+    header = read(prof.path)[0]
+    assert (header["rank"], header["world_size"]) == (0, 1)
+
+
+def test_interval_must_be_positive(tiny_checkpoint, tmp_path):
+    model = load(tiny_checkpoint)
+    rt = swaprl.attach(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="interval_s=0"):
+        attach_profiler(rt, tmp_path / "run.jsonl", interval_s=0)
+    assert not (tmp_path / "run.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------- attribution
+def cuda_status(*, used, reserved, params=0, grads=0, optimizer=0, engine=None) -> dict:
+    """A `Runtime.status()` as it looks on CUDA (the figures are made up, the shape is the runtime's)."""
+    return {"phase": "generate", "device": "cuda:0",
+            "optimizer": {"location": "host", "bytes": optimizer, "host_bytes": 0},
+            "grads": {"location": "host", "bytes": grads, "host_bytes": 0},
+            "params": {"location": "device", "bytes": params, "host_bytes": 0},
+            "engine": engine or {"location": "device", "bytes": 0},
+            "host_buffers": {"bytes": 0, "pinned": True},
+            "device_memory": {"used": used, "total": 80 * GiB, "torch_allocated": reserved, "torch_reserved": reserved}}
+
+
+def test_attribution_of_a_vllm_generate_phase_sums_to_the_device_figure():
+    engine = {"location": "device", "bytes": 13 * GiB, "weights_bytes": 3 * GiB, "kv_cache_bytes": 9 * GiB,
+              "other_bytes": GiB}
+    # torch's reserved figure holds the engine's private pool (13 GiB) on top of 3 GiB params and 1 GiB activations
+    status = cuda_status(used=18 * GiB, reserved=17 * GiB, params=3 * GiB, engine=engine)
+    a = attribute(status, private_pool_bytes=13 * GiB, process_used_bytes=int(17.5 * GiB))
+    assert tuple(a["categories"]) == CATEGORIES
+    assert a["categories"] == {"params": 3 * GiB, "grads": 0, "optimizer": 0, "engine_weights": 3 * GiB,
+                               "kv_cache": 9 * GiB, "engine_other": GiB, "activations": GiB,
+                               "cuda_context": GiB // 2, "unattributed": GiB // 2}
+    assert sum(a["categories"].values()) == a["total"] == 18 * GiB
+    assert a["source"] == "nvml" and a["notes"] == []
+
+
+def test_attribution_shows_overcounting_as_negative_unattributed():
+    # the engine claims more than the device holds: unattributed goes negative instead of being clipped to 0
+    engine = {"location": "device", "bytes": 10 * GiB}
+    a = attribute(cuda_status(used=8 * GiB, reserved=2 * GiB, params=GiB, optimizer=GiB // 2, engine=engine))
+    cats = a["categories"]
+    assert cats["engine_other"] == 10 * GiB and cats["activations"] == GiB // 2
+    assert cats["unattributed"] == 8 * GiB - 10 * GiB - 2 * GiB
+    assert sum(cats.values()) == 8 * GiB
+    assert any("cuda_context not measured" in n for n in a["notes"]) and cats["cuda_context"] == 0
+
+
+@pytest.mark.parametrize("used", [0, 1, 123_456_789, 80 * GiB - 1])
+def test_attribution_always_sums_exactly(used):
+    engine = {"location": "host", "bytes": 7, "weights_bytes": 0, "kv_cache_bytes": 3}  # remainder -> other
+    a = attribute(cuda_status(used=used, reserved=5 * MiB + 3, params=MiB, grads=11, optimizer=2 * MiB,
+                              engine=engine), source="cuda_driver", private_pool_bytes=MiB, process_used_bytes=9 * MiB)
+    assert sum(a["categories"].values()) == used == a["total"]
+    assert a["categories"]["engine_other"] == 4 and a["source"] == "cuda_driver"
+
+
+def test_attribution_on_cpu_covers_runtime_figures_only(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters())
+    rt = swaprl.attach(model, opt)
+    cycles(rt, model, opt, n=1)
+    a = attribute(rt.status())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert a["source"] == "runtime" and a["categories"]["params"] == params
+    assert a["categories"]["optimizer"] == state_bytes(opt)
+    assert a["total"] == sum(a["categories"].values()) == params + state_bytes(opt)
+    assert "no device memory figure on cpu" in a["notes"][0]
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def _gpu_attribution_check(path) -> list[dict]:
+    recs = read(path)
+    header = recs[0]
+    assert header["device_used_source"] in ("nvml", "cuda_driver")
+    assert header["copy_bandwidth"]["h2d_GBps"] > 1 and header["copy_bandwidth"]["d2h_GBps"] > 1
+    phases = [r for r in recs if r["type"] == "phase"]
+    assert len(phases) == 7
+    for p in phases:
+        a, dm = p["attribution"], p["status"]["device_memory"]
+        assert sum(a["categories"].values()) == a["total"] == dm["used"]
+        if a["categories"]["cuda_context"]:  # per-process figure seen: the categories explain the device
+            assert abs(a["categories"]["unattributed"]) <= 0.01 * a["total"], a
+    train, gen = phases[-1]["attribution"]["categories"], phases[-2]["attribution"]["categories"]
+    assert gen["optimizer"] == 0 and train["optimizer"] > 0
+    return phases
+
+
+@pytest.mark.gpu
+def test_attribution_matches_nvml_on_gpu_hf_engine(tiny_checkpoint, tmp_path):
+    path = tmp_path / "run.jsonl"
+    model = load(tiny_checkpoint, "cuda")
+    opt = torch.optim.AdamW(model.parameters())
+    before = torch.cuda.memory_reserved()
+    rt = swaprl.attach(model, opt, "hf", config=swaprl.SwapConfig(profile=path))
+    cycles(rt, model, opt)
+    swaprl.detach()
+    phases = _gpu_attribution_check(path)
+    # the profiler's own 256 MiB bandwidth probe left nothing behind in torch's cache
+    assert phases[0]["status"]["device_memory"]["torch_reserved"] <= before
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_attribution_matches_nvml_on_gpu_vllm_engine(tiny_checkpoint, tmp_path, vllm_engine):
+    path = tmp_path / "run.jsonl"
+    model = load(tiny_checkpoint, "cuda", dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    # The session's engine: vLLM's sleep-mode allocator allows one engine per process.
+    rt = swaprl.attach(model, opt, vllm_engine, config=swaprl.SwapConfig(profile=path))
+    cycles(rt, model, opt)
+    swaprl.detach()
+    gen = _gpu_attribution_check(path)[-2]["attribution"]["categories"]
+    assert gen["engine_weights"] > 0 and gen["kv_cache"] > 0
