@@ -27,7 +27,9 @@ from swaprl.residency import HostBuffer
 
 def copy_floor(nbytes: int, repeats: int = 5) -> dict[str, float]:
     """Median GB/s of one `nbytes` copy each way between the GPU and a pinned host buffer."""
-    host = HostBuffer("floor", pin=True).ensure(nbytes)
+    torch.zeros(1, device="cuda")  # a live context first: the copies below must not pay for creating it
+    buffer = HostBuffer("floor", pin=True)
+    host = buffer.ensure(nbytes)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev.random_()
     out = {}

@@ -74,5 +74,9 @@ class SwapConfig:
         if self.sync_bucket_bytes < 2**20:
             raise ValueError(f"SwapConfig.sync_bucket_bytes={self.sync_bucket_bytes} is under 1 MiB; "
                              "buckets that small make the weight sync launch-bound: use 64 MiB or more")
+        if self.verify_sync and self.params == "offload":
+            raise ValueError("SwapConfig(verify_sync=True) scores tokens with the trainer while the engine is awake, "
+                             "which params='offload' prevents; use params='keep', or call runtime.verify_sync() "
+                             "yourself in the 'train' phase")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"SwapConfig.gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]")

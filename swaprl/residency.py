@@ -110,6 +110,7 @@ def _host_empty(size: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
     buf = torch.empty(max(size, 1), dtype=torch.uint8)
     if not pin:
         return buf, False
+    torch.cuda.init()  # register with the context torch's copies will use, not one the runtime creates implicitly
     err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
     if int(err) == 0 and buf.is_pinned():
         return buf, True

@@ -257,13 +257,14 @@ class Runtime:
             # KV cache last, once the parameters have left, so old + new weights + KV never coexist.
             steps += [_Step("engine wake weights", lambda: self._engine_wake(["weights"]), self._engine_sleep),
                       _Step("sync weights", self.sync_weights)]
-            if cfg.verify_sync:
-                steps.append(_Step("verify sync", self._verify_or_raise))
         if cfg.params == "offload":
             steps += [_Step("offload params", lambda: self._offload("params"), lambda: self._reload("params")),
                       _Step("release cached memory", self._release_cache)]
         if not engine.shares_trainer_weights:
-            steps.append(_Step("engine wake kv_cache", lambda: self._engine_wake(["kv_cache"]), self._engine_sleep))
+            steps += [_Step("release cached memory", self._release_cache),  # the sync's buckets
+                      _Step("engine wake kv_cache", lambda: self._engine_wake(["kv_cache"]), self._engine_sleep)]
+            if cfg.verify_sync:  # scoring needs the KV cache; needs the trainer's parameters too
+                steps.append(_Step("verify sync", self._verify_or_raise))
         return steps
 
     def _to_train(self) -> list[_Step]:

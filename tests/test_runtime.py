@@ -68,7 +68,7 @@ def test_swapping_is_bitwise_invisible(tiny_checkpoint, device, opt_name, grads)
 def test_generate_moves_storage_and_keeps_identities(tiny_checkpoint, device):
     model = load(tiny_checkpoint, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rt = swaprl.attach(model, opt)
+    rt = swaprl.attach(model, opt, "hf")
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)  # creates the optimizer state lazily
     states = optimizer_tensors(opt)
     ids_before = [id(t) for t in states]

@@ -1,0 +1,37 @@
+"""The `swaprl` command line: `swaprl report RUN.jsonl -o DIR`, `swaprl plan ...`.
+
+    python -m swaprl report run.jsonl -o report/
+    python -m swaprl plan --help
+
+Each subcommand lives in its own module with `add_arguments(parser)` and `run(args) -> int`; only the module of
+the subcommand being run is imported, so `swaprl report` never imports the planner and `swaprl -h` imports neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+_COMMANDS = {
+    "report": ("swaprl.profile.report", "HTML and Markdown report from memory profiles (JSON Lines, one per rank)"),
+    "plan": ("swaprl.plan", "does an online-RL step fit a cluster, and under which swap settings"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="swaprl", description="swaprl command line tools")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in _COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        if argv[:1] == [name]:
+            mod = importlib.import_module(module)
+            mod.add_arguments(cmd)
+            cmd.set_defaults(run=mod.run)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Recording a memory profile: a sampling thread plus the runtime's step and phase events, as JSON Lines.
+
+    rt.profile("run.jsonl")            # or swaprl.attach(..., config=SwapConfig(profile="run.jsonl"))
+    swaprl report run.jsonl -o rep/    # HTML and Markdown report with figures (swaprl.profile.report)
+
+One file per rank (`run.rank3.jsonl` when torch.distributed runs more than one rank). Schema version 1, one JSON object a
+line; every line is written whole and flushed, so a crash leaves a readable prefix:
+
+    header  {"schema": "swaprl.profile", "version": 1, "type": "header", "rank", "world_size", "device", "host",
+             "torch", "swaprl", "nvml", "device_used_source", "copy_bandwidth": {"h2d_GBps", "d2h_GBps"} | null,
+             "interval_s", "engine", "config", "t0", ...}
+    sample  {"type": "sample", "t", "host_rss", "host_buffers"[, "device_used", "torch_allocated", "torch_reserved"]}
+    step    {"type": "step", "t", "transition", "step", "bytes", "seconds"}
+    phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"}
+            (the first one, "from": null, is the state when recording started)
+    end     {"type": "end", "t", "reason": "detach" | "close", "samples"}
+
+Times are epoch seconds, sizes bytes. Device figures exist only on CUDA: "device_used" is NVML's whole-device figure
+(it sees vLLM's own memory pool and CUDA contexts, which torch's allocator does not), or the CUDA driver's when NVML
+is missing ("device_used_source" says which). Sampling costs one NVML query, two torch counter reads and one
+/proc read per interval; everything heavier runs only at phase boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import psutil
+import torch
+
+from .. import memory
+from .attribution import attribute
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "swaprl.profile"
+VERSION = 1
+_COPY_BYTES = 256 * 2**20
+_COPY_REPEATS = 5
+
+
+class Profiler:
+    """Writes a memory profile of `runtime` to `path` until `close()` or the runtime's `detach()`.
+
+    Build it with `attach_profiler` (or `Runtime.profile`); it is also a context manager. `path` is where the file
+    actually goes (with the rank suffix under torch.distributed).
+    """
+
+    def __init__(self, runtime, path: str | os.PathLike, *, interval_s: float = 0.05) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s={interval_s}; give a positive sampling interval in seconds (0.05 "
+                             "samples 20 times a second)")
+        self.runtime = runtime
+        self.interval_s = float(interval_s)
+        self.path = _rank_path(Path(path))
+        self._device = runtime.device
+        self._cuda = self._device.type == "cuda"
+        self._nvml = self._cuda and _nvml_readable(self._device)
+        self._proc = psutil.Process()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closing = self._closed = False
+        self._samples = 0
+        bandwidth = _copy_bandwidth(self._device) if self._cuda else None
+        status = runtime.status()  # after the bandwidth probe, which may release torch's cached blocks
+        self._host_buffers = int(status["host_buffers"]["bytes"])
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "w", encoding="utf-8")
+        try:
+            self._write(self._header(runtime, bandwidth))
+            self._write(self._boundary({"t": time.time(), "phase": status["phase"], "from": None, "cycle": None,
+                                        "seconds": 0.0, "bytes": 0, "status": status}))
+        except BaseException:
+            self._file.close()
+            raise
+        self._remove_listener = runtime.add_listener(self._on_event)
+        self._thread = threading.Thread(target=self._sample_loop, name="swaprl-profiler", daemon=True)
+        self._thread.start()
+        logger.info("recording a memory profile to %s every %.0f ms (device figures: %s)", self.path,
+                    self.interval_s * 1e3, self._source() or "none on this device")
+
+    def close(self, reason: str = "close") -> None:
+        """Stop sampling, write the end record and close the file; later calls do nothing."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._remove_listener()
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self._write(self._sample())
+        self._write({"type": "end", "t": time.time(), "reason": reason, "samples": self._samples})
+        with self._lock:
+            self._closed = True
+            self._file.close()
+        logger.info("memory profile written to %s (%d samples)", self.path, self._samples)
+
+    def __enter__(self) -> Profiler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- records
+    def _header(self, runtime, bandwidth: dict | None) -> dict:
+        from .. import __version__
+
+        rank, world = _rank_world()
+        config = {k: v for k, v in asdict(runtime.config).items() if k != "profile"}
+        head = {"schema": SCHEMA, "version": VERSION, "type": "header", "rank": rank, "world_size": world,
+                "pid": os.getpid(), "device": str(self._device), "host": socket.gethostname(),
+                "host_total": int(psutil.virtual_memory().total), "python": platform.python_version(),
+                "torch": torch.__version__, "swaprl": __version__, "nvml": self._nvml,
+                "device_used_source": self._source(), "copy_bandwidth": bandwidth, "interval_s": self.interval_s,
+                "engine": type(runtime.engine).__name__, "config": config}
+        if self._cuda:
+            props = torch.cuda.get_device_properties(self._device)
+            head["device_name"] = props.name
+            head["device_total"] = memory.device_total_bytes(self._device)
+        head["t0"] = time.time()
+        return head
+
+    def _sample(self) -> dict:
+        rec = {"type": "sample", "t": time.time(), "host_rss": int(self._proc.memory_info().rss),
+               "host_buffers": self._host_buffers}
+        if self._cuda:
+            rec["device_used"] = memory.device_used_bytes(self._device)
+            rec["torch_allocated"] = torch.cuda.memory_allocated(self._device)
+            rec["torch_reserved"] = torch.cuda.memory_reserved(self._device)
+        return rec
+
+    def _boundary(self, event: dict) -> dict:
+        status = event["status"]
+        self._host_buffers = int(status["host_buffers"]["bytes"])
+        source = self._source() or "runtime"
+        if self._cuda:
+            attribution = attribute(status, source=source, private_pool_bytes=_private_pool_bytes(self._device),
+                                    process_used_bytes=self._process_used_bytes())
+        else:
+            attribution = attribute(status, source=source)
+        return {"type": "phase", "t": event["t"], "phase": event["phase"], "from": event["from"],
+                "cycle": event["cycle"], "seconds": event["seconds"], "bytes": event["bytes"],
+                "host_rss": int(self._proc.memory_info().rss), "status": status, "attribution": attribution}
+
+    def _on_event(self, event: dict) -> None:
+        kind = event.get("type")
+        if kind == "step":
+            self._write({"type": "step"} | {k: event[k] for k in ("t", "transition", "step", "bytes", "seconds")})
+        elif kind == "phase":
+            self._write(self._boundary(event))
+            self._write(self._sample())
+        elif kind == "detach":
+            self.close("detach")
+
+    # ---------------------------------------------------------------- plumbing
+    def _write(self, record: dict) -> None:
+        line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
+        with self._lock:
+            if self._closed:
+                return
+            self._file.write(line)
+            self._file.flush()
+            if record.get("type") == "sample":
+                self._samples += 1
+
+    def _sample_loop(self) -> None:
+        while True:
+            try:
+                self._write(self._sample())
+            except Exception:  # a profiler must never take the training run down with it
+                logger.exception("memory profiler sampling failed; sampling stops, events are still recorded")
+                return
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _source(self) -> str | None:
+        if not self._cuda:
+            return None
+        return "nvml" if self._nvml else "cuda_driver"
+
+    def _process_used_bytes(self) -> int | None:
+        """NVML's figure for this process alone (None without NVML, or when NVML cannot see our pid, as in some
+        containers)."""
+        if not self._nvml:
+            return None
+        try:
+            nvml = memory._nvml()
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(memory._nvml_handle(self._device)):
+                if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                    return int(proc.usedGpuMemory)
+        except Exception as exc:
+            logger.debug("NVML per-process reading failed: %s", exc)
+        return None
+
+
+def attach_profiler(runtime, path: str | os.PathLike, *, interval_s: float = 0.05) -> Profiler:
+    """Record a memory profile of `runtime` to `path` (JSON Lines) until `detach()` or the profiler's `close()`."""
+    return Profiler(runtime, path, interval_s=interval_s)
+
+
+def _nvml_readable(device: torch.device) -> bool:
+    """NVML can read `device` (it may be installed yet fail to find the card, which `memory` then hides)."""
+    if not memory.nvml_available():
+        return False
+    try:
+        memory._nvml().nvmlDeviceGetMemoryInfo(memory._nvml_handle(device))
+        return True
+    except Exception as exc:
+        logger.warning("NVML cannot read %s (%s); the profile's device figures come from the CUDA driver", device,
+                       exc)
+        return False
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _rank_path(path: Path) -> Path:
+    # Only several ranks need several files: an in-process vLLM initialises a process group of one on its own.
+    rank, world = _rank_world()
+    if world > 1:
+        return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+    return path
+
+
+def _private_pool_bytes(device: torch.device) -> int:
+    """Bytes torch reserves on `device` in private pools (MemPool, CUDA graphs) rather than its default pool."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        try:
+            segments = torch.cuda.memory_snapshot(include_traces=False)
+        except TypeError:  # torch < 2.10 has no include_traces
+            segments = torch.cuda.memory_snapshot()
+    except Exception as exc:  # e.g. a pluggable allocator replacing torch's
+        logger.debug("torch.cuda.memory_snapshot failed (%s); counting no private pools", exc)
+        return 0
+    return sum(int(s["total_size"]) for s in segments
+               if s.get("device") == index and tuple(s.get("segment_pool_id") or (0, 0)) != (0, 0))
+
+
+def _copy_bandwidth(device: torch.device) -> dict | None:
+    """Host<->device copy speed through pinned memory: the median of a few 256 MiB copies each way, in GB/s."""
+    try:
+        with torch.cuda.device(device):
+            host = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+
+            def median_seconds(dst: torch.Tensor, src: torch.Tensor) -> float:
+                times = []
+                for _ in range(_COPY_REPEATS + 1):  # the first copy is a warm-up
+                    torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    dst.copy_(src, non_blocking=True)
+                    torch.cuda.synchronize(device)
+                    times.append(time.perf_counter() - t0)
+                return statistics.median(times[1:])
+
+            h2d = _COPY_BYTES / median_seconds(dev, host) / 1e9
+            d2h = _COPY_BYTES / median_seconds(host, dev) / 1e9
+            del dev, host
+            torch.cuda.empty_cache()  # leave torch's reserved memory as it was: the profile must not show us
+        return {"h2d_GBps": round(h2d, 2), "d2h_GBps": round(d2h, 2), "bytes": _COPY_BYTES}
+    except Exception as exc:  # out of memory, most likely: the profile is still worth having without a ceiling
+        logger.warning("could not measure host<->device copy bandwidth (%s); the report will show no ceiling", exc)
+        return None

@@ -1,0 +1,604 @@
+"""`swaprl report`: an HTML and a Markdown report, with PNG figures, from memory profiles (one file per rank).
+
+    python -m swaprl report run.jsonl [run.rank1.jsonl ...] -o report/
+
+report.html is self-contained (figures embedded, inline CSS: it opens offline, attached to an issue or mailed);
+report.md shows the same tables and links the PNGs written beside it. A file cut short by a crash is reported up to
+its last whole line, with a warning; a file that is not a swaprl profile, or of another schema version, is refused
+with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import bisect
+import html
+import io
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .attribution import CATEGORIES
+from .recorder import SCHEMA, VERSION
+
+GROWTH_LIMIT = 64 * 2**20
+"""Residual growth of the train-phase baseline (cycle k vs cycle 2) above which the report flags a leak."""
+
+_MAX_BARS = 16
+_MAX_POINTS = 20_000
+_DPI = 100
+_SHADE = {"train": "#d6e6f5", "generate": "#fde2c8", "transition": "#e0e0e0"}
+_CEILING = {"offload": "d2h_GBps", "reload": "h2d_GBps"}  # step name prefix -> header copy_bandwidth key
+
+
+class ProfileFormatError(ValueError):
+    """The file is not a swaprl memory profile this version can read."""
+
+
+@dataclass(slots=True)
+class Run:
+    """One rank's profile as read from disk: the header and the records by type, plus what was wrong with it."""
+
+    path: Path
+    header: dict
+    samples: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+    phases: list[dict] = field(default_factory=list)
+    end: dict | None = None
+    warnings: list[str] = field(default_factory=list)
+    label: str = ""
+
+    @property
+    def has_device(self) -> bool:
+        return self.header.get("device_used_source") is not None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.samples or self.steps or self.phases)
+
+    def t_end(self) -> float:
+        times = [r["t"] for r in (*self.samples, *self.steps, *self.phases)]
+        if self.end is not None:
+            times.append(self.end["t"])
+        return max(times, default=self.header.get("t0", 0.0))
+
+
+@dataclass(slots=True)
+class Interval:
+    kind: str  # "train", "generate" or "transition"
+    cycle: int | None
+    start: float
+    end: float
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def load_run(path: str | Path) -> Run:
+    """Read a profile; a cut-off last line becomes a warning, anything that is not a v1 profile an error."""
+    path = Path(path)
+    data = path.read_bytes()
+    fix = "pass the JSON Lines file written by SwapConfig(profile=PATH) or Runtime.profile(PATH)"
+    if not data.strip():
+        raise ProfileFormatError(f"{path} is empty, not a swaprl memory profile (the profiler writes its header "
+                                 f"first, so profiling never started); {fix}")
+    lines = data.decode("utf-8", errors="replace").split("\n")
+    complete = data.endswith(b"\n")
+    try:
+        header = json.loads(lines[0])
+    except json.JSONDecodeError:
+        if len(lines) == 1 and not complete and lines[0].lstrip().startswith('{"schema":"swaprl.profile"'):
+            raise ProfileFormatError(f"{path}: the header line is cut off (the run died while profiling started); "
+                                     "there is nothing to report") from None
+        raise ProfileFormatError(f"{path} is not a swaprl memory profile: its first line is not JSON; {fix}") \
+            from None
+    if not isinstance(header, dict) or header.get("schema") != SCHEMA:
+        raise ProfileFormatError(f"{path} is not a swaprl memory profile: its first line has no "
+                                 f'"schema": "{SCHEMA}"; {fix}')
+    if header.get("version") != VERSION:
+        from .. import __version__
+
+        raise ProfileFormatError(
+            f"{path} uses profile schema version {header.get('version')!r} (written by swaprl "
+            f"{header.get('swaprl', '?')}), but swaprl {__version__} reads version {VERSION}: make the report with "
+            f"the swaprl version that recorded it (pip install swaprl=={header.get('swaprl', '<that version>')})")
+    run = Run(path=path, header=header)
+    body = lines[1:]
+    last = max((i for i, line in enumerate(body) if line.strip()), default=-1)
+    bad = 0
+    for i, line in enumerate(body):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == last and not complete:
+                run.warnings.append(f"{path.name}: the last line is cut off ({len(line)} bytes; the run crashed or "
+                                    "is still writing); this report covers the records before it")
+            else:
+                bad += 1
+            continue
+        kind = rec.get("type") if isinstance(rec, dict) else None
+        if kind == "sample":
+            run.samples.append(rec)
+        elif kind == "step":
+            run.steps.append(rec)
+        elif kind == "phase":
+            run.phases.append(rec)
+        elif kind == "end":
+            run.end = rec
+    if bad:
+        run.warnings.append(f"{path.name}: {bad} unreadable line(s) skipped inside the file")
+    if run.end is None and not run.empty:
+        run.warnings.append(f"{path.name}: no end record: the run neither detached nor closed the profiler "
+                            "(crashed, killed, or still running); figures stop at the last record")
+    return run
+
+
+def _label_runs(runs: list[Run]) -> None:
+    ranks = [r.header.get("rank", 0) for r in runs]
+    unique = len(set(ranks)) == len(ranks)
+    for i, (run, rank) in enumerate(zip(runs, ranks)):
+        run.label = f"rank {rank}" if unique else f"rank {rank} #{i + 1}"
+
+
+def _slug(run: Run) -> str:
+    return "".join(c if c.isalnum() else "_" for c in run.label.replace("rank ", "rank")).strip("_")
+
+
+# ---------------------------------------------------------------------------------------------------- analysis
+def intervals(run: Run) -> list[Interval]:
+    """Train, generate and transition time spans, from the phase records (each ends a transition)."""
+    bounds = sorted(run.phases, key=lambda r: r["t"])
+    if not bounds:
+        return [Interval("train", None, run.header.get("t0", 0.0), run.t_end())]
+    out = []
+    t_end = run.t_end()
+    for i, rec in enumerate(bounds):
+        start = rec["t"]
+        if rec.get("from") is not None:
+            out.append(Interval("transition", rec.get("cycle"), start - rec.get("seconds", 0.0), start))
+        stop = t_end if i + 1 == len(bounds) else bounds[i + 1]["t"] - bounds[i + 1].get("seconds", 0.0)
+        out.append(Interval(rec["phase"], rec.get("cycle"), start, max(stop, start)))
+    return out
+
+
+def peaks(run: Run) -> list[dict]:
+    """Per phase kind: the highest sampled figures and the cycle where the device peak happened."""
+    keys = ("device_used", "torch_reserved", "torch_allocated", "host_rss")
+    best: dict[str, dict] = {}
+    ordered = sorted(run.samples, key=lambda s: s["t"])
+    times = [s["t"] for s in ordered]
+    for iv in intervals(run):
+        lo, hi = bisect.bisect_left(times, iv.start), bisect.bisect_right(times, iv.end)
+        row = best.setdefault(iv.kind, {"phase": iv.kind, "intervals": 0, "samples": 0, "cycle": None})
+        row["intervals"] += 1
+        row["samples"] += hi - lo
+        for s in ordered[lo:hi]:
+            for k in keys:
+                if k in s and s[k] > row.get(k, -math.inf):
+                    row[k] = s[k]
+                    if k == "device_used" or (k == "host_rss" and "device_used" not in s):
+                        row["cycle"] = iv.cycle
+    # transitions usually fall between two samples: list them only when a sample caught one
+    return [best[k] for k in ("train", "generate", "transition") if k in best and (k != "transition" or
+                                                                                  best[k]["samples"])]
+
+
+def transition_rows(run: Run) -> list[dict]:
+    """One row per (transition, step): bytes, first and later timings, achieved GB/s against the copy ceiling."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for s in sorted(run.steps, key=lambda r: r["t"]):
+        groups.setdefault((s["transition"], s["step"]), []).append(s)
+    ceiling = run.header.get("copy_bandwidth") or {}
+    rows = []
+    for (transition, step), recs in groups.items():
+        later = recs[1:] or recs
+        moved = not step.startswith("free")  # "free grads" reports bytes released, not bytes copied
+        rates = [r["bytes"] / r["seconds"] / 1e9 for r in later if moved and r["bytes"] > 0 and r["seconds"] > 0]
+        key = next((v for p, v in _CEILING.items() if step.startswith(p)), None)
+        row = {"transition": transition, "step": step, "count": len(recs),
+               "bytes": statistics.median(r["bytes"] for r in recs), "first_s": recs[0]["seconds"],
+               "later_s": statistics.median(r["seconds"] for r in later) if len(recs) > 1 else None,
+               "GBps": statistics.median(rates) if rates else None,
+               "ceiling_GBps": ceiling.get(key) if key else None}
+        row["fraction"] = (row["GBps"] / row["ceiling_GBps"]) if row["GBps"] and row["ceiling_GBps"] else None
+        rows.append(row)
+    return rows
+
+
+def baselines(run: Run) -> tuple[str, list[tuple[int, int]]]:
+    """Train-phase baseline per cycle: device used at each generate->train boundary (host RSS without a device)."""
+    basis = "device used" if run.has_device else "host RSS"
+    out = []
+    for rec in sorted(run.phases, key=lambda r: r["t"]):
+        if rec["phase"] == "train" and rec.get("from") == "generate" and rec.get("cycle") is not None:
+            value = rec["attribution"]["total"] if run.has_device else rec.get("host_rss")
+            if value is not None:
+                out.append((int(rec["cycle"]), int(value)))
+    return basis, out
+
+
+def growth(run: Run) -> dict | None:
+    """Residual growth of the train-phase baseline from cycle 2 to each later cycle; None with fewer than 3."""
+    basis, points = baselines(run)
+    ref = next((v for c, v in points if c == 2), None)
+    later = [(c, v) for c, v in points if c > 2]
+    if ref is None or not later:
+        return None
+    worst_cycle, worst = max(((c, v - ref) for c, v in later), key=lambda cv: cv[1])
+    last_cycle, last = later[-1]
+    return {"basis": basis, "cycles": len(points), "ref": ref, "last_cycle": last_cycle, "last": last,
+            "growth": last - ref, "max_growth": worst, "max_cycle": worst_cycle, "flag": worst > GROWTH_LIMIT}
+
+
+# ---------------------------------------------------------------------------------------------------- figures
+def _unit(n: float) -> tuple[str, float]:
+    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return name, size
+    return "B", 1
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=_DPI, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def memory_figure(run: Run) -> bytes:
+    """Memory over time, phases shaded: device figures on the left axis, host figures on the right."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    samples = sorted(run.samples, key=lambda s: s["t"])
+    step = max(1, len(samples) // _MAX_POINTS)
+    samples = samples[::step]
+    t0 = run.header.get("t0", samples[0]["t"] if samples else 0.0)
+    xs = [s["t"] - t0 for s in samples]
+    fig = Figure(figsize=(10, 4))
+    ax = fig.add_subplot()
+    for iv in intervals(run):
+        ax.axvspan(iv.start - t0, iv.end - t0, color=_SHADE[iv.kind], lw=0, zorder=0)
+    device_keys = [("device_used", "device used (" + str(run.header.get("device_used_source")) + ")", "k"),
+                   ("torch_reserved", "torch reserved", "tab:blue"),
+                   ("torch_allocated", "torch allocated", "tab:cyan")]
+    host_keys = [("host_rss", "host RSS", "tab:red"), ("host_buffers", "host offload buffers", "tab:purple")]
+    lines = []
+    if run.has_device:
+        top = max((s.get(k, 0) for s in samples for k, _, _ in device_keys), default=0)
+        unit, size = _unit(top)
+        for k, name, color in device_keys:
+            lines += ax.plot(xs, [s.get(k, math.nan) / size for s in samples], color=color, lw=1.2, label=name)
+        ax.set_ylabel(f"device ({unit})")
+        host_ax = ax.twinx()
+        host_ls = "--"
+    else:
+        host_ax, host_ls = ax, "-"
+    top = max((s.get(k, 0) for s in samples for k, _, _ in host_keys), default=0)
+    unit, size = _unit(top)
+    for k, name, color in host_keys:
+        lines += host_ax.plot(xs, [s.get(k, math.nan) / size for s in samples], color=color, lw=1.2, ls=host_ls,
+                              label=name)
+    host_ax.set_ylabel(f"host ({unit})")
+    ax.set_xlabel("seconds since profiling started")
+    ax.set_ylim(bottom=0)
+    host_ax.set_ylim(bottom=0)
+    where = "" if run.has_device else " (no device figures: host only)"
+    ax.set_title(f"{run.label}: memory over time{where}", fontsize=10)
+    shades = [Patch(color=c, label=k) for k, c in _SHADE.items()]
+    ax.legend(handles=lines + shades, fontsize=8, loc="upper left", bbox_to_anchor=(1.08 if run.has_device else 1.01,
+                                                                                     1.0))
+    return _png(fig)
+
+
+def _pick(records: list[dict], n: int) -> list[dict]:
+    if len(records) <= n:
+        return records
+    idx = sorted({round(i * (len(records) - 1) / (n - 1)) for i in range(n)})
+    return [records[i] for i in idx]
+
+
+def _boundary_name(rec: dict) -> str:
+    if rec.get("from") is None:
+        return "start"
+    return f"c{rec.get('cycle')} {'gen' if rec['phase'] == 'generate' else rec['phase']}"
+
+
+def attribution_figure(run: Run) -> bytes:
+    """A stacked bar per phase boundary: device bytes by category (negative unattributed below zero)."""
+    from matplotlib.figure import Figure
+
+    recs = _pick(sorted(run.phases, key=lambda r: r["t"]), _MAX_BARS)
+    top = max((r["attribution"]["total"] for r in recs), default=0)
+    unit, size = _unit(top)
+    fig = Figure(figsize=(10, 4))
+    ax = fig.add_subplot()
+    colors = dict(zip(CATEGORIES, ["#4e79a7", "#a0cbe8", "#f28e2b", "#59a14f", "#8cd17d", "#b6992d", "#e15759",
+                                   "#79706e", "#bab0ac"]))
+    xs = range(len(recs))
+    up, down = [0.0] * len(recs), [0.0] * len(recs)
+    for cat in CATEGORIES:
+        vals = [r["attribution"]["categories"].get(cat, 0) / size for r in recs]
+        if not any(vals):
+            continue
+        bottoms = [u if v >= 0 else d for v, u, d in zip(vals, up, down)]
+        ax.bar(xs, vals, bottom=bottoms, color=colors[cat], label=cat, width=0.7,
+               hatch="//" if cat == "unattributed" else None, edgecolor="white", lw=0.3)
+        up = [u + max(v, 0) for v, u in zip(vals, up)]
+        down = [d + min(v, 0) for v, d in zip(vals, down)]
+    ax.scatter(xs, [r["attribution"]["total"] / size for r in recs], marker="_", s=400, color="k", zorder=3,
+               label="device used" if run.has_device else "total (runtime figures)")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_xticks(list(xs), [_boundary_name(r) for r in recs], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel(unit)
+    shown = f", {len(recs)} of {len(run.phases)} boundaries" if len(recs) < len(run.phases) else ""
+    what = "device memory" if run.has_device else "runtime figures only (no device memory figure)"
+    ax.set_title(f"{run.label}: {what} by category at phase boundaries{shown}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _png(fig)
+
+
+# ---------------------------------------------------------------------------------------------------- text
+def _b(n: float | None) -> str:
+    if n is None:
+        return "—"
+    unit, size = _unit(n)
+    return f"{n / size:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+
+
+def _f(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+@dataclass(slots=True)
+class _Table:
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    note: str = ""
+
+
+@dataclass(slots=True)
+class _Section:
+    title: str
+    text: list[str] = field(default_factory=list)
+    figures: list[tuple[str, str]] = field(default_factory=list)  # (file name, caption)
+    tables: list[_Table] = field(default_factory=list)
+
+
+def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], list[_Section]]:
+    warnings = [w for r in runs for w in r.warnings]
+    secs = []
+
+    summary = _Section("Runs")
+    rows = []
+    for r in runs:
+        h = r.header
+        bw = h.get("copy_bandwidth") or {}
+        cycles = max((p.get("cycle") or 0 for p in r.phases), default=0)
+        rows.append([r.label, r.path.name, h.get("device_name") or h.get("device", "?"), h.get("host", "?"),
+                     f"torch {h.get('torch', '?')}, swaprl {h.get('swaprl', '?')}",
+                     "yes" if h.get("nvml") else "no", _f(bw.get("h2d_GBps"), "{:.1f}"),
+                     _f(bw.get("d2h_GBps"), "{:.1f}"), f"{r.t_end() - h.get('t0', r.t_end()):.1f}",
+                     str(len(r.samples)), str(cycles), r.end["reason"] if r.end else "no end record"])
+        if not r.has_device:
+            summary.text.append(f"{r.label} ran on {h.get('device')}: no device memory figures; host figures and the "
+                                "runtime's own tensor sizes only.")
+        elif not h.get("nvml"):
+            summary.text.append(f"{r.label}: NVML unavailable: device figures come from the CUDA driver "
+                                "(cudaMemGetInfo) and torch; no per-process figure, so cuda_context is not measured.")
+        if r.empty:
+            summary.text.append(f"{r.label}: empty run: the file holds a header only (no samples, steps or phases "
+                                "were recorded).")
+    summary.tables.append(_Table("", ["rank", "file", "device", "host", "versions", "NVML", "H2D GB/s", "D2H GB/s",
+                                      "seconds", "samples", "cycles", "ended"], rows))
+    secs.append(summary)
+    live = [r for r in runs if not r.empty]
+    if not live:
+        return warnings, secs
+
+    timeline = _Section("Memory over time")
+    timeline.text.append("Shaded: train (blue), generate (orange), transitions (grey). Sampled every "
+                         f"{runs[0].header.get('interval_s', 0) * 1e3:.0f} ms; peaks shorter than that can be missed.")
+    for r in live:
+        name = f"memory_{_slug(r)}.png"
+        figures[name] = memory_figure(r)
+        timeline.figures.append((name, f"{r.label}: memory over time"))
+    secs.append(timeline)
+
+    peak = _Section("Peak memory per phase")
+    rows = []
+    for r in live:
+        for p in peaks(r):
+            rows.append([r.label, p["phase"], str(p["intervals"]), _b(p.get("device_used")),
+                         "—" if p["cycle"] is None else str(p["cycle"]), _b(p.get("torch_reserved")),
+                         _b(p.get("torch_allocated")), _b(p.get("host_rss"))])
+    peak.tables.append(_Table("", ["rank", "phase", "spans", "peak device used", "at cycle", "peak torch reserved",
+                                   "peak torch allocated", "peak host RSS"], rows,
+                              "Peaks over the samples taken in each kind of span; transitions are listed when a "
+                              "sample fell inside one."))
+    secs.append(peak)
+
+    attr = _Section("Attribution at phase boundaries")
+    attr.text.append("Device memory split by holder at each phase boundary; the categories sum to the device figure "
+                     "exactly, and unattributed (hatched) is whatever they do not explain, negative when they "
+                     "overcount.")
+    rows = []
+    for r in live:
+        if not r.phases:
+            continue
+        name = f"attribution_{_slug(r)}.png"
+        figures[name] = attribution_figure(r)
+        attr.figures.append((name, f"{r.label}: attribution"))
+        latest = {}
+        for rec in sorted(r.phases, key=lambda x: x["t"]):
+            latest[rec["phase"]] = rec
+        for rec in latest.values():
+            a = rec["attribution"]
+            rows.append([r.label, _boundary_name(rec), a["source"], _b(a["total"]),
+                         *(_b(a["categories"].get(c, 0)) for c in CATEGORIES)])
+        for note in dict.fromkeys(n for rec in r.phases for n in rec["attribution"].get("notes", [])):
+            attr.text.append(f"{r.label}: {note}.")
+    attr.tables.append(_Table("Latest boundary of each phase", ["rank", "boundary", "source", "total",
+                                                                *CATEGORIES], rows))
+    secs.append(attr)
+
+    trans = _Section("Transitions")
+    rows = []
+    for r in live:
+        by_kind: dict[str, list[dict]] = {}
+        for p in r.phases:
+            if p.get("from") is not None:
+                by_kind.setdefault(f"{p['from']}->{p['phase']}", []).append(p)
+        for kind, recs in by_kind.items():
+            rows.append([r.label, kind, str(len(recs)), _b(statistics.median(p["bytes"] for p in recs)),
+                         _f(statistics.median(p["seconds"] for p in recs)), _f(max(p["seconds"] for p in recs))])
+    trans.tables.append(_Table("Whole transitions", ["rank", "transition", "count", "bytes moved (median)",
+                                                     "seconds (median)", "seconds (max)"], rows))
+    rows = []
+    for r in live:
+        for t in transition_rows(r):
+            rows.append([r.label, t["transition"], t["step"], str(t["count"]), _b(t["bytes"]), _f(t["first_s"]),
+                         _f(t["later_s"]), _f(t["GBps"], "{:.2f}"), _f(t["ceiling_GBps"], "{:.1f}"),
+                         _f(t["fraction"], "{:.0%}")])
+    trans.tables.append(_Table("Steps", ["rank", "transition", "step", "count", "bytes (median)", "first s",
+                                         "later s (median)", "GB/s (median)", "copy ceiling GB/s", "of ceiling"],
+                               rows, "The first transition also allocates and page-locks the host buffers; later "
+                                     "ones reuse them. The ceiling is the pinned-copy speed measured at start-up "
+                                     "(device to host for offloads, host to device for reloads)."))
+    secs.append(trans)
+
+    grow = _Section("Residual growth across cycles")
+    rows = []
+    for r in live:
+        g = growth(r)
+        if g is None:
+            n = len(baselines(r)[1])
+            grow.text.append(f"{r.label}: {n} train-phase baseline(s); growth is measured from cycle 2, so it needs "
+                             "at least 3 cycles.")
+            continue
+        rows.append([r.label, g["basis"], str(g["cycles"]), _b(g["ref"]),
+                     f"{_b(g['last'])} (cycle {g['last_cycle']})", _b(g["growth"]),
+                     f"{_b(g['max_growth'])} (cycle {g['max_cycle']})", "GROWS" if g["flag"] else "ok"])
+        if g["flag"]:
+            warnings.append(f"{r.label}: the train-phase baseline ({g['basis']}) grew by {_b(g['max_growth'])} from "
+                            f"cycle 2 to cycle {g['max_cycle']} (more than {_b(GROWTH_LIMIT)}): something outlives "
+                            "each cycle (rollout tensors kept alive, a cache never cleared)")
+    if rows:
+        grow.tables.append(_Table("", ["rank", "basis", "cycles", "cycle 2", "last", "growth (last)",
+                                       "growth (max)", f"flag (> {_b(GROWTH_LIMIT)})"], rows,
+                                  "Baseline: the figure right after each generate -> train transition. Cycle 1 is "
+                                  "left out: the optimizer states are usually created in its train phase."))
+    secs.append(grow)
+    return warnings, secs
+
+
+def _markdown(warnings: list[str], secs: list[_Section]) -> str:
+    out = ["# swaprl memory report", ""]
+    out += [f"**Warning:** {w}" + "  " for w in warnings] + ([""] if warnings else [])
+    for s in secs:
+        out += [f"## {s.title}", ""]
+        out += [t + "  " for t in s.text] + ([""] if s.text else [])
+        for name, caption in s.figures:
+            out += [f"![{caption}]({name})", ""]
+        for t in s.tables:
+            if t.title:
+                out += [f"### {t.title}", ""]
+            if not t.rows:
+                out += ["(none recorded)", ""]
+                continue
+            out.append("| " + " | ".join(t.headers) + " |")
+            out.append("|" + "---|" * len(t.headers))
+            out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in t.rows]
+            out += [""] + ([t.note, ""] if t.note else [])
+    return "\n".join(out)
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1200px;
+color:#222;padding:0 1em}
+h1{font-size:1.6em}h2{font-size:1.25em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
+h3{font-size:1em}table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
+th,td{border:1px solid #ccc;padding:.25em .5em;text-align:right}th{background:#f3f3f3}
+td:first-child,th:first-child{text-align:left}.warn{background:#fff3cd;border:1px solid #e0c36c;padding:.5em;
+margin:.3em 0}img{max-width:100%;display:block;margin:.5em 0}.note{color:#555;font-size:.85em}
+.flag{color:#b00;font-weight:bold}
+"""
+
+
+def _html(warnings: list[str], secs: list[_Section], figures: dict[str, bytes]) -> str:
+    e = html.escape
+    out = ["<!doctype html><html><head><meta charset='utf-8'><title>swaprl memory report</title>",
+           f"<style>{_CSS}</style></head><body><h1>swaprl memory report</h1>"]
+    out += [f"<div class='warn'><b>Warning:</b> {e(w)}</div>" for w in warnings]
+    for s in secs:
+        out.append(f"<h2>{e(s.title)}</h2>")
+        out += [f"<p>{e(t)}</p>" for t in s.text]
+        for name, caption in s.figures:
+            data = base64.b64encode(figures[name]).decode("ascii")
+            out.append(f"<img alt='{e(caption)}' src='data:image/png;base64,{data}'>")
+        for t in s.tables:
+            if t.title:
+                out.append(f"<h3>{e(t.title)}</h3>")
+            if not t.rows:
+                out.append("<p class='note'>(none recorded)</p>")
+                continue
+            out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in t.headers) + "</tr>")
+            for row in t.rows:
+                cells = "".join(f"<td class='flag'>{e(c)}</td>" if c == "GROWS" else f"<td>{e(c)}</td>" for c in row)
+                out.append(f"<tr>{cells}</tr>")
+            out.append("</table>")
+            if t.note:
+                out.append(f"<p class='note'>{e(t.note)}</p>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def write_report(runs: list[Run], out_dir: str | Path) -> dict[str, Path]:
+    """Write report.html, report.md and the PNG figures for `runs` (one per rank) into `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _label_runs(runs)
+    figures: dict[str, bytes] = {}
+    warnings, secs = _sections(runs, figures)
+    written = {}
+    for name, png in figures.items():
+        (out / name).write_bytes(png)
+        written[name] = out / name
+    (out / "report.md").write_text(_markdown(warnings, secs), encoding="utf-8")
+    (out / "report.html").write_text(_html(warnings, secs, figures), encoding="utf-8")
+    written["report.md"], written["report.html"] = out / "report.md", out / "report.html"
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN.jsonl",
+                        help="memory profile(s) written by SwapConfig(profile=...) or Runtime.profile(...), one per "
+                             "rank")
+    parser.add_argument("-o", "--output", type=Path, default=None, metavar="DIR",
+                        help="directory for report.html, report.md and the figures (default: RUN-report beside "
+                             "the first file)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`swaprl report`: 0 on success, 2 when an input is missing or not a readable swaprl profile."""
+    try:
+        runs = [load_run(p) for p in args.runs]
+    except ProfileFormatError as exc:
+        sys.stderr.write(f"swaprl report: error: {exc}\n")
+        return 2
+    except OSError as exc:
+        sys.stderr.write(f"swaprl report: error: cannot read {exc.filename}: {exc.strerror}\n")
+        return 2
+    first = args.runs[0]
+    out_dir = args.output if args.output is not None else first.with_name(first.stem + "-report")
+    written = write_report(runs, out_dir)
+    for r in runs:
+        for w in r.warnings:
+            sys.stderr.write(f"swaprl report: warning: {w}\n")
+    sys.stdout.write(f"wrote {written['report.html']} and {written['report.md']} ({len(written) - 2} figure(s))\n")
+    return 0

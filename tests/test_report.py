@@ -1,0 +1,261 @@
+"""`swaprl report`: reports from a recorded CPU run and from synthetic CUDA profiles, bad and cut-off input, and
+the HTML as a browser renders it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import swaprl
+from swaprl.cli import main
+from swaprl.profile import attribute
+
+GiB, MiB = 2**30, 2**20
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool = True,
+                      leak_per_cycle: int = 0) -> Path:
+    """A CUDA profile as the recorder writes it: 8 GiB params, 16 GiB optimizer states offloaded in 1 s."""
+    t0 = 1_700_000_000.0
+    bw = {"h2d_GBps": 25.0, "d2h_GBps": 20.0, "bytes": 256 * MiB}
+    header = {"schema": "swaprl.profile", "version": 1, "type": "header", "rank": rank, "world_size": 2, "pid": 1,
+              "device": "cuda:0",
+              "device_name": "NVIDIA H100 80GB HBM3", "device_total": 80 * GiB, "host": "node0",
+              "host_total": 1024 * GiB, "python": "3.11", "torch": "2.11", "swaprl": swaprl.__version__,
+              "nvml": nvml, "device_used_source": "nvml" if nvml else "cuda_driver", "copy_bandwidth": bw,
+              "interval_s": 0.05, "engine": "VLLMEngine", "config": {}, "t0": t0}
+    recs: list[dict] = [header]
+    t = t0
+    context = GiB // 2
+
+    def status(phase: str, cycle: int) -> dict:
+        leak = leak_per_cycle * cycle
+        train = phase == "train"
+        engine = ({"location": "released", "bytes": GiB // 4, "weights_bytes": 0, "kv_cache_bytes": 0,
+                   "other_bytes": GiB // 4} if train else
+                  {"location": "device", "bytes": 40 * GiB, "weights_bytes": 8 * GiB, "kv_cache_bytes": 31 * GiB,
+                   "other_bytes": GiB})
+        params, opt = 8 * GiB, (16 * GiB if train and cycle >= 2 else 0)
+        reserved = params + opt + 2 * GiB + leak
+        used = reserved + engine["bytes"] + context
+        return {"phase": phase, "device": "cuda:0", "params": {"location": "device", "bytes": params, "host_bytes": 0},
+                "grads": {"location": "host", "bytes": 0, "host_bytes": 0},
+                "optimizer": {"location": "device" if train else "host", "bytes": opt, "host_bytes": 0},
+                "engine": engine, "host_buffers": {"bytes": 16 * GiB, "pinned": True},
+                "device_memory": {"used": used, "total": 80 * GiB, "torch_allocated": reserved - GiB,
+                                  "torch_reserved": reserved}}
+
+    def boundary(phase, src, cycle, seconds, moved):
+        st = status(phase, cycle or 0)
+        a = attribute(st, source=header["device_used_source"],
+                      process_used_bytes=st["device_memory"]["used"] if nvml else None)
+        return {"type": "phase", "t": t, "phase": phase, "from": src, "cycle": cycle, "seconds": seconds,
+                "bytes": moved, "host_rss": 20 * GiB, "status": st, "attribution": a}
+
+    def samples(phase, cycle, n=10):
+        nonlocal t
+        dm = status(phase, cycle)["device_memory"]
+        for _ in range(n):
+            t += 0.05
+            recs.append({"type": "sample", "t": t, "host_rss": 20 * GiB, "host_buffers": 16 * GiB,
+                         "device_used": dm["used"], "torch_allocated": dm["torch_allocated"],
+                         "torch_reserved": dm["torch_reserved"]})
+
+    recs.append(boundary("train", None, None, 0.0, 0))
+    samples("train", 0)
+    for c in range(1, cycles + 1):
+        for step, moved, sec in (("offload optimizer", 16 * GiB, 1.0), ("offload grads", 0, 0.001),
+                                 ("engine wake weights", 0, 0.2), ("sync weights", 8 * GiB, 0.05)):
+            t += sec
+            recs.append({"type": "step", "t": t, "transition": "train->generate", "step": step, "bytes": moved,
+                         "seconds": sec})
+        recs.append(boundary("generate", "train", c, 1.251, 24 * GiB))
+        samples("generate", c)
+        for step, moved, sec in (("engine sleep", 0, 0.1), ("reload optimizer", 16 * GiB, 0.8)):
+            t += sec
+            recs.append({"type": "step", "t": t, "transition": "generate->train", "step": step, "bytes": moved,
+                         "seconds": sec})
+        recs.append(boundary("train", "generate", c, 0.9, 16 * GiB))
+        samples("train", c)
+    recs.append({"type": "end", "t": t + 0.01, "reason": "detach", "samples": 0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def report(capsys, *args) -> tuple[int, str, str]:
+    rc = main(["report", *map(str, args)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture
+def recorded(tiny_checkpoint, tmp_path) -> Path:
+    """A profile of three generate/train cycles of a tiny Qwen2 on the CPU."""
+    path = tmp_path / "run.jsonl"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters())
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(profile=path))
+    for _ in range(3):
+        with swaprl.phase("generate"):
+            out = rt.engine.generate([[1, 2, 3]], swaprl.Sampling(max_tokens=4, seed=0))
+        with swaprl.phase("train"):
+            ids = torch.tensor([[1, 2, 3, *out[0]]])
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    swaprl.detach()
+    return path
+
+
+def test_report_of_a_recorded_cpu_run(recorded, tmp_path, capsys):
+    out = tmp_path / "rep"
+    rc, stdout, _ = report(capsys, recorded, "-o", out)
+    assert rc == 0 and "report.html" in stdout
+    md = (out / "report.md").read_text()
+    html = (out / "report.html").read_text()
+    assert "no device memory figures" in md  # CPU: no NVML, no device figure, said so
+    assert "| rank 0 | train->generate | offload optimizer | 3 |" in md
+    assert "Warning" not in md
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["attribution_rank0.png", "memory_rank0.png"]
+    for name in pngs:
+        assert 1_000 < (out / name).stat().st_size < 300_000
+        assert f"]({name})" in md
+    # self-contained: every figure embedded, nothing fetched from anywhere
+    assert html.count("src='data:image/png;base64,") == 2
+    assert "http://" not in html and "https://" not in html and "<link" not in html
+
+
+def test_default_output_directory_is_beside_the_run(recorded, capsys):
+    rc, _, _ = report(capsys, recorded)
+    assert rc == 0 and (recorded.parent / "run-report" / "report.html").exists()
+
+
+def test_truncated_profile_still_reports(recorded, tmp_path, capsys):
+    lines = recorded.read_bytes().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(lines[:-3]) + lines[-3][: len(lines[-3]) // 2])  # a crash mid-write
+    rc, _, err = report(capsys, cut, "-o", tmp_path / "rep")
+    assert rc == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "the last line is cut off" in md and "no end record" in md and "the last line is cut off" in err
+    assert "offload optimizer" in md
+
+
+def test_header_only_profile_says_it_is_empty(recorded, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(recorded.read_text().splitlines()[0] + "\n")
+    rc, _, _ = report(capsys, empty, "-o", tmp_path / "rep")
+    assert rc == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "empty run" in md and not list((tmp_path / "rep").glob("*.png"))
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"loss": 1.0}\n', 'has no "schema": "swaprl.profile"'),
+    ("step,loss\n1,2.0\n", "first line is not JSON"),
+    ("", "is empty"),
+])
+def test_other_files_are_refused_with_the_fix(tmp_path, capsys, content, message):
+    bad = tmp_path / "metrics.jsonl"
+    bad.write_text(content)
+    rc, _, err = report(capsys, bad, "-o", tmp_path / "rep")
+    assert rc == 2
+    assert message in err and "SwapConfig(profile=PATH)" in err
+    assert not (tmp_path / "rep").exists()
+
+
+def test_unknown_schema_version_is_refused(tmp_path, capsys):
+    path = synthetic_profile(tmp_path / "run.jsonl")
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0]) | {"version": 7, "swaprl": "9.0.0"}
+    path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    rc, _, err = report(capsys, path, "-o", tmp_path / "rep")
+    assert rc == 2 and "schema version 7" in err and "pip install swaprl==9.0.0" in err
+
+
+def test_missing_file_is_an_error(tmp_path, capsys):
+    rc, _, err = report(capsys, tmp_path / "nope.jsonl")
+    assert rc == 2 and "nope.jsonl" in err
+
+
+def test_multi_rank_report_has_a_row_per_rank(tmp_path, capsys):
+    runs = [synthetic_profile(tmp_path / f"run.rank{r}.jsonl", rank=r) for r in (0, 1)]
+    out = tmp_path / "rep"
+    rc, _, _ = report(capsys, *runs, "-o", out)
+    assert rc == 0
+    md = (out / "report.md").read_text()
+    for r in (0, 1):
+        assert f"| rank {r} | run.rank{r}.jsonl | NVIDIA H100 80GB HBM3 |" in md
+        assert f"| rank {r} | train->generate | offload optimizer | 4 |" in md
+        assert f"| rank {r} | generate |" in md  # peak table
+        assert (out / f"memory_rank{r}.png").exists() and (out / f"attribution_rank{r}.png").exists()
+
+
+def test_transitions_against_the_copy_ceiling(tmp_path, capsys):
+    rc, _, _ = report(capsys, synthetic_profile(tmp_path / "run.jsonl"), "-o", tmp_path / "rep")
+    assert rc == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    # 16 GiB offloaded in 1.0 s = 17.18 GB/s against a 20 GB/s device-to-host ceiling; reloads in 0.8 s vs 25 GB/s
+    assert "| offload optimizer | 4 | 16.00 GiB | 1.000 | 1.000 | 17.18 | 20.0 | 86% |" in md
+    assert "| reload optimizer | 4 | 16.00 GiB | 0.800 | 0.800 | 21.47 | 25.0 | 86% |" in md
+    assert "| rank 0 | generate | 4 | 50.50 GiB | 1 |" in md  # peak device used while generating
+
+
+def test_residual_growth_is_flagged(tmp_path, capsys):
+    rc, _, _ = report(capsys, synthetic_profile(tmp_path / "leak.jsonl", cycles=5, leak_per_cycle=100 * MiB),
+                      "-o", tmp_path / "leak")
+    assert rc == 0
+    md = (tmp_path / "leak" / "report.md").read_text()
+    assert "GROWS" in md and "grew by 300.00 MiB from cycle 2 to cycle 5" in md
+    rc, _, _ = report(capsys, synthetic_profile(tmp_path / "ok.jsonl", cycles=5), "-o", tmp_path / "ok")
+    md = (tmp_path / "ok" / "report.md").read_text()
+    assert "GROWS" not in md and "| ok |" in md
+
+
+def test_two_cycles_are_too_few_for_growth(tmp_path, capsys):
+    report(capsys, synthetic_profile(tmp_path / "run.jsonl", cycles=2), "-o", tmp_path / "rep")
+    assert "needs at least 3 cycles" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_missing_nvml_is_noted(tmp_path, capsys):
+    rc, _, _ = report(capsys, synthetic_profile(tmp_path / "run.jsonl", nvml=False), "-o", tmp_path / "rep")
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert rc == 0 and "NVML unavailable" in md and "cuda_context not measured" in md
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs headless Chromium at /usr/bin/chromium "
+                                                    "(apt-get install chromium)")
+def test_report_renders_in_a_browser(tmp_path, capsys):
+    from PIL import Image, ImageStat
+
+    out = tmp_path / "rep"
+    assert report(capsys, synthetic_profile(tmp_path / "run.jsonl"), "-o", out)[0] == 0
+    shot = tmp_path / "shot.png"
+    subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,1600",
+                    (out / "report.html").resolve().as_uri()], check=True, capture_output=True, timeout=120)
+    img = Image.open(shot).convert("RGB")
+    assert img.size == (1200, 1600)
+    # text, tables and the embedded figures drew something: far from a blank (uniform) page
+    assert max(ImageStat.Stat(img).var) > 100
+    colours = img.getcolors(maxcolors=1 << 20) or []
+    assert len(colours) > 50
+
+
+def test_python_m_swaprl_report(tmp_path):
+    path = synthetic_profile(tmp_path / "run.jsonl")
+    res = subprocess.run([sys.executable, "-m", "swaprl", "report", str(path), "-o", str(tmp_path / "rep")],
+                 capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "rep" / "report.html").exists()
