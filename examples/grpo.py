@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.preset, Path(args.checkpoint_dir) / name, layers=args.layers, seed=args.seed)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device)
-    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_enable()  # only active in training mode, and from_pretrained returns eval mode
     model.config.use_cache = False
+    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     level = args.sleep_level if args.sleep_level == "auto" else int(args.sleep_level)
     config = swaprl.SwapConfig(sleep_level=level, verify_sync=args.verify, grads="free",

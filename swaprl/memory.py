@@ -33,7 +33,8 @@ def _nvml_handle(device: torch.device):
     props = torch.cuda.get_device_properties(device)
     # CUDA and NVML may number devices differently (CUDA_VISIBLE_DEVICES); the PCI bus id names the same card.
     bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-    return nvml.nvmlDeviceGetHandleByPciBusId_v2(bus)
+    by_bus = getattr(nvml, "nvmlDeviceGetHandleByPciBusId_v2", None) or nvml.nvmlDeviceGetHandleByPciBusId
+    return by_bus(bus)
 
 
 def device_used_bytes(device: torch.device) -> int:
