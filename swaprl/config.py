@@ -53,6 +53,12 @@ class SwapConfig:
     """Fraction of the GPU a vLLM engine may use. None: computed from what is free when the engine is built (see
     `swaprl.engines.VLLMEngine`)."""
 
+    overlap_optimizer_reload: bool = False
+    """Let the optimizer states' copy back to the GPU run under the training step's forward and backward instead
+    of before it; the compute stream waits for it at `optimizer.step()` and `optimizer.state_dict()`. Off by
+    default because code that reads `optimizer.state` directly in `train` before the step would race the copy
+    (call `runtime.wait_reload()` first). Saves the reload time (about 0.3 s per 12 GB on an H100) per step."""
+
     profile: str | os.PathLike | None = None
     """Write a memory profile (JSON Lines) to this path; None: no profiling."""
 

@@ -181,9 +181,12 @@ class Mover:
             raise
         return moved
 
-    def reload(self, moved: list[Moved], buffer: HostBuffer) -> None:
+    def reload(self, moved: list[Moved], buffer: HostBuffer, *, wait: bool = True) -> torch.cuda.Event | None:
         """Bring `moved` back to the device. All allocations happen before any tensor is re-pointed, so an
-        out-of-memory error leaves every tensor on the host, intact."""
+        out-of-memory error leaves every tensor on the host, intact.
+
+        With `wait=False` the compute stream is not made to wait for the copies: the returned event marks their
+        end, and whoever reads the tensors first must wait on it (the runtime does, at `optimizer.step()`)."""
         todo = []
         for m in moved:
             if m.tensor.data_ptr() != m.host_ptr:
@@ -202,10 +205,14 @@ class Mover:
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             for m, dev in zip(todo, fresh):
                 dev.copy_(m.tensor.data, non_blocking=self.stream is not None)
+        done_event = None
         if self.stream is not None:
-            # Later work on the compute stream sees the copied bytes; the host is not blocked.
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
             flat.record_stream(self.stream)
+            if wait:  # later work on the compute stream sees the copied bytes; the host is not blocked
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            else:
+                done_event = torch.cuda.Event()
+                done_event.record(self.stream)
         done = 0
         try:
             for m, dev in zip(todo, fresh):
@@ -215,6 +222,7 @@ class Mover:
             for m in todo[:done]:
                 m.tensor.data = _host_view(buffer._buf, m.offset, m.tensor)
             raise
+        return done_event
 
     def wait(self) -> None:
         """Block until this mover's copies are done (needed before the host buffer is written again)."""

@@ -40,8 +40,9 @@ def assert_bitwise_equal(a: dict, b: dict):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-@pytest.mark.parametrize("grads", ["offload", "free", "keep"])
-def test_swapping_is_bitwise_invisible(tiny_checkpoint, device, opt_name, grads):
+@pytest.mark.parametrize("grads, overlap", [("offload", False), ("free", False), ("keep", False),
+                                            ("offload", True)])
+def test_swapping_is_bitwise_invisible(tiny_checkpoint, device, opt_name, grads, overlap):
     """N GRPO steps with swapping give the same parameters and optimizer states, bit for bit, as without."""
     if device == "cuda":  # the same kernels twice must give the same bits: no atomics-based reductions
         torch.use_deterministic_algorithms(True)
@@ -50,7 +51,8 @@ def test_swapping_is_bitwise_invisible(tiny_checkpoint, device, opt_name, grads)
         model = load(tiny_checkpoint, device)
         opt = OPTIMIZERS[opt_name](model.parameters())
         engine = HFEngine(model)
-        rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(grads=grads)) if swap else None
+        cfg = swaprl.SwapConfig(grads=grads, overlap_optimizer_reload=overlap)
+        rt = swaprl.attach(model, opt, engine, config=cfg) if swap else None
         losses = grpo.run(model, opt, engine, steps=3, runtime=rt)
         swaprl.detach()
         results.append((losses, {k: v.cpu() for k, v in model.state_dict().items()},
