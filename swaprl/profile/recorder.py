@@ -3,8 +3,8 @@
     rt.profile("run.jsonl")            # or swaprl.attach(..., config=SwapConfig(profile="run.jsonl"))
     swaprl report run.jsonl -o rep/    # HTML and Markdown report with figures (swaprl.profile.report)
 
-One file per rank (`run.rank3.jsonl` when torch.distributed runs more than one rank). Schema version 1, one JSON object a
-line; every line is written whole and flushed, so a crash leaves a readable prefix:
+One file per rank (`run.rank3.jsonl` when torch.distributed runs more than one rank). Schema version 1, one JSON
+object a line; every line is written whole and flushed, so a crash leaves a readable prefix:
 
     header  {"schema": "swaprl.profile", "version": 1, "type": "header", "rank", "world_size", "device", "host",
              "torch", "swaprl", "nvml", "device_used_source", "copy_bandwidth": {"h2d_GBps", "d2h_GBps"} | null,
