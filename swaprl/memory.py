@@ -48,6 +48,20 @@ def device_used_bytes(device: torch.device) -> int:
     return total - free
 
 
+def device_reserved_bytes(device: torch.device) -> int:
+    """Memory the driver keeps for itself on the device (NVML's v2 `reserved`), counted in NVML's v1 `used`
+    but by no process; 0 when NVML or its v2 query is unavailable."""
+    if not nvml_available():
+        return 0
+    nvml = _nvml()
+    try:
+        info = nvml.nvmlDeviceGetMemoryInfo(_nvml_handle(device), version=nvml.nvmlMemory_v2)
+        return int(getattr(info, "reserved", 0))
+    except Exception as exc:
+        logger.debug("NVML v2 memory query failed: %s", exc)
+        return 0
+
+
 def device_free_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
 

@@ -14,7 +14,8 @@ an engine reporting what it does not hold.
                                engine reports no breakdown
     activations                torch's default memory pool less the trainer tensors above: activations, temporaries
                                and the caching allocator's free blocks
-    cuda_context               this process's memory (NVML per-process figure) outside torch's default pool and the
+    cuda_context               the driver's reservation (NVML v2 `reserved`) plus this process's memory (NVML
+                               per-process figure) outside torch's default pool and the
                                engine: the CUDA context, loaded kernels, libraries allocating outside torch; 0 when
                                the per-process figure is unavailable (it then stays inside unattributed)
     unattributed               device used minus all of the above: other processes, driver reservations, errors
@@ -31,7 +32,7 @@ TRAINER: tuple[str, ...] = ("params", "grads", "optimizer")
 
 
 def attribute(status: dict, *, source: str = "nvml", private_pool_bytes: int = 0,
-              process_used_bytes: int | None = None) -> dict:
+              process_used_bytes: int | None = None, driver_reserved_bytes: int = 0) -> dict:
     """Split the device memory described by `status` (a `Runtime.status()` dict) into `CATEGORIES`.
 
     `source`: where `status["device_memory"]["used"]` came from ("nvml" or "cuda_driver"). `private_pool_bytes`:
@@ -68,7 +69,8 @@ def attribute(status: dict, *, source: str = "nvml", private_pool_bytes: int = 0
     if process_used_bytes is None:
         notes.append("cuda_context not measured (no NVML per-process figure): it is inside unattributed")
     else:
-        cats["cuda_context"] = int(process_used_bytes) - default_pool - engine_sum
+        # The driver's own reservation (about 0.5 GiB on an H100) is in NVML's device figure but in no process's.
+        cats["cuda_context"] = int(process_used_bytes) - default_pool - engine_sum + int(driver_reserved_bytes)
     cats["unattributed"] = used - sum(v for k, v in cats.items() if k != "unattributed")
     return {"total": used, "source": source, "categories": cats, "notes": notes,
             "torch_private_pools": int(private_pool_bytes)}

@@ -146,7 +146,8 @@ class Profiler:
         source = self._source() or "runtime"
         if self._cuda:
             attribution = attribute(status, source=source, private_pool_bytes=_private_pool_bytes(self._device),
-                                    process_used_bytes=self._process_used_bytes())
+                                    process_used_bytes=self._process_used_bytes(),
+                                    driver_reserved_bytes=memory.device_reserved_bytes(self._device))
         else:
             attribution = attribute(status, source=source)
         return {"type": "phase", "t": event["t"], "phase": event["phase"], "from": event["from"],
