@@ -1,0 +1,82 @@
+"""Qwen2.5-72B GRPO with swaprl: print the memory plan, refuse if it cannot fit, else run the GRPO loop.
+
+    python examples/qwen72b.py                          # no GPU: the same loop on the tiny preset, on the CPU
+    python examples/qwen72b.py --layers 2               # one GPU: 72B's layer shapes cut to 2 of its 80 layers
+    python examples/qwen72b.py --model /path/to/Qwen2.5-72B    # a local checkpoint
+
+The loop is `examples/grpo.py` (colocated vLLM when it is installed and a GPU is present, else the embedded engine):
+prompts -> rollouts -> a verifiable reward -> a policy-gradient step, with `with phase("generate")` and
+`with phase("train")`. Output (`--out`, default out/qwen72b): metrics.json, profile.jsonl and the memory report.
+
+The full-depth model needs 8 GPUs with FSDP2 sharding and vLLM tensor parallelism, which swaprl does not drive yet:
+with more than one GPU visible this script says so and stops rather than run one GPU's worth of a plan that cannot fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grpo  # noqa: E402  (the loop itself)
+
+from swaprl import plan as planner  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="local checkpoint directory (default: random weights)")
+    ap.add_argument("--layers", type=int, default=None, help="cut the random checkpoint to this many layers")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=None, help="default: 8 on a GPU, 2 on the CPU")
+    ap.add_argument("--completions", type=int, default=None, help="default: 8 on a GPU, 4 on the CPU")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: 256 on a GPU, 32 on the CPU")
+    ap.add_argument("--out", default="out/qwen72b")
+    args = ap.parse_args(argv)
+
+    gpus = torch.cuda.device_count()
+    if gpus > 1:
+        print("more than one GPU is visible: multi-GPU runs (FSDP2 + vLLM tensor parallelism under torchrun) are not "
+              "supported yet; run on one GPU with --layers N (CUDA_VISIBLE_DEVICES=0)", file=sys.stderr)
+        return 2
+    on_gpu = gpus == 1
+    args.prompts = args.prompts or (8 if on_gpu else 2)
+    args.completions = args.completions or (8 if on_gpu else 4)
+    args.max_tokens = args.max_tokens or (256 if on_gpu else 32)
+    preset = "qwen2.5-72b" if on_gpu else "tiny"
+    model = args.model or preset
+    if on_gpu:
+        total = torch.cuda.mem_get_info()[1]
+        cluster = planner.Cluster(gpus_per_node=1, gpu_memory_bytes=total,
+                                  host_memory_bytes=psutil.virtual_memory().total)
+    else:  # the CPU stands in for the GPU: plan against the machine's memory
+        mem = psutil.virtual_memory().total
+        cluster = planner.Cluster(gpus_per_node=1, gpu_memory_bytes=mem // 2, host_memory_bytes=mem // 2)
+    rollout = planner.Rollout(prompts=args.prompts, completions_per_prompt=args.completions, prompt_tokens=16,
+                              completion_tokens=args.max_tokens)
+    layers = args.layers if (args.layers or args.model) else (None if not on_gpu else 2)
+    the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers,
+                            param_dtype="bfloat16" if on_gpu else "float32")
+    print(the_plan.table())
+    if not the_plan.ok:
+        print(f"\nthis run cannot fit: {the_plan.verdict}", file=sys.stderr)
+        return 2
+    loop = ["--steps", str(args.steps), "--prompts", str(args.prompts), "--completions", str(args.completions),
+            "--max-tokens", str(args.max_tokens), "--prompt-tokens", "16", "--out", args.out]
+    if args.model:
+        loop += ["--model", args.model]
+    else:
+        loop += ["--preset", preset] + (["--layers", str(layers)] if layers else [])
+    if on_gpu:
+        loop += ["--dtype", "bfloat16", "--verify"]
+    grpo.main(loop)
+    print(f"memory report: {Path(args.out) / 'report' / 'report.html'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
