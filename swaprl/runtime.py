@@ -125,7 +125,7 @@ class Runtime:
 
     def status(self) -> dict:
         """Where each resource is and how many device bytes it holds now, plus the device and host totals."""
-        out: dict = {"phase": self._phase, "device": str(self.device)}
+        out: dict = {"phase": self._phase, "cycle": self._cycle, "device": str(self.device)}
         for name, res in self._resources.items():
             on_host = {id(m.tensor) for m in res.moved}  # on a CPU-only machine host and device look alike
             on_device = sum(nbytes(t) for t in self._tensors(name) if id(t) not in on_host)
@@ -225,8 +225,9 @@ class Runtime:
             self._cycle += 1
         seconds = time.perf_counter() - start
         logger.info("%s -> %s: %.2f GiB moved in %.3f s", src, dst, memory.gib(moved), seconds)
-        self._emit({"type": "phase", "phase": dst, "from": src, "cycle": self._cycle, "seconds": seconds,
-                    "bytes": moved, "status": self.status()})
+        if self._listeners:  # status() reads NVML: only pay for it when someone listens
+            self._emit({"type": "phase", "phase": dst, "from": src, "cycle": self._cycle, "seconds": seconds,
+                        "bytes": moved, "status": self.status()})
 
     def _run_steps(self, transition: str, steps: list[_Step]) -> int:
         done: list[_Step] = []
@@ -243,8 +244,11 @@ class Runtime:
                 self._emit({"type": "step", "transition": transition, "step": step.name, "bytes": int(moved),
                             "seconds": dt})
         except BaseException as exc:
-            logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition,
-                           steps[len(done)].name if len(done) < len(steps) else "?", type(exc).__name__, len(done))
+            failed = steps[len(done)].name if len(done) < len(steps) else "?"
+            logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition, failed,
+                           type(exc).__name__, len(done))
+            self._emit({"type": "error", "transition": transition, "step": failed,
+                        "error": f"{type(exc).__name__}: {exc}"[:500]})
             for step in reversed(done):
                 if step.undo is None:
                     continue

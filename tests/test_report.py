@@ -259,3 +259,27 @@ def test_python_m_swaprl_report(tmp_path):
                  capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "rep" / "report.html").exists()
+
+
+def test_rolled_back_transition_shows_in_the_report(tiny_checkpoint, tmp_path):
+    """A failed transition is undone by the runtime; the profile records it and the report warns about it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import swaprl
+    from swaprl.profile.report import load_run, write_report
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters())
+    rt = swaprl.attach(model, opt, "hf", config=swaprl.SwapConfig(profile=tmp_path / "run.jsonl"))
+    rt.add_listener(lambda e: (_ for _ in ()).throw(KeyboardInterrupt())
+                    if e["type"] == "step" and e["step"] == "offload optimizer" else None)
+    with pytest.raises(KeyboardInterrupt):
+        with swaprl.phase("generate"):
+            pass
+    swaprl.detach()
+    run = load_run(tmp_path / "run.jsonl")
+    assert any(w.startswith("run.jsonl: train->generate failed at step") and "rolled back" in w
+               for w in run.warnings), run.warnings
+    write_report([run], tmp_path / "rep")
+    assert "rolled back" in (tmp_path / "rep" / "report.md").read_text()

@@ -11,6 +11,7 @@ object a line; every line is written whole and flushed, so a crash leaves a read
              "interval_s", "engine", "config", "t0", ...}
     sample  {"type": "sample", "t", "host_rss", "host_buffers"[, "device_used", "torch_allocated", "torch_reserved"]}
     step    {"type": "step", "t", "transition", "step", "bytes", "seconds"}
+    error   {"type": "error", "t", "transition", "step", "error"}: a transition that failed and was rolled back
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"}
             (the first one, "from": null, is the state when recording started)
     end     {"type": "end", "t", "reason": "detach" | "close", "samples"}
@@ -161,6 +162,8 @@ class Profiler:
         elif kind == "phase":
             self._write(self._boundary(event))
             self._write(self._sample())
+        elif kind == "error":  # a transition that failed and was rolled back
+            self._write({"type": "error"} | {k: event[k] for k in ("t", "transition", "step", "error")})
         elif kind == "detach":
             self.close("detach")
 

@@ -129,6 +129,9 @@ def load_run(path: str | Path) -> Run:
             run.phases.append(rec)
         elif kind == "end":
             run.end = rec
+        elif kind == "error":
+            run.warnings.append(f"{path.name}: {rec.get('transition')} failed at step {rec.get('step')!r} and was "
+                                f"rolled back: {rec.get('error')}")
     if bad:
         run.warnings.append(f"{path.name}: {bad} unreadable line(s) skipped inside the file")
     if run.end is None and not run.empty:
