@@ -20,6 +20,7 @@ import time
 import torch
 
 import swaprl
+from swaprl.checkpoints import random_model
 from swaprl.engines import HFEngine
 from swaprl.presets import get_preset
 from swaprl.residency import HostBuffer
@@ -59,13 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark measures PCIe copies: run it on a machine with a CUDA GPU")
 
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
     spec = get_preset(args.preset)
-    cfg = Qwen2Config(**{k: v for k, v in spec.config_dict(layers=args.layers, bos_token_id=0, eos_token_id=1)
-                         .items() if k != "model_type"})
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = random_model(spec.name, layers=args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     for p in model.parameters():
         p.grad = torch.randn_like(p)

@@ -51,6 +51,24 @@ def write_tokenizer(path: str | os.PathLike) -> dict[str, int]:
     return {t: fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
 
 
+def hf_config(preset: str, *, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
+              bos_token_id: int = 257, eos_token_id: int = 256):
+    """A transformers `Qwen2Config` of `preset` (default special ids: those of `write_tokenizer`)."""
+    from transformers import Qwen2Config
+
+    cfg = get_preset(preset).config_dict(layers=layers, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    return Qwen2Config(**{k: v for k, v in cfg.items() if k != "model_type"}, dtype=dtype)
+
+
+def random_model(preset: str, *, layers: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cuda") -> torch.nn.Module:
+    """A randomly initialised `Qwen2ForCausalLM` of `preset`, built directly on `device` (no checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hf_config(preset, layers=layers, dtype=dtype), dtype=dtype)
+
+
 def _meta_state_shapes(config) -> list[tuple[str, torch.Size]]:
     """Names and shapes of every tensor a checkpoint of `config` holds, without allocating any of them."""
     from transformers import AutoModelForCausalLM
@@ -86,7 +104,6 @@ def write_random_checkpoint(preset: str, path: str | os.PathLike, *, layers: int
     `path` with the same settings is reused.
     """
     from safetensors.torch import save_file
-    from transformers import Qwen2Config
 
     spec = get_preset(preset)
     if layers is not None and not 1 <= layers <= spec.num_hidden_layers:
@@ -99,11 +116,11 @@ def write_random_checkpoint(preset: str, path: str | os.PathLike, *, layers: int
         return path
     path.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(path)
-    cfg_dict = spec.config_dict(layers=layers, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
-    config = Qwen2Config(**{k: v for k, v in cfg_dict.items() if k != "model_type"}, dtype=dtype)
+    config = hf_config(spec.name, layers=layers, dtype=dtype, bos_token_id=ids["<|endoftext|>"],
+                       eos_token_id=ids["<|im_end|>"])
     config.save_pretrained(str(path))
     (path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": cfg_dict["bos_token_id"], "eos_token_id": cfg_dict["eos_token_id"], "do_sample": True}))
+        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": True}))
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gen = torch.Generator(device=dev).manual_seed(seed)

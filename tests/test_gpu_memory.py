@@ -13,16 +13,10 @@ MiB = 2**20
 
 
 def _trained_model(layers: int = 2):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from swaprl.checkpoints import random_model
 
-    from swaprl.presets import get_preset
-
-    spec = get_preset("qwen2.5-0.5b")
-    cfg = Qwen2Config(**{k: v for k, v in spec.config_dict(layers=layers, bos_token_id=0, eos_token_id=1).items()
-                         if k != "model_type"})
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = random_model("qwen2.5-0.5b", layers=layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p)

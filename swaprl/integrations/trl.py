@@ -1,0 +1,253 @@
+"""Run an existing TRL `GRPOTrainer` under swaprl: its generation in `phase("generate")`, the rest in `"train"`.
+
+    from swaprl.integrations.trl import wrap
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
+    rt = wrap(trainer)                      # or wrap(trainer, config=swaprl.SwapConfig(verify_sync=True))
+    trainer.train()
+    rt.detach()                             # optional: puts the trainer back as it was
+
+What changes, on this trainer instance only (TRL's classes are not touched; `rt.detach()` undoes all of it):
+
+- `trainer._generate`, the one method through which GRPOTrainer 1.16 produces completions (transformers
+  `generate`, vLLM colocate, the tool-call loop and a custom `rollout_func` alike), runs inside
+  `rt.phase("generate")`: the optimizer states (and gradients, per `SwapConfig.grads`) leave the device for its
+  duration. Everything else (reward functions, old and reference log-probabilities, loss, backward,
+  `optimizer.step()`) runs in the runtime's default phase, "train", where they are back.
+- The optimizer is created by `wrap`, with the trainer's own `create_optimizer()`: the same one `train()` would
+  create, and `train()` reuses it (it only builds one when `trainer.optimizer` is None). The runtime needs it to
+  exist; AdamW allocates its states at the first step anyway, so this costs no memory.
+- `use_vllm=False`: TRL generates with the trainer's own module, so there is nothing to sync: swaprl's `HFEngine`
+  semantics (only the optimizer-state swap). `use_vllm=True, vllm_mode="colocate"`: swaprl drives TRL's in-process
+  `vllm.LLM` through `VLLMEngine` (asleep in "train"; woken, synced from the trainer and, with
+  `SwapConfig(verify_sync=True)`, checked on-policy at each "generate"). TRL's own weight sync becomes a no-op and
+  its sleep mode is switched off on this instance, so the engine is not woken, synced or put to sleep twice.
+
+The hook is on private TRL methods whose behaviour changes between releases, hence the version range
+`SUPPORTED_TRL`: other versions are refused rather than silently mis-wrapped.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import swaprl
+
+from ..config import SwapConfig
+from ..engines.base import Engine
+from ..runtime import PhaseError, Runtime
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TRL = ">=1.16,<1.17"
+"""TRL versions `wrap` knows (PEP 440 specifier; development builds of these count as these)."""
+
+_RUNTIME_ATTR = "_swaprl_runtime"  # set on a wrapped trainer: refuses a second wrap, found by `runtime_of`
+
+
+def wrap(trainer, *, config: SwapConfig | None = None, engine: Engine | None = None) -> Runtime:
+    """Attach swaprl to a constructed `trl.GRPOTrainer` and return the runtime (also `swaprl.current()`).
+
+    `config`: what moves (default `SwapConfig()`). `engine`: leave None; swaprl builds the engine matching how the
+    trainer generates. Pass one only to choose its arguments, e.g. a `VLLMEngine(llm=trainer.vllm_generation.llm,
+    model="/local/checkpoint")` when the model was loaded by hub name and its files are not in the local cache.
+    Call it before `trainer.train()`; everything is validated before anything moves.
+    """
+    import trl
+
+    check_version(getattr(trl, "__version__", "unknown"))
+    from trl import GRPOTrainer
+
+    if not isinstance(trainer, GRPOTrainer):
+        raise TypeError(f"swaprl.integrations.trl.wrap() takes a trl.GRPOTrainer, not {type(trainer).__name__}; "
+                        "for another training loop, call swaprl.attach(model, optimizer) and enter "
+                        "swaprl.phase('generate') / swaprl.phase('train') yourself")
+    if getattr(trainer, _RUNTIME_ATTR, None) is not None:
+        raise PhaseError("this GRPOTrainer is already wrapped; use the Runtime the first wrap() returned (or "
+                         "swaprl.integrations.trl.runtime_of(trainer)), or detach it before wrapping again")
+    if config is not None and not isinstance(config, SwapConfig):
+        raise TypeError(f"config must be a swaprl.SwapConfig, not {type(config).__name__}")
+    _check_setup(trainer)
+    optimizer = _optimizer(trainer)
+    engine = _engine(trainer, engine)
+    rt = swaprl.attach(trainer.model, optimizer, engine, config=config)
+    _install(trainer, rt)
+    logger.info("wrapped GRPOTrainer (trl %s): generation in phase 'generate' with %s", trl.__version__,
+                type(engine).__name__)
+    return rt
+
+
+def runtime_of(trainer) -> Runtime | None:
+    """The runtime `wrap` attached to `trainer`, or None if it is not wrapped (or was detached)."""
+    return getattr(trainer, _RUNTIME_ATTR, None)
+
+
+def check_version(version: str) -> None:
+    """Raise if `version` (a TRL version string) is outside `SUPPORTED_TRL`."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        known = Version(version).base_version in SpecifierSet(SUPPORTED_TRL)
+    except InvalidVersion:
+        known = False
+    if not known:
+        raise RuntimeError(
+            f"swaprl.integrations.trl supports trl{SUPPORTED_TRL}, found trl {version}. It hooks GRPOTrainer's "
+            f"private generation method, whose behaviour changes between releases, so other versions are refused "
+            f"rather than silently mis-wrapped. Install a supported one (pip install 'trl{SUPPORTED_TRL}'), or drive "
+            "the phases yourself: swaprl.attach(model, optimizer) and `with swaprl.phase('generate'):` around "
+            "generation.")
+
+
+# ---------------------------------------------------------------- validation and construction
+def _check_setup(trainer) -> None:
+    """Refuse set-ups the wrapper does not handle, before anything is created or moved."""
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        raise ValueError("swaprl.integrations.trl does not support DeepSpeed or FSDP trainers: they create and "
+                         "shard the optimizer inside train(), after wrap() would have attached to it. Use one "
+                         "device per process (single GPU or DDP)")
+    if not trainer.use_vllm:
+        return
+    vg = trainer.vllm_generation
+    if vg.mode != "colocate":
+        raise ValueError(f"GRPOConfig(vllm_mode={vg.mode!r}): the vLLM server runs in another process, which swaprl "
+                         "cannot put to sleep; use vllm_mode='colocate', or use_vllm=False")
+    if vg.tensor_parallel_size != 1:
+        raise ValueError(f"GRPOConfig(vllm_tensor_parallel_size={vg.tensor_parallel_size}): swaprl drives one "
+                         "vLLM engine per process without tensor parallelism; use vllm_tensor_parallel_size=1")
+    if torch.cuda.is_available() and not vg.enable_sleep_mode:
+        raise ValueError("the vLLM engine TRL built cannot sleep: set GRPOConfig(vllm_enable_sleep_mode=True) so "
+                         "swaprl can release its memory during training")
+    from accelerate.utils import is_peft_model
+
+    if is_peft_model(trainer.model):
+        raise ValueError("PEFT models with use_vllm=True are not supported: swaprl's weight sync sends the "
+                         "trainer's parameters by their checkpoint names and does not merge adapters. Use "
+                         "use_vllm=False, or full fine-tuning")
+
+
+def _optimizer(trainer) -> torch.optim.Optimizer:
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    optimizer = trainer.optimizer if trainer.optimizer is not None else trainer.create_optimizer()
+    # After a train() call the trainer holds accelerate's wrapper; its step() calls the torch optimizer inside.
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _engine(trainer, engine: Engine | None) -> Engine:
+    if engine is not None and not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a swaprl Engine or None, not {type(engine).__name__}")
+    if not trainer.use_vllm:
+        if engine is None:
+            from ..engines.hf import HFEngine
+
+            return HFEngine()
+        if not engine.shares_trainer_weights:
+            raise ValueError(f"GRPOConfig(use_vllm=False): TRL generates with the trainer's own module, but "
+                             f"{type(engine).__name__} holds its own weights; leave engine=None")
+        return engine
+    from ..engines.vllm import VLLMEngine
+
+    llm = trainer.vllm_generation.llm
+    if engine is not None and not (isinstance(engine, VLLMEngine) and engine.llm is llm):
+        raise ValueError("with use_vllm=True the engine must be a VLLMEngine around the trainer's own LLM: "
+                         "VLLMEngine(llm=trainer.vllm_generation.llm, model=<checkpoint dir>), or engine=None")
+    # TRL puts the engine to sleep (level 2) as soon as it builds it; VLLMEngine starts from an awake engine and
+    # the runtime puts it back to sleep at attach, at its own level.
+    if llm.llm_engine.is_sleeping():
+        llm.wake_up()
+    if engine is None:
+        engine = VLLMEngine(llm=llm, model=_checkpoint_dir(trainer.model))
+    return engine
+
+
+def _checkpoint_dir(model: torch.nn.Module) -> Path:
+    """The local directory of the checkpoint TRL started vLLM from (`model.name_or_path`, or its hub cache)."""
+    name = getattr(model, "name_or_path", "") or ""
+    if (Path(name) / "config.json").exists():
+        return Path(name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(name, local_files_only=True))
+    except Exception as exc:  # not a hub id, or not cached: the caller names the directory
+        raise ValueError(f"cannot find on disk the checkpoint TRL started vLLM from ({name!r}: {exc}); pass "
+                         "engine=swaprl.engines.VLLMEngine(llm=trainer.vllm_generation.llm, "
+                         "model='/path/to/checkpoint')") from exc
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"the checkpoint {name!r} at {path} has no safetensors files; pass "
+                         "engine=swaprl.engines.VLLMEngine(llm=trainer.vllm_generation.llm, model=<a directory "
+                         "with the model's safetensors>)")
+    return path
+
+
+# ---------------------------------------------------------------- the hooks
+def _install(trainer, rt: Runtime) -> None:
+    """Route the trainer's generation through `rt`; record how to undo each change, undone at `rt.detach()`."""
+    undo: list[Callable[[], None]] = []
+    try:
+        generate = trainer._generate
+
+        @functools.wraps(generate)
+        def _generate(*args, **kwargs):
+            with rt.phase("generate"):
+                return generate(*args, **kwargs)
+
+        trainer._generate = _generate
+        undo.append(lambda: vars(trainer).pop("_generate", None))
+        if trainer.use_vllm:
+            undo.append(_take_over_vllm(trainer, rt))
+        setattr(trainer, _RUNTIME_ATTR, rt)
+        undo.append(lambda: vars(trainer).pop(_RUNTIME_ATTR, None))
+    except BaseException:
+        _run_undo(undo)
+        raise
+
+    def on_event(event: dict) -> None:
+        if event["type"] == "detach":
+            _run_undo(undo)
+            logger.info("GRPOTrainer unwrapped: TRL generates on its own again")
+
+    rt.add_listener(on_event)
+
+
+def _take_over_vllm(trainer, rt: Runtime) -> Callable[[], None]:
+    """Make TRL's own sleep, wake-up and weight sync of its LLM no-ops; returns the function that restores them.
+
+    The runtime wakes the engine and syncs the trainer's weights on entering "generate" (which encloses every
+    call TRL makes to the engine) and puts it to sleep on leaving it, so TRL doing the same would do it twice.
+    """
+    vg = trainer.vllm_generation
+    sleep_mode = vg.enable_sleep_mode
+
+    def sync_weights() -> None:
+        """Done by swaprl on entering phase('generate'), with the trainer's current weights."""
+
+    vg.sync_weights = sync_weights
+    vg.enable_sleep_mode = False  # TRL's generate() then neither wakes nor sleeps nor re-syncs the engine
+    vg._llm_weights_sleeping = False
+
+    def restore() -> None:
+        vars(vg).pop("sync_weights", None)
+        vg.enable_sleep_mode = sleep_mode
+        if sleep_mode:
+            vg._llm_weights_sleeping = True  # asleep (detach leaves it so): TRL re-syncs before generating
+        else:
+            rt.engine.wake()  # TRL without sleep mode expects an awake engine
+        trainer._last_loaded_step = -1  # the engine's weights may be stale or discarded: TRL syncs next time
+
+    return restore
+
+
+def _run_undo(undo: list[Callable[[], None]]) -> None:
+    for fn in reversed(undo):
+        try:
+            fn()
+        except Exception:  # keep undoing: the remaining changes must still be reverted
+            logger.exception("restoring the GRPOTrainer failed at one step")
+    undo.clear()
