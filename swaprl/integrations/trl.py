@@ -6,7 +6,8 @@
     trainer.train()
     rt.detach()                             # optional: puts the trainer back as it was
 
-What changes, on this trainer instance only (TRL's classes are not touched; `rt.detach()` undoes all of it):
+What changes, on this trainer instance only (TRL's classes are not touched; `rt.detach()` undoes all of it but the
+optimizer's creation):
 
 - `trainer._generate`, the one method through which GRPOTrainer 1.16 produces completions (transformers
   `generate`, vLLM colocate, the tool-call loop and a custom `rollout_func` alike), runs inside
@@ -32,6 +33,7 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +43,9 @@ from ..config import SwapConfig
 from ..engines.base import Engine
 from ..runtime import PhaseError, Runtime
 
+if TYPE_CHECKING:
+    from trl import GRPOTrainer
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_TRL = ">=1.16,<1.17"
@@ -49,16 +54,18 @@ SUPPORTED_TRL = ">=1.16,<1.17"
 _RUNTIME_ATTR = "_swaprl_runtime"  # set on a wrapped trainer: refuses a second wrap, found by `runtime_of`
 
 
-def wrap(trainer, *, config: SwapConfig | None = None, engine: Engine | None = None) -> Runtime:
+def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engine | None = None) -> Runtime:
     """Attach swaprl to a constructed `trl.GRPOTrainer` and return the runtime (also `swaprl.current()`).
 
     `config`: what moves (default `SwapConfig()`). `engine`: leave None; swaprl builds the engine matching how the
     trainer generates. Pass one only to choose its arguments, e.g. a `VLLMEngine(llm=trainer.vllm_generation.llm,
     model="/local/checkpoint")` when the model was loaded by hub name and its files are not in the local cache.
-    Call it before `trainer.train()`; everything is validated before anything moves.
+    Call it before `trainer.train()` (or between two calls); everything is validated before anything moves.
     """
-    import trl
-
+    try:
+        import trl
+    except ImportError as exc:
+        raise ImportError(f"swaprl.integrations.trl needs TRL: pip install 'trl{SUPPORTED_TRL}' ({exc})") from exc
     check_version(getattr(trl, "__version__", "unknown"))
     from trl import GRPOTrainer
 
@@ -72,6 +79,7 @@ def wrap(trainer, *, config: SwapConfig | None = None, engine: Engine | None = N
     if config is not None and not isinstance(config, SwapConfig):
         raise TypeError(f"config must be a swaprl.SwapConfig, not {type(config).__name__}")
     _check_setup(trainer)
+    _check_nothing_attached()  # attach() would refuse too, but only after the vLLM engine was woken
     optimizer = _optimizer(trainer)
     engine = _engine(trainer, engine)
     rt = swaprl.attach(trainer.model, optimizer, engine, config=config)
@@ -81,7 +89,7 @@ def wrap(trainer, *, config: SwapConfig | None = None, engine: Engine | None = N
     return rt
 
 
-def runtime_of(trainer) -> Runtime | None:
+def runtime_of(trainer: GRPOTrainer) -> Runtime | None:
     """The runtime `wrap` attached to `trainer`, or None if it is not wrapped (or was detached)."""
     return getattr(trainer, _RUNTIME_ATTR, None)
 
@@ -131,6 +139,15 @@ def _check_setup(trainer) -> None:
                          "use_vllm=False, or full fine-tuning")
 
 
+def _check_nothing_attached() -> None:
+    try:
+        swaprl.current()
+    except PhaseError:
+        return
+    raise PhaseError("another swaprl runtime is attached in this process; detach it (swaprl.detach()) before "
+                     "wrapping this trainer")
+
+
 def _optimizer(trainer) -> torch.optim.Optimizer:
     from accelerate.optimizer import AcceleratedOptimizer
 
@@ -158,8 +175,9 @@ def _engine(trainer, engine: Engine | None) -> Engine:
         raise ValueError("with use_vllm=True the engine must be a VLLMEngine around the trainer's own LLM: "
                          "VLLMEngine(llm=trainer.vllm_generation.llm, model=<checkpoint dir>), or engine=None")
     # TRL puts the engine to sleep (level 2) as soon as it builds it; VLLMEngine starts from an awake engine and
-    # the runtime puts it back to sleep at attach, at its own level.
-    if llm.llm_engine.is_sleeping():
+    # the runtime puts it back to sleep at attach, at its own level. (TRL's own record, where vLLM cannot say.)
+    is_sleeping = getattr(llm.llm_engine, "is_sleeping", None)
+    if is_sleeping() if callable(is_sleeping) else trainer.vllm_generation._llm_weights_sleeping:
         llm.wake_up()
     if engine is None:
         engine = VLLMEngine(llm=llm, model=_checkpoint_dir(trainer.model))

