@@ -18,6 +18,7 @@ import argparse
 import collections
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,7 +52,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--sleep-level", type=int, default=2, choices=[1, 2])
     ap.add_argument("--cycles", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--workdir", default="/tmp/swaprl-bench")
+    ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"),
+                    help="where the random checkpoint is written (and reused)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
