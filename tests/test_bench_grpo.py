@@ -1,0 +1,46 @@
+"""benchmarks/bench_grpo.py --smoke: the three ways in their own processes on the tiny preset without vLLM, on CPU.
+
+    python -m pytest tests/test_bench_grpo.py -q
+
+Checks the plumbing the GPU run relies on: one child per way, results collected, the table, the final JSON line,
+the JSON file and the markdown next to it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_smoke_runs_the_three_ways_and_reports(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("trl")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_grpo
+
+    out = tmp_path / "grpo.json"
+    result = bench_grpo.main(["--smoke", "--out", str(out), "--workdir", str(tmp_path / "ck")])
+    printed = capsys.readouterr().out.strip().splitlines()
+
+    assert list(result["ways"]) == ["a", "b", "c"]
+    for way, w in result["ways"].items():
+        assert w["ok"], (way, w["attempts"])
+        m = w["median"]
+        assert 0 < m["generate_s"] < m["step_s"] < 60, (way, m)
+        assert m["rollout_tokens"] > 0 and m["rollout_tok_s"] > 0 and m["train_tok_s"] > 0, (way, m)
+        assert 0 <= m["switch_s"] < m["step_s"], (way, m)
+        assert len(w["steps"]) == 2  # one warm-up step, one timed
+    assert result["ways"]["a"]["step_ratio_to_trl"] == 1.0
+    assert result["ways"]["b"]["median"]["switch_s"] > 0  # swaprl's phase events were counted
+    assert result["ways"]["c"]["extra"]["engine"] == "HFEngine"
+
+    header, *rows = [line for line in printed if line.startswith(("way ", "a ", "b ", "c "))]
+    assert "step/TRL" in header and [r[0] for r in rows] == ["a", "b", "c"]
+    final = json.loads(printed[-1])
+    assert final["benchmark"] == "grpo" and set(final["ways"]) == {"a", "b", "c"}
+    assert json.loads(out.read_text())["versions"]["trl"]
+    md = out.with_suffix(".md").read_text()
+    assert "python benchmarks/bench_grpo.py --smoke" in md and "swaprl loop" in md and "No attempt failed" in md
