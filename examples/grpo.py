@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import swaprl
+from swaprl import memory
 
 log = logging.getLogger("grpo")
 
@@ -135,6 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = min(model.config.vocab_size, 256)  # byte tokens: inside every tokenizer swaprl writes
     gen = torch.Generator().manual_seed(args.seed)
     pad_id = model.generation_config.pad_token_id or 0
+    def device_used() -> int | None:
+        return memory.device_used_bytes(torch.device(device)) if device == "cuda" else None
+
     steps = []
     for step in range(args.steps):
         prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
             completions = rt.engine.generate(prompts, swaprl.Sampling(max_tokens=args.max_tokens,
                                                                       n=args.completions, seed=args.seed + step))
             gen_s = time.perf_counter() - tg
+            used_generate = device_used()
         with swaprl.phase("train"):
             tt = time.perf_counter()
             loss, train_tokens = grpo_loss(model, prompts, completions, args.completions,
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             train_s = time.perf_counter() - tt
+            used_train = device_used()
         total = time.perf_counter() - t0
         rollout_tokens = sum(map(len, completions))
         mean_reward = statistics.fmean(reward(c) for c in completions)
@@ -161,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
         rec = {"step": step, "step_s": total, "generate_s": gen_s, "train_s": train_s, "switch_s": switch["s"],
                "rollout_tokens": rollout_tokens, "train_tokens": train_tokens, "loss": loss, "reward": mean_reward,
                "sync_max_abs_diff": check,
-               "peak_device_bytes": torch.cuda.max_memory_reserved() if device == "cuda" else None}
+               # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
+               "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
         steps.append(rec)
         log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
                  "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
