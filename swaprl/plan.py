@@ -75,6 +75,13 @@ def dtype_bytes(name: str) -> tuple[str, int]:
     return key, _DTYPE_BYTES[key]
 
 
+def _check_positive_ints(obj, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
+
+
 @dataclass(kw_only=True, slots=True)
 class Cluster:
     """The machines: identical nodes of identical GPUs."""
@@ -89,10 +96,7 @@ class Cluster:
     """Number of nodes."""
 
     def __post_init__(self) -> None:
-        for name in ("gpus_per_node", "gpu_memory_bytes", "host_memory_bytes", "nodes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Cluster.{name} must be a positive integer, got {value!r}")
+        _check_positive_ints(self, ("gpus_per_node", "gpu_memory_bytes", "host_memory_bytes", "nodes"))
 
     @property
     def gpus(self) -> int:
@@ -133,10 +137,7 @@ class Rollout:
     """Longest completion (`max_tokens`), in tokens."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts", "completions_per_prompt", "prompt_tokens", "completion_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Rollout.{name} must be a positive integer, got {value!r}")
+        _check_positive_ints(self, ("prompts", "completions_per_prompt", "prompt_tokens", "completion_tokens"))
 
     @property
     def sequences(self) -> int:
