@@ -4,7 +4,8 @@ A tensor is moved by copying its bytes into a slice of a host buffer and then po
 that slice (`tensor.data = host_view`); it comes back by the reverse. Parameters stay the same `nn.Parameter`
 objects and optimizer state tensors the same entries of `optimizer.state`, so optimizers, hooks and user code keep
 their references. While a tensor lives on the host it still holds correct data: `optimizer.state_dict()` or
-`model.state_dict()` taken in the `generate` phase is complete (its offloaded tensors are host tensors).
+`model.state_dict()` taken in the `generate` phase is complete (its offloaded tensors are host tensors). Like any
+state dict it aliases live state: save it (or copy it) before the next `generate` phase reuses the host buffer.
 
 Why `.data` and not `untyped_storage().resize_(0)` (what FSDP and torch_memory_saver do): a tensor whose storage
 was resized to zero crashes the process on its next access (a segmentation fault on CPU), while a tensor whose data
@@ -181,7 +182,7 @@ class Mover:
             raise
         return moved
 
-    def reload(self, moved: list[Moved], buffer: HostBuffer, *, wait: bool = True) -> torch.cuda.Event | None:
+    def reload(self, moved: list[Moved], *, wait: bool = True) -> torch.cuda.Event | None:
         """Bring `moved` back to the device. All allocations happen before any tensor is re-pointed, so an
         out-of-memory error leaves every tensor on the host, intact.
 
@@ -213,19 +214,15 @@ class Mover:
             else:
                 done_event = torch.cuda.Event()
                 done_event.record(self.stream)
+        hosts = [m.tensor.data for m in todo]
         done = 0
         try:
             for m, dev in zip(todo, fresh):
                 m.tensor.data = dev
                 done += 1
         except BaseException:
-            for m in todo[:done]:
-                m.tensor.data = _host_view(buffer._buf, m.offset, m.tensor)
+            for m, host in zip(todo[:done], hosts):
+                m.tensor.data = host
             raise
         return done_event
-
-    def wait(self) -> None:
-        """Block until this mover's copies are done (needed before the host buffer is written again)."""
-        if self.stream is not None:
-            self.stream.synchronize()
 

@@ -232,8 +232,10 @@ class Runtime:
     def _run_steps(self, transition: str, steps: list[_Step]) -> int:
         done: list[_Step] = []
         total = 0
+        current = "?"
         try:
             for step in steps:
+                current = step.name
                 t0 = time.perf_counter()
                 moved = step.do() or 0
                 if self.device.type == "cuda" and step.blocking:
@@ -244,10 +246,9 @@ class Runtime:
                 self._emit({"type": "step", "transition": transition, "step": step.name, "bytes": int(moved),
                             "seconds": dt})
         except BaseException as exc:
-            failed = steps[len(done)].name if len(done) < len(steps) else "?"
-            logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition, failed,
+            logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition, current,
                            type(exc).__name__, len(done))
-            self._emit({"type": "error", "transition": transition, "step": failed,
+            self._emit({"type": "error", "transition": transition, "step": current,
                         "error": f"{type(exc).__name__}: {exc}"[:500]})
             for step in reversed(done):
                 if step.undo is None:
@@ -276,11 +277,10 @@ class Runtime:
             # KV cache last, once the parameters have left, so old + new weights + KV never coexist.
             steps += [_Step("engine wake weights", lambda: self._engine_wake(["weights"]), self._engine_sleep),
                       _Step("sync weights", self.sync_weights)]
-        if cfg.params == "offload":
-            steps += [_Step("offload params", lambda: self._offload("params"), lambda: self._reload("params")),
-                      _Step("release cached memory", self._release_cache)]
+        if cfg.params == "offload":  # only with an engine of its own weights (attach refuses it otherwise)
+            steps.append(_Step("offload params", lambda: self._offload("params"), lambda: self._reload("params")))
         if not engine.shares_trainer_weights:
-            steps += [_Step("release cached memory", self._release_cache),  # the sync's buckets
+            steps += [_Step("release cached memory", self._release_cache),  # the sync's buckets, the parameters
                       _Step("engine wake kv_cache", lambda: self._engine_wake(["kv_cache"]), self._engine_sleep)]
             if cfg.verify_sync:  # scoring needs the KV cache; needs the trainer's parameters too
                 steps.append(_Step("verify sync", self._verify_or_raise))
@@ -334,7 +334,7 @@ class Runtime:
         res = self._resources[name]
         moved = res.host_bytes()
         try:
-            event = self._mover.reload(res.moved, res.buffer, wait=not defer)
+            event = self._mover.reload(res.moved, wait=not defer)
             if defer:
                 self._pending_reload = event
         except torch.OutOfMemoryError as exc:
