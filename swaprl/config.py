@@ -59,11 +59,19 @@ class SwapConfig:
     default because code that reads `optimizer.state` directly in `train` before the step would race the copy
     (call `runtime.wait_reload()` first). Saves the reload time (about 0.3 s per 12 GB on an H100) per step."""
 
+    overlap_offload: bool = True
+    """Start the copies of the optimizer states (and offloaded gradients) to the host before the engine's weights
+    are woken and synced, and finish them before its KV cache is mapped, so the copies run under that work. Used
+    only when the device has room for the engine's weights next to the optimizer states (checked at each switch);
+    otherwise the offload finishes first."""
+
     profile: str | os.PathLike | None = None
     """Write a memory profile (JSON Lines) to this path; None: no profiling."""
 
     verify_sync: bool = False
-    """Run the on-policy check (`Runtime.verify_sync`) after every weight sync and raise if it fails."""
+    """Run the on-policy check (`Runtime.verify_sync`) after every weight sync and raise if it fails. The trainer
+    scores the probe right after the sync, before its parameters may be offloaded, so this works with any
+    `params` policy."""
 
     def __post_init__(self) -> None:
         if self.grads not in _GRAD_POLICIES:
@@ -80,9 +88,5 @@ class SwapConfig:
         if self.sync_bucket_bytes < 2**20:
             raise ValueError(f"SwapConfig.sync_bucket_bytes={self.sync_bucket_bytes} is under 1 MiB; "
                              "buckets that small make the weight sync launch-bound: use 64 MiB or more")
-        if self.verify_sync and self.params == "offload":
-            raise ValueError("SwapConfig(verify_sync=True) scores tokens with the trainer while the engine is awake, "
-                             "which params='offload' prevents; use params='keep', or call runtime.verify_sync() "
-                             "yourself in the 'train' phase")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"SwapConfig.gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]")

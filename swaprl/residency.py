@@ -13,7 +13,8 @@ sits on the host stays safe to read, save and even modify.
 
 Host buffers are allocated once per resource and reused: first-touch page-locking costs about 1 s per GiB, while
 copies into locked pages run at PCIe speed. Copies run on a side CUDA stream; the offload waits for its copies once
-(the device memory is released only when the bytes are safe), the reload does not block the host at all.
+(the device memory is released only when the bytes are safe) and can be started early and finished later, so
+that its copies run under other work; the reload does not block the host at all.
 """
 
 from __future__ import annotations
@@ -87,6 +88,16 @@ class HostBuffer:
                     " pinned" if self.pin else "", time.perf_counter() - start)
         return self._buf
 
+    def holds(self, m: Moved) -> bool:
+        """Whether `m` still sits at its own offset of this buffer."""
+        return self._buf is not None and m.host_ptr == self._buf.data_ptr() + m.offset == m.tensor.data_ptr()
+
+    def span(self, end: int) -> torch.Tensor:
+        """The first `end` bytes of the buffer."""
+        if self._buf is None or end > self._buf.numel():
+            raise ValueError(f"host buffer {self.name!r} holds {self.capacity} bytes, not {end}")
+        return self._buf[:end]
+
     def release(self) -> None:
         if self._buf is not None and self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
@@ -139,6 +150,18 @@ def _host_view(buf: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
     return buf[offset:offset + nbytes(t)].view(t.dtype).as_strided(t.shape, t.stride())
 
 
+@dataclass(slots=True)
+class PendingOffload:
+    """An offload whose copies were queued but whose tensors still point at the device."""
+
+    plan: list[tuple[torch.Tensor, int, torch.Tensor]]
+    event: torch.cuda.Event | None
+
+    @property
+    def bytes(self) -> int:
+        return sum(nbytes(t) for t, _, _ in self.plan)
+
+
 class Mover:
     """Copies sets of tensors device <-> host buffer on one side stream."""
 
@@ -147,17 +170,23 @@ class Mover:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def offload(self, tensors: list[torch.Tensor], buffer: HostBuffer) -> list[Moved]:
-        """Copy `tensors` (all on `self.device`, distinct, dense) into `buffer` and re-point them there.
+        """Copy `tensors` (all on `self.device`, distinct, dense) into `buffer` and re-point them there."""
+        return self.finish(self.start_offload(tensors, buffer))
 
-        Nothing is re-pointed until every copy has finished, and an interruption while re-pointing puts back what
-        was already switched: either all of `tensors` end on the host or none does.
+    def start_offload(self, tensors: list[torch.Tensor], buffer: HostBuffer) -> PendingOffload:
+        """Queue the copies of `tensors` into `buffer` on the side stream and return at once.
+
+        The tensors keep their device data until `finish`; they must not be written in between (the runtime only
+        starts an offload of state that nothing touches until it is back). `cancel` drops the copies instead.
         """
         for t in tensors:
             if not _is_dense(t):
                 raise ValueError(f"cannot offload a tensor with gaps in its storage (shape {tuple(t.shape)}, "
                                  f"stride {t.stride()}); make it contiguous before attaching")
-        buf = buffer.ensure(layout_bytes(tensors))
         plan: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        if not tensors:  # nothing to move (an optimizer before its first step): allocate nothing
+            return PendingOffload(plan, None)
+        buf = buffer.ensure(layout_bytes(tensors))
         offset = 0
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -167,12 +196,24 @@ class Mover:
                 host.copy_(t.data, non_blocking=self.stream is not None)
                 plan.append((t, offset, host))
                 offset += _align(nbytes(t))
+        event = None
         if self.stream is not None:
-            self.stream.synchronize()  # the device copies may be freed only once the bytes are on the host
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return PendingOffload(plan, event)
+
+    def finish(self, pending: PendingOffload) -> list[Moved]:
+        """Wait for a started offload and re-point its tensors at their host copies.
+
+        Nothing is re-pointed until every copy has finished, and an interruption while re-pointing puts back what
+        was already switched: either all of the tensors end on the host or none does.
+        """
+        if pending.event is not None:
+            pending.event.synchronize()  # the device copies may be freed only once the bytes are on the host
         moved: list[Moved] = []
         originals: list[torch.Tensor] = []
         try:
-            for t, off, host in plan:
+            for t, off, host in pending.plan:
                 originals.append(t.data)
                 t.data = host
                 moved.append(Moved(t, off, self.device, host.data_ptr()))
@@ -182,7 +223,14 @@ class Mover:
             raise
         return moved
 
-    def reload(self, moved: list[Moved], *, wait: bool = True) -> torch.cuda.Event | None:
+    @staticmethod
+    def cancel(pending: PendingOffload) -> None:
+        """Drop a started offload: the tensors never left the device; wait so the buffer can be reused."""
+        if pending.event is not None:
+            pending.event.synchronize()
+
+    def reload(self, moved: list[Moved], *, wait: bool = True,
+               buffer: HostBuffer | None = None) -> torch.cuda.Event | None:
         """Bring `moved` back to the device. All allocations happen before any tensor is re-pointed, so an
         out-of-memory error leaves every tensor on the host, intact.
 
@@ -198,14 +246,18 @@ class Mover:
             todo.append(m)
         # One allocation for the whole set, carved like the host buffer: after the runtime hands torch's cache back
         # to the driver, a few hundred separate cudaMallocs would cost more than the copies themselves.
-        flat = torch.empty(max((m.offset + _align(nbytes(m.tensor)) for m in todo), default=0),
-                           dtype=torch.uint8, device=self.device)
+        end = max((m.offset + _align(nbytes(m.tensor)) for m in todo), default=0)
+        flat = torch.empty(end, dtype=torch.uint8, device=self.device)
         fresh = [_host_view(flat, m.offset, m.tensor) for m in todo]
+        whole = bool(todo) and buffer is not None and len(todo) == len(moved) and all(map(buffer.holds, todo))
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            for m, dev in zip(todo, fresh):
-                dev.copy_(m.tensor.data, non_blocking=self.stream is not None)
+            if whole:
+                flat.copy_(buffer.span(end), non_blocking=self.stream is not None)
+            else:
+                for m, dev in zip(todo, fresh):
+                    dev.copy_(m.tensor.data, non_blocking=self.stream is not None)
         done_event = None
         if self.stream is not None:
             flat.record_stream(self.stream)

@@ -6,7 +6,10 @@ and re-raises with the runtime still in the phase it was in. No tensor is ever l
 dropped after its host copy is complete, and its host copy is only reused after it is back on the device.
 
     train -> generate: offload optimizer states, offload/free gradients, [engine: wake weights, sync weights from
-                       the trainer], offload trainer parameters (if configured), [engine: wake KV cache]
+                       the trainer, score the probe with the trainer], offload trainer parameters (if configured),
+                       [engine: wake KV cache, score the probe with the engine]. When the device has room for
+                       the engine's weights next to the optimizer, the offloads' copies run under the wake-up, the
+                       sync and the trainer's scoring (`SwapConfig.overlap_offload`).
     generate -> train: [engine: sleep], reload parameters, gradients, optimizer states
 """
 
@@ -23,8 +26,9 @@ import torch
 
 from . import memory
 from .config import SwapConfig
-from .engines.base import Engine, EngineStateError
-from .residency import HostBuffer, HostBufferError, Mover, Moved, layout_bytes, local_tensor, nbytes
+from .engines.base import Engine, EngineStateError, sequence_logprobs
+from .residency import (HostBuffer, HostBufferError, Moved, Mover, PendingOffload, layout_bytes, local_tensor,
+                        nbytes)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class _Resource:
     location: Location = "device"
     moved: list[Moved] = field(default_factory=list)
     dropped: list[tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    pending: PendingOffload | None = None
 
     def host_bytes(self) -> int:
         return sum(nbytes(m.tensor) for m in self.moved)
@@ -99,6 +104,7 @@ class Runtime:
                        optimizer.register_state_dict_pre_hook(lambda opt: self.wait_reload())]
         self.sleep_level = self._resolve_sleep_level()
         self.last_sync: SyncReport | None = None
+        self._probe: tuple[list[list[int]], list[torch.Tensor]] | None = None  # the trainer's half of the check
         if not engine.shares_trainer_weights:
             self._run_steps("attach", [_Step("engine sleep", lambda: self._engine_sleep(),
                                              lambda: self._engine_wake(None))])
@@ -161,10 +167,10 @@ class Runtime:
         if self._resources["params"].location != "device":
             raise PhaseError("verify_sync() needs the trainer's parameters on the device; call it in the 'train' "
                              "phase or with SwapConfig(params='keep')")
-        seqs = sequences or _probe_sequences(self.model)
-        from .engines.base import sequence_logprobs
+        seqs = sequences or _probe_sequences(self.model, self.engine.max_sequence_length)
+        return self._compare(seqs, sequence_logprobs(self.model, seqs), tolerance)
 
-        mine = sequence_logprobs(self.model, seqs)
+    def _compare(self, seqs: list[list[int]], mine: list[torch.Tensor], tolerance: float | None) -> SyncReport:
         theirs = self.engine.logprobs(seqs)
         diffs = torch.cat([(a - b).abs() for a, b in zip(mine, theirs)])
         tol, mean_tol = _default_tolerances(self.engine)
@@ -266,24 +272,39 @@ class Runtime:
     def _to_generate(self) -> list[_Step]:
         cfg, engine = self.config, self.engine
         self._check_host_budget()
-        steps = [_Step("offload optimizer", lambda: self._offload("optimizer"), lambda: self._reload("optimizer"))]
-        if cfg.grads == "offload":
-            steps.append(_Step("offload grads", lambda: self._offload("grads"), lambda: self._reload("grads")))
-        elif cfg.grads == "free":
+        separate = not engine.shares_trainer_weights
+        # With room for the engine's weights next to the trainer's state, the optimizer's (and gradients') copies
+        # to the host run under the engine's weight wake-up, the weight sync and the trainer's half of the
+        # on-policy check; their device memory is released before the KV cache is mapped either way.
+        overlap = separate and cfg.overlap_offload and self._room_for_engine_weights()
+        offloads = ["optimizer"] + (["grads"] if cfg.grads == "offload" else [])
+        steps = []
+        for name in offloads:
+            if overlap:
+                steps.append(_Step(f"start offload {name}", lambda n=name: self._start_offload(n),
+                                   lambda n=name: self._cancel_offload(n), blocking=False))
+            else:
+                steps.append(_Step(f"offload {name}", lambda n=name: self._offload(n), lambda n=name: self._reload(n)))
+        if cfg.grads == "free":
             steps.append(_Step("free grads", self._drop_grads, self._restore_grads, self._forget_dropped_grads))
         steps.append(_Step("release cached memory", self._release_cache))
-        if not engine.shares_trainer_weights:
+        if separate:
             # Staged wake-up: weights first, synced while the trainer's parameters are still on the device; the
-            # KV cache last, once the parameters have left, so old + new weights + KV never coexist.
+            # KV cache last, once the trainer's state has left, so old + new weights + KV never coexist.
             steps += [_Step("engine wake weights", lambda: self._engine_wake(["weights"]), self._engine_sleep),
                       _Step("sync weights", self.sync_weights)]
+            if cfg.verify_sync:  # the trainer's half of the check, while its parameters are surely on the device
+                steps.append(_Step("score probe (trainer)", self._score_probe_trainer, self._forget_probe))
+        if overlap:
+            steps += [_Step(f"finish offload {name}", lambda n=name: self._finish_offload(n),
+                            lambda n=name: self._reload(n)) for name in offloads]
         if cfg.params == "offload":  # only with an engine of its own weights (attach refuses it otherwise)
             steps.append(_Step("offload params", lambda: self._offload("params"), lambda: self._reload("params")))
-        if not engine.shares_trainer_weights:
-            steps += [_Step("release cached memory", self._release_cache),  # the sync's buckets, the parameters
+        if separate:
+            steps += [_Step("release cached memory", self._release_cache),  # the sync's buckets, the state just moved
                       _Step("engine wake kv_cache", lambda: self._engine_wake(["kv_cache"]), self._engine_sleep)]
-            if cfg.verify_sync:  # scoring needs the KV cache; needs the trainer's parameters too
-                steps.append(_Step("verify sync", self._verify_or_raise))
+            if cfg.verify_sync:  # the engine's half needs the KV cache
+                steps.append(_Step("verify sync", self._verify_or_raise, self._forget_probe))
         return steps
 
     def _to_train(self) -> list[_Step]:
@@ -323,18 +344,43 @@ class Runtime:
         return out
 
     def _offload(self, name: str) -> int:
+        self._start_offload(name)
+        return self._finish_offload(name)
+
+    def _start_offload(self, name: str) -> int:
         self.wait_reload()
         res = self._resources[name]
-        tensors = self._tensors(name)
-        res.moved = self._mover.offload(tensors, res.buffer) if tensors else []
+        res.pending = self._mover.start_offload(self._tensors(name), res.buffer)
+        return 0  # counted when it finishes
+
+    def _finish_offload(self, name: str) -> int:
+        res = self._resources[name]
+        pending, res.pending = res.pending, None
+        res.moved = self._mover.finish(pending)
         res.location = "host"
-        return sum(nbytes(t) for t in tensors)
+        return pending.bytes
+
+    def _cancel_offload(self, name: str) -> None:
+        res = self._resources[name]
+        if res.pending is not None:
+            self._mover.cancel(res.pending)
+            res.pending = None
+
+    def _room_for_engine_weights(self) -> bool:
+        """Whether the engine's weights (and a sync bucket) fit while the trainer's optimizer is still resident."""
+        if self.device.type != "cuda":
+            return True
+        grads = sum(nbytes(t) for t in self._tensors("grads")) if self.config.grads == "free" else 0
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        room = memory.device_free_bytes(self.device) + cached + grads
+        need = self.engine.weights_bytes + self.config.sync_bucket_bytes + 512 * 2**20
+        return room >= need
 
     def _reload(self, name: str, defer: bool = False) -> int:
         res = self._resources[name]
         moved = res.host_bytes()
         try:
-            event = self._mover.reload(res.moved, wait=not defer)
+            event = self._mover.reload(res.moved, wait=not defer, buffer=res.buffer)
             if defer:
                 self._pending_reload = event
         except torch.OutOfMemoryError as exc:
@@ -418,8 +464,17 @@ class Runtime:
         if self._engine_stale:
             self.sync_weights()
 
+    def _score_probe_trainer(self) -> None:
+        seqs = _probe_sequences(self.model, self.engine.max_sequence_length)
+        self._probe = (seqs, sequence_logprobs(self.model, seqs))
+
+    def _forget_probe(self) -> None:
+        self._probe = None
+
     def _verify_or_raise(self) -> None:
-        report = self.verify_sync()
+        seqs, mine = self._probe
+        self._probe = None
+        report = self._compare(seqs, mine, None)
         if not report.ok:
             raise EngineStateError(
                 f"on-policy check failed after the weight sync: the engine's log-probabilities differ from the "
@@ -465,11 +520,13 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return devices.pop()
 
 
-def _probe_sequences(model: torch.nn.Module) -> list[list[int]]:
-    """Fixed pseudo-random token sequences inside the model's vocabulary (the same on every call)."""
+def _probe_sequences(model: torch.nn.Module, max_len: int | None = None) -> list[list[int]]:
+    """Fixed pseudo-random token sequences inside the model's vocabulary and the engine's length limit (the same on
+    every call)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 256
+    length = max(2, min(48, (max_len or 49) - 1))  # the engine scores a prompt and samples one token after it
     gen = torch.Generator().manual_seed(1234)
-    return torch.randint(0, min(vocab, 256), (2, 48), generator=gen).tolist()
+    return torch.randint(0, min(vocab, 256), (2, length), generator=gen).tolist()
 
 
 def _default_tolerances(engine: Engine) -> tuple[float, float]:

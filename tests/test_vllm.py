@@ -133,6 +133,45 @@ def test_mismatched_trainer_is_refused_and_rolled_back(tmp_path, engine):
     assert rt.status()["engine"]["location"] != "device"
 
 
+@pytest.mark.parametrize("interrupted_after", ["start offload optimizer", "sync weights", "score probe (trainer)",
+                                               "finish offload optimizer", "engine wake kv_cache"])
+def test_interrupted_overlapped_switch_loses_nothing(tiny_checkpoint, engine, interrupted_after):
+    """Ctrl-C anywhere in the overlapped train->generate (offload copies in flight under the wake-up and sync): the
+    runtime stays in train with every optimizer state intact, and the next switch works and passes the check."""
+    model, opt = trainer(tiny_checkpoint)
+    train_step(model, opt)
+    states = [t.clone() for s in opt.state.values() for t in s.values()]
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(verify_sync=True))
+
+    def interrupt(event):
+        if event["type"] == "step" and event["step"] == interrupted_after:
+            raise KeyboardInterrupt
+
+    remove = rt.add_listener(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with swaprl.phase("generate"):
+            pytest.fail("the block must not run when entering the phase failed")
+    remove()
+    assert rt.current_phase == "train"
+    assert rt.status()["optimizer"]["location"] == "device"
+    for t, s in zip((t for st in opt.state.values() for t in st.values()), states):
+        torch.testing.assert_close(t, s, rtol=0, atol=0)
+    with swaprl.phase("generate"):
+        assert rt.status()["optimizer"]["location"] == "host"
+        assert rt.last_sync is not None and rt.last_sync.ok
+
+
+def test_on_policy_check_runs_with_params_offloaded(tiny_checkpoint, engine):
+    """The trainer scores the probe before its parameters leave, so the check needs no trainer weights later."""
+    model, opt = trainer(tiny_checkpoint)
+    train_step(model, opt)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(params="offload", verify_sync=True))
+    with swaprl.phase("generate"):
+        assert rt.status()["params"]["location"] == "host"
+        assert rt.last_sync is not None and rt.last_sync.ok
+        assert engine.generate([[1, 2, 3]], swaprl.Sampling(max_tokens=4))
+
+
 # ---------------------------------------------------------------- GPU: sleep mode and memory
 
 

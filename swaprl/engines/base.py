@@ -48,6 +48,10 @@ class Engine(abc.ABC):
 
     shares_trainer_weights: bool = False
     own_memory_pool: bool = False
+    weights_bytes: int = 0
+    """Device bytes of the engine's own copy of the weights when awake (0 when it shares the trainer's)."""
+    max_sequence_length: int | None = None
+    """Longest prompt + completion the engine accepts (None: no limit of its own)."""
 
     def bind(self, model: torch.nn.Module) -> None:
         """Called by `attach` with the trainer's model (an engine that needs no model ignores it)."""

@@ -113,6 +113,7 @@ class VLLMEngine(Engine):
         self.weights_bytes = sum(self.llm.apply_model(
             lambda m: sum(p.numel() * p.element_size() for p in m.parameters())))  # summed over TP ranks here
         self.kv_cache_bytes = _kv_cache_bytes(llm)
+        self.max_sequence_length = llm.llm_engine.vllm_config.model_config.max_model_len
         self.expected = {n: (shape, self.dtype) for n, (shape, _) in _read_checkpoint_index(self.path).items()}
         logger.info("vLLM engine ready: weights %.2f GiB, KV cache %.2f GiB, footprint %.2f GiB",
                     gib(self.weights_bytes), gib(self.kv_cache_bytes), gib(self.stats.get("footprint_bytes", 0)))
