@@ -48,6 +48,7 @@ class _Step:
     undo: Callable[[], object] | None = None
     commit: Callable[[], object] | None = None
     blocking: bool = True  # False: its copies may still run when the next step starts (not timed to completion)
+    started_by: str | None = None  # the step that queued this one's copies: its event also gets the whole span
 
 
 @dataclass(slots=True)
@@ -239,18 +240,22 @@ class Runtime:
         done: list[_Step] = []
         total = 0
         current = "?"
+        started: dict[str, float] = {}
         try:
             for step in steps:
                 current = step.name
-                t0 = time.perf_counter()
+                t0 = started[step.name] = time.perf_counter()
                 moved = step.do() or 0
                 if self.device.type == "cuda" and step.blocking:
                     torch.cuda.synchronize(self.device)
-                dt = time.perf_counter() - t0
+                t1 = time.perf_counter()
                 done.append(step)
                 total += int(moved)
-                self._emit({"type": "step", "transition": transition, "step": step.name, "bytes": int(moved),
-                            "seconds": dt})
+                event = {"type": "step", "transition": transition, "step": step.name, "bytes": int(moved),
+                         "seconds": t1 - t0}
+                if step.started_by in started:  # the copies ran from their start step until now, under other work
+                    event["span_seconds"] = t1 - started[step.started_by]
+                self._emit(event)
         except BaseException as exc:
             logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition, current,
                            type(exc).__name__, len(done))
@@ -297,7 +302,7 @@ class Runtime:
                 steps.append(_Step("score probe (trainer)", self._score_probe_trainer, self._forget_probe))
         if overlap:
             steps += [_Step(f"finish offload {name}", lambda n=name: self._finish_offload(n),
-                            lambda n=name: self._reload(n)) for name in offloads]
+                            lambda n=name: self._reload(n), started_by=f"start offload {name}") for name in offloads]
         if cfg.params == "offload":  # only with an engine of its own weights (attach refuses it otherwise)
             steps.append(_Step("offload params", lambda: self._offload("params"), lambda: self._reload("params")))
         if separate:

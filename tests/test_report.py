@@ -283,3 +283,15 @@ def test_rolled_back_transition_shows_in_the_report(tiny_checkpoint, tmp_path):
                for w in run.warnings), run.warnings
     write_report([run], tmp_path / "rep")
     assert "rolled back" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_overlapped_offload_is_rated_over_its_whole_span():
+    """A finished overlapped offload waited 0.1 s but its copies ran for 0.8 s: 16 GiB / 0.8 s, not / 0.1 s."""
+    from swaprl.profile.report import Run, transition_rows
+
+    run = Run(Path("run.jsonl"), {"copy_bandwidth": {"d2h_GBps": 25.0, "h2d_GBps": 25.0}})
+    run.steps = [{"t": float(i), "transition": "train->generate", "step": "finish offload optimizer",
+                  "bytes": 16 * GiB, "seconds": 0.1, "span_seconds": 0.8} for i in range(3)]
+    (row,) = transition_rows(run)
+    assert row["GBps"] == pytest.approx(16 * GiB / 0.8 / 1e9)
+    assert row["ceiling_GBps"] == 25.0

@@ -10,7 +10,8 @@ object a line; every line is written whole and flushed, so a crash leaves a read
              "torch", "swaprl", "nvml", "device_used_source", "copy_bandwidth": {"h2d_GBps", "d2h_GBps"} | null,
              "interval_s", "engine", "config", "t0", ...}
     sample  {"type": "sample", "t", "host_rss", "host_buffers"[, "device_used", "torch_allocated", "torch_reserved"]}
-    step    {"type": "step", "t", "transition", "step", "bytes", "seconds"}
+    step    {"type": "step", "t", "transition", "step", "bytes", "seconds"[, "span_seconds"]}  (span_seconds: an
+            overlapped copy's time from the step that queued it to this one, which waited for it)
     error   {"type": "error", "t", "transition", "step", "error"}: a transition that failed and was rolled back
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"}
             (the first one, "from": null, is the state when recording started)
@@ -158,7 +159,8 @@ class Profiler:
     def _on_event(self, event: dict) -> None:
         kind = event.get("type")
         if kind == "step":
-            self._write({"type": "step"} | {k: event[k] for k in ("t", "transition", "step", "bytes", "seconds")})
+            self._write({"type": "step"} | {k: event[k] for k in ("t", "transition", "step", "bytes", "seconds",
+                                                                  "span_seconds") if k in event})
         elif kind == "phase":
             self._write(self._boundary(event))
             self._write(self._sample())

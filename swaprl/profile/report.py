@@ -32,7 +32,7 @@ _MAX_BARS = 16
 _MAX_POINTS = 20_000
 _DPI = 100
 _SHADE = {"train": "#d6e6f5", "generate": "#fde2c8", "transition": "#e0e0e0"}
-_CEILING = {"offload": "d2h_GBps", "reload": "h2d_GBps"}  # step name prefix -> header copy_bandwidth key
+_CEILING = {"offload": "d2h_GBps", "reload": "h2d_GBps"}  # word of a step's name -> header copy_bandwidth key
 
 
 class ProfileFormatError(ValueError):
@@ -200,8 +200,10 @@ def transition_rows(run: Run) -> list[dict]:
     for (transition, step), recs in groups.items():
         later = recs[1:] or recs
         moved = not step.startswith("free")  # "free grads" reports bytes released, not bytes copied
-        rates = [r["bytes"] / r["seconds"] / 1e9 for r in later if moved and r["bytes"] > 0 and r["seconds"] > 0]
-        key = next((v for p, v in _CEILING.items() if step.startswith(p)), None)
+        # An overlapped offload's bytes moved over its whole span (start to finish), not over the final wait.
+        rates = [r["bytes"] / r.get("span_seconds", r["seconds"]) / 1e9 for r in later
+                 if moved and r["bytes"] > 0 and r.get("span_seconds", r["seconds"]) > 0]
+        key = next((v for p, v in _CEILING.items() if p in step.split()), None)
         row = {"transition": transition, "step": step, "count": len(recs),
                "bytes": statistics.median(r["bytes"] for r in recs), "first_s": recs[0]["seconds"],
                "later_s": statistics.median(r["seconds"] for r in later) if len(recs) > 1 else None,
