@@ -477,17 +477,29 @@ def _layer_activation_bytes(m: Preset, tokens: int, b: int) -> int:
 
 
 def _train_activation_bytes(s: _Spec, checkpointing: bool) -> int:
-    """§Activations: saved activations, then the larger of the loss's backward and a layer's, + FSDP's buffers."""
+    """§Activations: saved activations, then the largest of the loss's backward, the lm_head's backward and a
+    layer's, + FSDP's buffers."""
     m, t = s.model, s.micro_batch_tokens
     b = dtype_bytes(s.compute_dtype)[1]
     layer = _layer_activation_bytes(m, t, b)
     outside = t * b * 4 * m.hidden_size  # embedding output and the final norm
     logits = t * m.vocab_size * (b + 4 * _LOGITS_FP32_COPIES)
+    head = _head_backward_bytes(s, t, b)
     if checkpointing:
-        peak = m.num_hidden_layers * t * m.hidden_size * b + outside + max(logits, 2 * layer)
+        peak = m.num_hidden_layers * t * m.hidden_size * b + outside + max(logits, 2 * layer, head)
     else:
-        peak = m.num_hidden_layers * layer + outside + max(logits, layer)
+        peak = m.num_hidden_layers * layer + outside + max(logits, layer, head)
     return peak + _fsdp_working_bytes(s)
+
+
+def _head_backward_bytes(s: _Spec, t: int, b: int) -> int:
+    """§Activations: the lm_head's backward in a micro batch after the first: the logits the loss holds and their
+    gradient, and the head weight's new gradient, formed whole before it is added into `.grad`. Unsharded only:
+    with FSDP the root's unsharded gradient is already in the fsdp term."""
+    if s.shard_degree > 1:
+        return 0
+    m = s.model
+    return t * m.vocab_size * (2 * b + 4) + m.vocab_size * m.hidden_size * dtype_bytes(s.grad_dtype)[1]
 
 
 def _fsdp_working_bytes(s: _Spec) -> int:

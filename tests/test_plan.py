@@ -100,6 +100,20 @@ def test_generate_matches_a_measured_self_sized_vllm_engine():
     assert p2.inputs["engine_reserve_bytes"] == 2 * GiB
 
 
+def test_accumulating_micro_batches_counts_the_head_gradient_formed_before_it_is_added():
+    # 72B's shapes cut to 2 layers on one GPU, micro batches of one 768-token sequence: from the second micro batch
+    # on, the lm_head's new bf16 gradient (V x h) is formed whole next to the logits, outweighing their backward
+    m = get_preset("qwen2.5-72b")
+    t, h, V, i = 768, m.hidden_size, m.vocab_size, m.intermediate_size
+    rollout = sp.Rollout(prompts=8, completions_per_prompt=8, prompt_tokens=256, completion_tokens=512)
+    p = sp.plan(m, layers=2, cluster="1xH100", optimizer_dtype="bf16", rollout=rollout,
+                settings={"activation_checkpointing": False})
+    layer = t * 2 * (10 * h + 2 * 8 * 128 + 4 * i)
+    head = t * V * (2 * 2 + 4) + V * h * 2
+    assert head > t * V * (2 + 12)  # the loss's own backward
+    assert p.gpu["train"]["activations"] == 2 * layer + t * 2 * 4 * h + head
+
+
 def test_72b_on_8xh100_needs_more_than_one_node():
     p = sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT)
     assert not p.ok and not p.fits["train"]
