@@ -225,6 +225,7 @@ def child(spec_path: str) -> None:
         torch.cuda.empty_cache()
     p = make_plan(spec, str(path), None, gpu_total, host_total)  # from the checkpoint's config.json
     out["plan"] = plan_summary(p)
+    log.info("plan of depth %d:\n%s", depth, p.table())
     if p.settings is None:
         if not spec["force"]:
             raise SystemExit(f"depth {depth}: the plan fits nothing: {p.verdict}")
@@ -243,6 +244,7 @@ def child(spec_path: str) -> None:
     seq = spec["prompt_tokens"] + spec["completion_tokens"]
     if cuda:
         torch.cuda.empty_cache()  # the engine sizes itself on what is free now
+        out["free_before_engine_bytes"] = torch.cuda.mem_get_info(device)[0]
         from swaprl.engines.vllm import VLLMEngine
 
         engine = VLLMEngine(path, dtype="bfloat16", max_model_len=seq + 8, enforce_eager=not spec["cuda_graphs"],
@@ -358,7 +360,7 @@ def launch(spec: dict, run_dir: Path, timeout: float) -> dict:
     tail = log_path.read_text(errors="replace").splitlines()[-15:]
     errors = [ln.strip() for ln in tail if re.search(r"Error|error|Killed|fits nothing", ln)]
     log.warning("depth %s failed (exit %s), log %s:\n%s", spec["depth"], rc, log_path, "\n".join(tail))
-    return {"ok": False, "wall_s": seconds, "rc": rc, "log": str(log_path),
+    return {"ok": False, "wall_s": seconds, "rc": rc, "log_tail": [ln[:300] for ln in tail],
             "error": (errors[-1] if errors else f"exit {rc}")[:300]}
 
 
@@ -449,7 +451,8 @@ def markdown(result: dict, lines: list[str]) -> str:
                else f"Outside 10%: {', '.join(flagged)}." if flagged else "No phase total was measured.")
     return "\n".join([
         f"# The memory planner against measurement: {s['preset']} at reduced depth", "",
-        "Command:", "", f"    {result['command']}", "",
+        "Command:", "", *sorted({f"    {d.get('command') or result['command']}" for d in result["depths"].values()}),
+        "",
         f"Hardware: {hw.get('gpu') or 'CPU'}" + (f" (driver {hw['driver']}, {hw['gpu_memory_bytes']:,} B as CUDA "
                                                  f"counts it)" if hw.get("driver") else "")
         + f". Software: {', '.join(f'{k} {v}' for k, v in result['versions'].items())}. Date: {result['date']}.", "",
@@ -472,19 +475,31 @@ def markdown(result: dict, lines: list[str]) -> str:
     ])
 
 
-def merge_previous(out_dir: Path, result: dict) -> None:
-    """Keep depths measured by an earlier command with the same settings (one depth per command is allowed)."""
+def previous_depths(out_dir: Path, settings: dict) -> dict:
+    """Depths an earlier command measured into `out_dir` with the same settings (one depth per command is allowed)."""
     path = out_dir / "plan_validation.json"
-    if not path.exists():
-        return
     try:
         old = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return
-    if old.get("settings") == result["settings"]:
-        for depth, d in old.get("depths", {}).items():
-            if d.get("ok") and not result["depths"].get(depth, {}).get("ok"):
-                result["depths"][depth] = d
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {k: d for k, d in old.get("depths", {}).items() if d.get("ok")} if old.get("settings") == settings else {}
+
+
+def save(result: dict, previous: dict, out_dir: Path) -> list[str]:
+    """Write plan_validation.json and README.md for what is measured so far (a later failure keeps earlier depths);
+    returns the table. A depth measured now replaces an earlier one; a failure or a skip does not."""
+    depths = dict(previous)
+    for k, d in result["depths"].items():
+        if d.get("ok") or not depths.get(k, {}).get("ok"):
+            depths[k] = d
+    result = {**result, "depths": dict(sorted(depths.items(), key=lambda kv: int(kv[0])))}
+    rows = [row for d in result["depths"].values() if d.get("ok") for row in d["compare"].values()
+            if row["ratio"] is not None]
+    result["within_10pct"] = bool(rows) and not any(row["flag"] for row in rows)
+    lines = tables(result)
+    (out_dir / "plan_validation.json").write_text(json.dumps(result, indent=1, default=str))
+    (out_dir / "README.md").write_text(markdown(result, lines))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -514,6 +529,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"benchmark": "plan", "command": "python benchmarks/bench_plan.py " + " ".join(argv or sys.argv[1:]),
               "hardware": hw, "versions": versions(), "date": time.strftime("%Y-%m-%d"), "settings": settings,
               "depths": {}}
+    previous = previous_depths(out_dir, settings)
     for depth in args.depths:
         p = make_plan(spec_base, args.preset, depth, gpu_total, host_total)
         if not p.ok and not args.force:
@@ -529,15 +545,11 @@ def main(argv: list[str] | None = None) -> dict:
             profile = Path(r.pop("profile"))
             with open(profile, "rb") as src, gzip.open(out_dir / f"profile_{depth}l.jsonl.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
-        result["depths"][str(depth)] = r
-    merge_previous(out_dir, result)
-    measured = [row for d in result["depths"].values() if d.get("ok") for row in d["compare"].values()
-                if row["ratio"] is not None]
-    result["within_10pct"] = bool(measured) and not any(row["flag"] for row in measured)
-    lines = tables(result)
+        result["depths"][str(depth)] = {**r, "command": result["command"]}
+        save(result, previous, out_dir)
+    lines = save(result, previous, out_dir)
+    result = json.loads((out_dir / "plan_validation.json").read_text())
     print("\n".join(lines))
-    (out_dir / "plan_validation.json").write_text(json.dumps(result, indent=1, default=str))
-    (out_dir / "README.md").write_text(markdown(result, lines))
     final = {"benchmark": "plan", "preset": args.preset, "within_10pct": result["within_10pct"], "out": str(out_dir),
              "depths": {k: ({p: {"planned": row["planned"], "measured": row["measured"], "ratio": row["ratio"]}
                              for p, row in d["compare"].items()} if d.get("ok") else
