@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .engines.vllm import default_reserve_bytes
 from .presets import PRESETS, Preset, get_preset
 
 GiB = 2**30
@@ -212,7 +213,9 @@ class Plan:
     """phase -> category -> pinned bytes on one node that hold data in that phase."""
     host_pinned_bytes: int
     """Pinned host bytes per node, all buffers together (allocated once and kept, §Host)."""
-    gpu_budget_bytes: int
+    gpu_budget_bytes: dict[str, int]
+    """phase -> bytes the phase may fill on one GPU: `train` the utilisation cap, `generate` the GPU less the
+    engine's reserve (what a self-sized VLLMEngine takes, §Phases)."""
     host_budget_bytes: int
     fits: dict[str, bool]
     kv_cache_bytes: int
@@ -278,8 +281,9 @@ class Plan:
         for cat in CATEGORIES:
             lines.append(f"  {cat:<22}" + "".join(f"{_gib(self.gpu[p][cat]):>10}" for p in PHASES))
         lines.append(f"  {'total':<22}" + "".join(f"{_gib(self.total(p)):>10}" for p in PHASES))
-        cap = f"budget ({i['gpu_utilization_cap']:.0%})"
-        lines.append(f"  {cap:<22}" + f"{_gib(self.gpu_budget_bytes):>10}" * 2)
+        lines.append(f"  {'budget':<22}" + "".join(f"{_gib(self.gpu_budget_bytes[p]):>10}" for p in PHASES)
+                     + f"  (train: {i['gpu_utilization_cap']:.0%} of the GPU; generate: the GPU less the engine's "
+                     f"{_gib(i['engine_reserve_bytes'])} GiB reserve)")
         lines.append(f"  {'fits':<22}" + "".join(f"{'yes' if self.fits[p] else 'NO':>10}" for p in PHASES))
         lines += ["", f"{'per node host (GiB)':<24}{'train':>10}{'generate':>10}"]
         for cat in HOST_CATEGORIES:
@@ -334,6 +338,7 @@ class _Spec:
     cuda_graphs: bool
     processes_per_gpu: int
     gpu_utilization_cap: float
+    engine_reserve_bytes: int
     host_margin_bytes: int
     pinned: tuple[tuple[str, object], ...]
 
@@ -367,6 +372,9 @@ class _Spec:
         if not 0.0 < self.gpu_utilization_cap <= 1.0:
             raise ValueError(f"gpu_utilization_cap={self.gpu_utilization_cap} must lie in (0, 1]; vLLM's default "
                              "is 0.9, swaprl's 0.92")
+        if not 0 <= self.engine_reserve_bytes < c.gpu_memory_bytes:
+            raise ValueError(f"engine_reserve_bytes={self.engine_reserve_bytes} must lie in [0, gpu_memory_bytes="
+                             f"{c.gpu_memory_bytes}); it is what VLLMEngine(reserve_bytes=...) leaves free")
         if not 0 <= self.host_margin_bytes < c.host_memory_bytes:
             raise ValueError(f"host_margin_bytes={self.host_margin_bytes} must lie in [0, host_memory_bytes="
                              f"{c.host_memory_bytes})")
@@ -469,17 +477,29 @@ def _layer_activation_bytes(m: Preset, tokens: int, b: int) -> int:
 
 
 def _train_activation_bytes(s: _Spec, checkpointing: bool) -> int:
-    """§Activations: saved activations, then the larger of the loss's backward and a layer's, + FSDP's buffers."""
+    """§Activations: saved activations, then the largest of the loss's backward, the lm_head's backward and a
+    layer's, + FSDP's buffers."""
     m, t = s.model, s.micro_batch_tokens
     b = dtype_bytes(s.compute_dtype)[1]
     layer = _layer_activation_bytes(m, t, b)
     outside = t * b * 4 * m.hidden_size  # embedding output and the final norm
     logits = t * m.vocab_size * (b + 4 * _LOGITS_FP32_COPIES)
+    head = _head_backward_bytes(s, t, b)
     if checkpointing:
-        peak = m.num_hidden_layers * t * m.hidden_size * b + outside + max(logits, 2 * layer)
+        peak = m.num_hidden_layers * t * m.hidden_size * b + outside + max(logits, 2 * layer, head)
     else:
-        peak = m.num_hidden_layers * layer + outside + max(logits, layer)
+        peak = m.num_hidden_layers * layer + outside + max(logits, layer, head)
     return peak + _fsdp_working_bytes(s)
+
+
+def _head_backward_bytes(s: _Spec, t: int, b: int) -> int:
+    """§Activations: the lm_head's backward in a micro batch after the first: the logits the loss holds and their
+    gradient, and the head weight's new gradient, formed whole before it is added into `.grad`. Unsharded only:
+    with FSDP the root's unsharded gradient is already in the fsdp term."""
+    if s.shard_degree > 1:
+        return 0
+    m = s.model
+    return t * m.vocab_size * (2 * b + 4) + m.vocab_size * m.hidden_size * dtype_bytes(s.grad_dtype)[1]
 
 
 def _fsdp_working_bytes(s: _Spec) -> int:
@@ -535,7 +555,9 @@ def _evaluate(s: _Spec, st: Settings) -> dict:
                 "grads": state["grads"] if st.grads == "keep" else 0, "engine_weights": engine_weights,
                 "engine_other": _ENGINE_RESIDENT_BYTES + graphs + _engine_profile_peak(s), "cuda_context": ctx}
     budget = int(s.cluster.gpu_memory_bytes * s.gpu_utilization_cap)
-    kv_room = budget - sum(generate.values())
+    # A self-sized VLLMEngine fills the GPU up to its reserve, whatever the cap says (§Phases, §KV cache).
+    gen_budget = s.cluster.gpu_memory_bytes - s.engine_reserve_bytes
+    kv_room = gen_budget - sum(generate.values())
     generate["kv_cache"] = max(kv_room, 0)
 
     kv_token = _kv_bytes_per_token(s.model, s.tp, dtype_bytes(s.kv_dtype)[1])
@@ -567,7 +589,8 @@ def _evaluate(s: _Spec, st: Settings) -> dict:
                         f"(over by {_gib(overflow['train'])})")
     if not fits["generate"]:
         if kv_room < 0:
-            problems.append(f"generate needs {_gib(budget - kv_room)} of {_gib(budget)} GiB before any KV cache "
+            problems.append(f"generate needs {_gib(gen_budget - kv_room)} of {_gib(gen_budget)} GiB before any "
+                            f"KV cache "
                             f"(over by {_gib(overflow['generate'])} with one sequence)")
         else:
             problems.append(f"generate leaves {_gib(kv_room)} GiB for KV, less than one sequence "
@@ -577,8 +600,8 @@ def _evaluate(s: _Spec, st: Settings) -> dict:
                         f"(over by {_gib(overflow['host'])})")
     verdict = "fits" if not problems else "; ".join(problems)
     return {"gpu": {"train": train, "generate": generate}, "host": {"train": host_train, "generate": host_gen},
-            "pinned": pinned, "budget": budget, "host_budget": host_budget, "kv_room": max(kv_room, 0),
-            "kv_token": kv_token, "concurrent": concurrent, "moved": moved, "fits": fits, "overflow": overflow,
+            "pinned": pinned, "budget": {"train": budget, "generate": gen_budget}, "host_budget": host_budget,
+            "kv_room": max(kv_room, 0), "kv_token": kv_token, "concurrent": concurrent, "moved": moved, "fits": fits, "overflow": overflow,
             "verdict": verdict}
 
 
@@ -668,8 +691,8 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
          compute_dtype: str = "bfloat16", engine_dtype: str = "bfloat16", kv_dtype: str | None = None,
          micro_batch_tokens: int | None = None, layers: int | None = None, engine_max_batched_tokens: int = 16384,
          engine_max_seqs: int = 1024, cuda_graphs: bool = True, processes_per_gpu: int = 1,
-         gpu_utilization_cap: float = 0.92, host_margin_bytes: int | None = None,
-         settings: dict | None = None) -> Plan:
+         gpu_utilization_cap: float = 0.92, engine_reserve_bytes: int | None = None,
+         host_margin_bytes: int | None = None, settings: dict | None = None) -> Plan:
     """Plan the memory of one online-RL step of `model` on `cluster` (formulas: docs/plan.md).
 
     model: a preset name ("qwen2.5-72b", "7b", "tiny"), a local checkpoint directory or its config.json, or a
@@ -687,7 +710,9 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     engine_max_batched_tokens, engine_max_seqs: vLLM's max_num_batched_tokens and max_num_seqs (its defaults on
         GPUs of 70 GiB or more); they size the engine's profile run. cuda_graphs: False for enforce_eager.
     processes_per_gpu: 1 when the engine lives in the trainer's process (vLLM's external_launcher), 2 otherwise.
-    gpu_utilization_cap: the share of each GPU's memory the plan may fill, in both phases.
+    gpu_utilization_cap: the share of each GPU's memory `train` may fill (headroom for allocator fragmentation).
+    engine_reserve_bytes: what the engine leaves free in `generate` (VLLMEngine's `reserve_bytes`; default its own
+        rule, 2 GiB or 3% of the GPU): the engine sizes its KV cache to fill the rest (§Phases).
     host_margin_bytes: host memory per node not available to pinned buffers (default: 10% + 6 GiB per GPU).
     settings: pin some swap settings, e.g. {"grads": "offload", "sleep_level": 1}; the rest are searched.
     """
@@ -727,7 +752,10 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
               micro_batch_tokens=rollout.sequence_tokens if micro_batch_tokens is None else micro_batch_tokens,
               engine_max_batched_tokens=engine_max_batched_tokens, engine_max_seqs=engine_max_seqs,
               cuda_graphs=bool(cuda_graphs), processes_per_gpu=processes_per_gpu,
-              gpu_utilization_cap=float(gpu_utilization_cap), host_margin_bytes=int(host_margin_bytes),
+              gpu_utilization_cap=float(gpu_utilization_cap),
+              engine_reserve_bytes=int(default_reserve_bytes(cluster.gpu_memory_bytes) if engine_reserve_bytes is None
+                                       else engine_reserve_bytes),
+              host_margin_bytes=int(host_margin_bytes),
               pinned=tuple(sorted(settings.items())))
     return _build(s)
 
@@ -760,7 +788,8 @@ def _build(s: _Spec) -> Plan:
         "kv_dtype": s.kv_dtype, "micro_batch_tokens": s.micro_batch_tokens,
         "engine_max_batched_tokens": s.engine_max_batched_tokens, "engine_max_seqs": s.engine_max_seqs,
         "cuda_graphs": s.cuda_graphs, "processes_per_gpu": s.processes_per_gpu,
-        "gpu_utilization_cap": s.gpu_utilization_cap, "host_margin_bytes": s.host_margin_bytes,
+        "gpu_utilization_cap": s.gpu_utilization_cap, "engine_reserve_bytes": s.engine_reserve_bytes,
+        "host_margin_bytes": s.host_margin_bytes,
         "pinned_settings": dict(s.pinned),
     }
     return Plan(model=m.name, parameters=m.num_parameters(), layers=m.num_hidden_layers, inputs=inputs,
@@ -804,7 +833,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the engine")
     parser.add_argument("--processes-per-gpu", type=int, default=1)
-    parser.add_argument("--gpu-utilization", type=float, default=0.92, help="share of GPU memory to plan for")
+    parser.add_argument("--gpu-utilization", type=float, default=0.92, help="share of GPU memory train may fill")
+    parser.add_argument("--engine-reserve-gib", type=float,
+                        help="GPU memory the engine leaves free in generate (default: 2 GiB or 3%% of the GPU)")
     parser.add_argument("--host-margin-gib", type=float, help="host memory kept free (default 10%% + 6 GiB/GPU)")
     parser.add_argument("--grads", choices=_GRADS, help="pin the gradients' setting")
     parser.add_argument("--params", choices=_PARAMS, help="pin the parameters' setting")
@@ -834,6 +865,7 @@ def run(args: argparse.Namespace) -> int:
             engine_max_batched_tokens=args.max_num_batched_tokens, engine_max_seqs=args.max_num_seqs,
             cuda_graphs=not args.enforce_eager, processes_per_gpu=args.processes_per_gpu,
             gpu_utilization_cap=args.gpu_utilization,
+            engine_reserve_bytes=None if args.engine_reserve_gib is None else int(args.engine_reserve_gib * GiB),
             host_margin_bytes=None if args.host_margin_gib is None else int(args.host_margin_gib * GiB),
             settings=pinned)
     except ValueError as exc:

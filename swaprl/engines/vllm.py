@@ -47,6 +47,12 @@ class EngineWakeError(torch.OutOfMemoryError):
     """Waking the engine would not fit in the free device memory; nothing was mapped."""
 
 
+def default_reserve_bytes(total: int) -> int:
+    """What a self-sized engine leaves free on a GPU of `total` bytes for the trainer's transient needs: 2 GiB or
+    3% of the GPU, the larger (`swaprl.plan` sizes the `generate` phase with the same rule)."""
+    return max(2 * 2**30, int(0.03 * total))
+
+
 def _kv_cache_bytes(llm) -> int:
     """Bytes of the KV cache vLLM allocated at start-up: blocks x block size x bytes per token.
 
@@ -138,7 +144,7 @@ class VLLMEngine(Engine):
         args = dict(model=str(self.path), skip_tokenizer_init=True, **kwargs)
         if self.cuda:
             free, total = torch.cuda.mem_get_info()
-            reserve = reserve_bytes if reserve_bytes is not None else max(2 * 2**30, int(0.03 * total))
+            reserve = reserve_bytes if reserve_bytes is not None else default_reserve_bytes(total)
             if gpu_memory_utilization is None:
                 gpu_memory_utilization = (free - reserve) / total
                 if gpu_memory_utilization <= 0.05:

@@ -1,0 +1,51 @@
+"""benchmarks/bench_plan.py --smoke: the planner-validation benchmark's path on the CPU (tiny preset, HF engine).
+
+    python -m pytest tests/test_bench_plan.py -q
+
+Checks the plumbing the GPU run relies on: a plan per depth, one child process per depth running GRPO cycles under
+swaprl with the plan's settings, the profile read back, the comparison table, the final JSON line and the files in
+--out. With no device figure on a CPU the phase totals are not compared; the trainer's own categories are, and the
+plan must match them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_smoke_plans_measures_each_depth_in_its_own_process_and_reports(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_plan
+
+    out = tmp_path / "out"
+    result = bench_plan.main(["--smoke", "--out", str(out), "--workdir", str(tmp_path / "ck")])
+    printed = capsys.readouterr().out.strip().splitlines()
+
+    assert set(result["depths"]) == {"1", "2"}
+    for depth, d in result["depths"].items():
+        assert d["ok"], d
+        assert d["plan"]["ok"] and d["plan"]["layers"] == int(depth)
+        assert d["engine"]["kind"] == "HFEngine" and len(d["cycles"]) == 2
+        assert d["cycles"][-1]["longest_sequence"] <= 16 and d["cycles"][-1]["completion_tokens"] > 0
+        for phase, row in d["compare"].items():
+            assert row["measured"] is None and row["ratio"] is None and not row["flag"], (phase, row)
+        # the trainer's tensors at the end of train (gradients still there): the plan's bytes, AdamW's step
+        # counters aside
+        cats = {c["category"]: c for c in d["compare"]["train"]["categories"]}
+        for cat in ("params", "grads", "optimizer"):
+            assert abs(cats[cat]["ratio"] - 1) < 0.01 and not cats[cat]["flag"], cats[cat]
+        assert cats["kv_cache"]["measured"] is None  # no engine figures from the embedded engine on a CPU
+    assert result["within_10pct"] is False  # nothing to be within on a CPU
+
+    assert printed[0].split()[:3] == ["depth", "phase", "planned"]
+    assert any("no device figure" in line for line in printed)
+    final = json.loads(printed[-1])
+    assert final["benchmark"] == "plan" and set(final["depths"]) == {"1", "2"}
+    saved = json.loads((out / "plan_validation.json").read_text())
+    assert saved["settings"]["preset"] == "tiny" and saved["settings"]["dtype"] == "float32"
+    readme = (out / "README.md").read_text()
+    assert "python benchmarks/bench_plan.py --smoke" in readme and "No phase total was measured" in readme
+    assert (out / "profile_1l.jsonl.gz").exists() and (out / "profile_2l.jsonl.gz").exists()
