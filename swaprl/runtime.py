@@ -247,7 +247,8 @@ class Runtime:
                 t0 = started[step.name] = time.perf_counter()
                 moved = step.do() or 0
                 if self.device.type == "cuda" and step.blocking:
-                    torch.cuda.synchronize(self.device)
+                    # The compute stream only: an overlapped offload's copies on the side stream run on.
+                    torch.cuda.current_stream(self.device).synchronize()
                 t1 = time.perf_counter()
                 done.append(step)
                 total += int(moved)

@@ -204,7 +204,8 @@ def test_attribution_on_cpu_covers_runtime_figures_only(tiny_checkpoint):
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-def _gpu_attribution_check(path) -> list[dict]:
+def _gpu_attribution_check(path, floor: int = 0) -> list[dict]:
+    """Every phase's attribution sums to NVML, with at most 1% (or `floor` bytes, if larger) unattributed."""
     recs = read(path)
     header = recs[0]
     assert header["device_used_source"] in ("nvml", "cuda_driver")
@@ -215,7 +216,7 @@ def _gpu_attribution_check(path) -> list[dict]:
         a, dm = p["attribution"], p["status"]["device_memory"]
         assert sum(a["categories"].values()) == a["total"] == dm["used"]
         if a["categories"]["cuda_context"]:  # per-process figure seen: the categories explain the device
-            assert abs(a["categories"]["unattributed"]) <= 0.01 * a["total"], a
+            assert abs(a["categories"]["unattributed"]) <= max(0.01 * a["total"], floor), a
     train, gen = phases[-1]["attribution"]["categories"], phases[-2]["attribution"]["categories"]
     assert gen["optimizer"] == 0 and train["optimizer"] > 0
     return phases
@@ -230,7 +231,9 @@ def test_attribution_matches_nvml_on_gpu_hf_engine(tiny_checkpoint, tmp_path):
     rt = swaprl.attach(model, opt, "hf", config=swaprl.SwapConfig(profile=path))
     cycles(rt, model, opt)
     swaprl.detach()
-    phases = _gpu_attribution_check(path)
+    # A 1 GiB device leaves ~13 MiB to code no allocator reports (kernels CUDA loads lazily on first use, library
+    # workspaces): more than 1% of so small a total, hence the floor; the vLLM test below holds to 1%.
+    phases = _gpu_attribution_check(path, floor=32 * 2**20)
     # the profiler's own 256 MiB bandwidth probe left nothing behind in torch's cache
     assert phases[0]["status"]["device_memory"]["torch_reserved"] <= before
 
