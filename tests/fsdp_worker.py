@@ -292,12 +292,14 @@ def vllm(args) -> dict:
             "probe_shapes_ok": [len(e) for e in engine_probe] == [len(s) - 1 for s in probe],
             "probe_max_diff": float(torch.cat([(a - b).abs() for a, b in zip(engine_probe, trainer_probe)]).max()),
             "engine_probe": [e.tolist() for e in engine_probe],
+            "trainer_probe": [t.tolist() for t in trainer_probe],
             "optimizer_bytes": opt_bytes,
             "device_drop_entering_generate": used["before"] - used["offloaded"] if cuda else None,
             "loss": loss.item()})
     out["cycles"] = cycles
-    first, last = (torch.tensor([x for e in c["engine_probe"] for x in e]) for c in (cycles[1], cycles[2]))
-    out["engine_moved_mean"] = float((last - first).abs().mean())
+    for who in ("engine", "trainer"):  # before the first optimizer step, and after the second
+        first, last = (torch.tensor([x for e in c[f"{who}_probe"] for x in e]) for c in (cycles[0], cycles[2]))
+        out[f"{who}_moved_mean"] = float((last - first).abs().mean())
     swaprl.detach()
     engine.close()
     out["seconds"] = time.perf_counter() - t0

@@ -60,9 +60,11 @@ def test_every_cycle_generates_on_both_ranks_and_passes_the_on_policy_check(runs
 
 @pytest.mark.parametrize("tp", [2, 1])
 def test_engine_logprobs_move_with_the_trainer(runs, tp):
-    for r in runs[tp]:
+    for r in runs[tp]:  # two optimizer steps move the engine's scores well beyond its bf16 rounding
         noise = max(c["sync"]["mean"] for c in r["cycles"])
-        assert r["engine_moved_mean"] > max(4 * noise, 1e-3), (r["rank"], r["engine_moved_mean"], noise)
+        moved = (r["rank"], r["engine_moved_mean"], r["trainer_moved_mean"], noise)
+        assert r["engine_moved_mean"] > max(4 * noise, 1e-3), moved
+        assert abs(r["engine_moved_mean"] - r["trainer_moved_mean"]) < 0.5 * r["trainer_moved_mean"], moved
 
 
 @pytest.mark.parametrize("tp", [2, 1])
