@@ -3,6 +3,10 @@
     python examples/grpo.py                                    # tiny model, embedded engine, CPU is fine
     python examples/grpo.py --preset qwen2.5-1.5b --engine vllm --steps 10 --prompts 8 --completions 8 \
         --max-tokens 256 --out out/grpo-1.5b                   # one GPU, colocated vLLM
+    torchrun --nproc-per-node 2 examples/grpo.py --preset qwen2.5-1.5b --engine vllm --tp 2 --out out/grpo-2gpu
+
+Under torchrun the trainer is sharded with FSDP2 over all ranks (loaded shard by shard: no rank holds the whole
+model) and each group of `--tp` consecutive ranks shares one vLLM engine; `--prompts` is per rank.
 
 No hub is needed: without `--model PATH` it writes a random-weight checkpoint of `--preset` first. The reward is
 the fraction of even token ids in a completion, verifiable and cheap, so the loop runs on random weights. Each
@@ -15,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import swaprl
 from swaprl import memory
@@ -77,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--sleep-level", default="auto", choices=["auto", "1", "2"])
     ap.add_argument("--verify", action="store_true", help="run the on-policy check after every weight sync")
+    ap.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size under torchrun")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
@@ -98,25 +105,83 @@ def make_engine(args, path: Path, config: swaprl.SwapConfig):
 
     max_len = args.max_model_len or (args.prompt_tokens + args.max_tokens + 8)
     return VLLMEngine(path, dtype="bfloat16", max_model_len=max_len, enforce_eager=args.enforce_eager,
-                      gpu_memory_utilization=config.gpu_memory_utilization, seed=args.seed)
+                      gpu_memory_utilization=config.gpu_memory_utilization, seed=args.seed,
+                      tensor_parallel_size=args.tp)
+
+
+def init_distributed() -> tuple[int, int, str]:
+    """(rank, world size, device) for this process: one GPU per rank under torchrun, the CPU without a GPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world == 1:
+        return 0, 1, "cuda" if cuda else "cpu"
+    local = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device("cuda", local) if cuda else None)
+    return dist.get_rank(), world, f"cuda:{local}" if cuda else "cpu"
+
+
+def load_sharded(path: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """The checkpoint at `path` as an FSDP2 model over all ranks, each rank reading only its rows of each tensor.
+
+    The model is built without parameter storage (buffers such as the rotary frequencies are real), sharded, given
+    storage on `device`, and filled from the safetensors files: a 72B model never exists whole on any rank.
+    """
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    model.tie_weights()  # accelerate's empty init re-creates the parameters after transformers tied them
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device=device)
+    files = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            files.update({k: f for k in st.keys()})
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+        for name, p in model.named_parameters():  # tied weights are listed once, under the name the file has
+            local = p.to_local()
+            rows = -(-p.shape[0] // world)  # FSDP2 shards dim 0 like torch.chunk
+            with safe_open(files[name], "pt") as st:
+                part = st.get_slice(name)[rank * rows: rank * rows + local.shape[0]]
+            local.copy_(part.to(dtype))
+    return model
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    rank, world, device = init_distributed()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
     from transformers import AutoModelForCausalLM
 
     from swaprl.checkpoints import write_random_checkpoint
 
     out = Path(args.out) if args.out else None
-    if out:
+    if out and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     name = args.preset + (f"-{args.layers}l" if args.layers else "")
-    path = Path(args.model) if args.model else write_random_checkpoint(
-        args.preset, Path(args.checkpoint_dir) / name, layers=args.layers, seed=args.seed)
+    path = Path(args.model) if args.model else Path(args.checkpoint_dir) / name
+    if not args.model and rank == 0:
+        write_random_checkpoint(args.preset, path, layers=args.layers, seed=args.seed)
+    if world > 1:
+        dist.barrier()  # the checkpoint and the output directory exist
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device)
+    if world > 1:
+        model = load_sharded(path, getattr(torch, args.dtype), device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device)
     model.gradient_checkpointing_enable()  # only active in training mode, and from_pretrained returns eval mode
     model.config.use_cache = False
     model.train()
@@ -134,10 +199,12 @@ def main(argv: list[str] | None = None) -> dict:
     switch = {"s": 0.0}
     rt.add_listener(lambda e: switch.__setitem__("s", switch["s"] + e["seconds"]) if e["type"] == "phase" else None)
     vocab = min(model.config.vocab_size, 256)  # byte tokens: inside every tokenizer swaprl writes
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + 1000 * rank)  # prompts of its own on each rank
     pad_id = model.generation_config.pad_token_id or 0
+    cuda = device.startswith("cuda")
+
     def device_used() -> int | None:
-        return memory.device_used_bytes(torch.device(device)) if device == "cuda" else None
+        return memory.device_used_bytes(torch.device(device)) if cuda else None
 
     steps = []
     for step in range(args.steps):
@@ -156,13 +223,18 @@ def main(argv: list[str] | None = None) -> dict:
                                            micro_batch=args.micro_batch, pad_id=pad_id)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if device == "cuda":
+            if cuda:
                 torch.cuda.synchronize()
             train_s = time.perf_counter() - tt
             used_train = device_used()
         total = time.perf_counter() - t0
         rollout_tokens = sum(map(len, completions))
         mean_reward = statistics.fmean(reward(c) for c in completions)
+        if world > 1:  # every rank's rollouts: the step's loss, reward and tokens
+            loss, mean_reward, rollout_tokens, train_tokens = all_ranks_sum([loss, mean_reward, rollout_tokens,
+                                                                             train_tokens], device)
+            loss, mean_reward = loss / world, mean_reward / world
+            rollout_tokens, train_tokens = int(rollout_tokens), int(train_tokens)
         check = rt.last_sync.max_abs_diff if rt.last_sync else None
         rec = {"step": step, "step_s": total, "generate_s": gen_s, "train_s": train_s, "switch_s": switch["s"],
                "rollout_tokens": rollout_tokens, "train_tokens": train_tokens, "loss": loss, "reward": mean_reward,
@@ -178,20 +250,34 @@ def main(argv: list[str] | None = None) -> dict:
 
     timed = steps[args.warmup:] or steps
     med = {k: statistics.median(s[k] for s in timed) for k in ("step_s", "generate_s", "train_s", "switch_s")}
-    summary = {"args": vars(args), "engine": type(engine).__name__, "device": device,
-               "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+    summary = {"args": vars(args), "engine": type(engine).__name__, "device": device, "world_size": world,
+               "gpu": torch.cuda.get_device_name() if cuda else None,
                "torch": torch.__version__, "swaprl": swaprl.__version__, "median": med,
                "switch_fraction": med["switch_s"] / med["step_s"], "steps": steps}
-    if out:
+    if world > 1:
+        dist.barrier()  # every rank's profile is complete
+    if out and rank == 0:  # one report over the profiles of all ranks (profile.rank{N}.jsonl under torchrun)
         (out / "metrics.json").write_text(json.dumps(summary, indent=1, default=str))
         try:
             from swaprl.profile.report import load_run, write_report
 
-            write_report([load_run(out / "profile.jsonl")], out / "report")
+            names = ["profile.jsonl"] if world == 1 else [f"profile.rank{r}.jsonl" for r in range(world)]
+            write_report([load_run(out / n) for n in names], out / "report")
         except ImportError:
-            log.info("report module unavailable; the profile is at %s", out / "profile.jsonl")
-    print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, default=str))
+            log.info("report module unavailable; the profiles are in %s", out)
+    if rank == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, default=str))
+    if world > 1 and not isinstance(engine, swaprl.engines.HFEngine):
+        dist.barrier()  # vLLM tears its own process groups down at exit; destroying them first would fail
+    elif world > 1:
+        dist.destroy_process_group()
     return summary
+
+
+def all_ranks_sum(values: list[float], device: str) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 if __name__ == "__main__":

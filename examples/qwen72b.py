@@ -3,18 +3,22 @@
     python examples/qwen72b.py                          # no GPU: the same loop on the tiny preset, on the CPU
     python examples/qwen72b.py --layers 2               # one GPU: 72B's layer shapes cut to 2 of its 80 layers
     python examples/qwen72b.py --model /path/to/Qwen2.5-72B    # a local checkpoint
+    torchrun --nproc-per-node 8 examples/qwen72b.py --layers 80 --tp 4    # the full model on one 8-GPU node
 
 The loop is `examples/grpo.py` (colocated vLLM when it is installed and a GPU is present, else the embedded engine):
 prompts -> rollouts -> a verifiable reward -> a policy-gradient step, with `with phase("generate")` and
-`with phase("train")`. Output (`--out`, default out/qwen72b): metrics.json, profile.jsonl and the memory report.
+`with phase("train")`. Output (`--out`, default out/qwen72b): metrics.json, the memory profile and its report.
 
-The full-depth model needs 8 GPUs with FSDP2 sharding and vLLM tensor parallelism, which swaprl does not drive yet:
-with more than one GPU visible this script says so and stops rather than run one GPU's worth of a plan that cannot fit.
+Under torchrun the trainer is sharded with FSDP2 over all ranks and vLLM runs tensor-parallel over `--tp` GPUs
+(default: the GPUs of a node), one engine per group; `--prompts` is per rank. Rank 0 prints the plan and writes
+the report; each rank writes its own profile (profile.rank{N}.jsonl). Several nodes: torchrun's rendezvous
+(`--nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT`), nothing else changes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -35,15 +39,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=None, help="default: 8 on a GPU, 2 on the CPU")
     ap.add_argument("--completions", type=int, default=None, help="default: 8 on a GPU, 4 on the CPU")
     ap.add_argument("--max-tokens", type=int, default=None, help="default: 256 on a GPU, 32 on the CPU")
+    ap.add_argument("--tp", type=int, default=None,
+                    help="vLLM tensor-parallel size under torchrun (default: the GPUs of a node)")
     ap.add_argument("--out", default="out/qwen72b")
     args = ap.parse_args(argv)
 
+    # torchrun sets these; a plain `python` run is one rank.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     gpus = torch.cuda.device_count()
-    if gpus > 1:
-        print("more than one GPU is visible: multi-GPU runs (FSDP2 + vLLM tensor parallelism under torchrun) are not "
-              "supported yet; run on one GPU with --layers N (CUDA_VISIBLE_DEVICES=0)", file=sys.stderr)
+    if gpus > 1 and world == 1:
+        print(f"{gpus} GPUs are visible: launch one rank per GPU with `torchrun --nproc-per-node {gpus} "
+              "examples/qwen72b.py` (FSDP2 + vLLM tensor parallelism), or use one GPU (CUDA_VISIBLE_DEVICES=0)",
+              file=sys.stderr)
         return 2
-    on_gpu = gpus == 1
+    on_gpu = gpus >= 1
+    tp = args.tp or (per_node if on_gpu else 1)
     args.prompts = args.prompts or (8 if on_gpu else 2)
     args.completions = args.completions or (8 if on_gpu else 4)
     args.max_tokens = args.max_tokens or (256 if on_gpu else 32)
@@ -51,19 +63,25 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or preset
     if on_gpu:
         total = torch.cuda.mem_get_info()[1]
-        cluster = planner.Cluster(gpus_per_node=1, gpu_memory_bytes=total,
+        cluster = planner.Cluster(gpus_per_node=per_node, nodes=world // per_node, gpu_memory_bytes=total,
                                   host_memory_bytes=psutil.virtual_memory().total)
     else:  # the CPU stands in for the GPU: plan against the machine's memory
         mem = psutil.virtual_memory().total
         cluster = planner.Cluster(gpus_per_node=1, gpu_memory_bytes=mem // 2, host_memory_bytes=mem // 2)
-    rollout = planner.Rollout(prompts=args.prompts, completions_per_prompt=args.completions, prompt_tokens=16,
-                              completion_tokens=args.max_tokens)
+    # The plan's rollout is the whole step's: every rank brings --prompts prompts.
+    rollout = planner.Rollout(prompts=args.prompts * world, completions_per_prompt=args.completions,
+                              prompt_tokens=16, completion_tokens=args.max_tokens)
     layers = args.layers if (args.layers or args.model) else (None if not on_gpu else 2)
-    the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers,
-                            param_dtype="bfloat16" if on_gpu else "float32")
-    print(the_plan.table())
+    # The loop keeps the parameters on the GPU (FSDP2 shards cannot be swapped) and frees the gradients.
+    pinned = {"params": "keep", "grads": "free"} if world > 1 else None
+    dtype = "bfloat16" if on_gpu else "float32"  # the loop's parameters, and so its AdamW states
+    the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers, tp=tp, settings=pinned,
+                            param_dtype=dtype, optimizer_dtype=dtype)
+    if rank == 0:
+        print(the_plan.table())
     if not the_plan.ok:
-        print(f"\nthis run cannot fit: {the_plan.verdict}", file=sys.stderr)
+        if rank == 0:
+            print(f"\nthis run cannot fit: {the_plan.verdict}", file=sys.stderr)
         return 2
     loop = ["--steps", str(args.steps), "--prompts", str(args.prompts), "--completions", str(args.completions),
             "--max-tokens", str(args.max_tokens), "--prompt-tokens", "16", "--out", args.out]
@@ -72,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         loop += ["--preset", preset] + (["--layers", str(layers)] if layers else [])
     if on_gpu:
-        loop += ["--dtype", "bfloat16", "--verify"]
+        loop += ["--dtype", "bfloat16", "--verify", "--tp", str(tp)]
     grpo.main(loop)
-    print(f"memory report: {Path(args.out) / 'report' / 'report.html'}")
+    if rank == 0:
+        print(f"memory report: {Path(args.out) / 'report' / 'report.html'}")
     return 0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import SwapConfig
+from .distributed import is_fsdp2
 from .engines.base import Engine, EngineStateError, Sampling
 from .residency import HostBufferError
 from .runtime import Phase, PhaseError, Runtime, SyncReport
@@ -46,6 +47,14 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Eng
     if not isinstance(config, SwapConfig):
         raise TypeError(f"config must be a swaprl.SwapConfig, not {type(config).__name__}")
     _check_trainer(model, optimizer)
+    if config.params == "offload" and is_fsdp2(model):
+        # FSDP2 all-gathers from a padded buffer of its own (FSDPParam._sharded_param_data) of which the parameter's
+        # shard is a view: moving the shard would free nothing, and the optimizer would update a copy FSDP never
+        # reads again.
+        raise ValueError("SwapConfig(params='offload') with a model sharded by FSDP2 (fully_shard): its parameter "
+                         "shards live in buffers FSDP2 owns, which swaprl cannot move. Use params='keep' (the "
+                         "shards are 1/world of the model), or have FSDP2 keep them in host memory for good: "
+                         "fully_shard(module, offload_policy=CPUOffloadPolicy())")
     engine = _make_engine(engine, model, config)
     if engine.shares_trainer_weights and config.params == "offload":
         raise ValueError(f"SwapConfig(params='offload') with {type(engine).__name__}, which generates with the "

@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from . import memory
+from . import distributed, memory
 from .config import SwapConfig
 from .engines.base import Engine, EngineStateError, sequence_logprobs
 from .residency import (HostBuffer, HostBufferError, Moved, Mover, PendingOffload, layout_bytes, local_tensor,
@@ -163,20 +163,29 @@ class Runtime:
 
         Catches rollouts silently generated with stale weights. The default tolerance allows for the engine's
         reduced precision (bf16 engines differ from an fp32 trainer by rounding); pass your own to be stricter.
+        Under torchrun every rank must call it (an FSDP2 trainer's forward is collective) with the same number of
+        sequences; each rank compares its own engine, and the report covers all ranks, so all pass or all fail.
         """
         self._check_open()
         if self._resources["params"].location != "device":
             raise PhaseError("verify_sync() needs the trainer's parameters on the device; call it in the 'train' "
                              "phase or with SwapConfig(params='keep')")
         seqs = sequences or _probe_sequences(self.model, self.engine.max_sequence_length)
+        most, neg_fewest = distributed.all_reduce([len(seqs), -len(seqs)], "max")
+        if most != -neg_fewest:
+            raise ValueError(f"verify_sync() got {len(seqs)} sequence(s) on this rank but between {-neg_fewest:.0f} "
+                             f"and {most:.0f} across ranks; the trainer's forward passes are collective: pass the "
+                             "same number of sequences on every rank (or none, for the built-in probe)")
         return self._compare(seqs, sequence_logprobs(self.model, seqs), tolerance)
 
     def _compare(self, seqs: list[list[int]], mine: list[torch.Tensor], tolerance: float | None) -> SyncReport:
         theirs = self.engine.logprobs(seqs)
         diffs = torch.cat([(a - b).abs() for a, b in zip(mine, theirs)])
+        (worst,) = distributed.all_reduce([float(diffs.max())], "max")
+        total, tokens = distributed.all_reduce([float(diffs.sum()), diffs.numel()], "sum")
         tol, mean_tol = _default_tolerances(self.engine)
         tol = tolerance if tolerance is not None else tol
-        report = SyncReport(float(diffs.max()), float(diffs.mean()), tol, min(mean_tol, tol), int(diffs.numel()))
+        report = SyncReport(worst, total / tokens, tol, min(mean_tol, tol), int(tokens))
         self.last_sync = report
         logger.info("on-policy check: max |dlogp| %.4g, mean %.4g over %d tokens (tolerances %.3g, %.3g)",
                     report.max_abs_diff, report.mean_abs_diff, report.tokens, tol, report.mean_tolerance)
@@ -282,7 +291,7 @@ class Runtime:
         # With room for the engine's weights next to the trainer's state, the optimizer's (and gradients') copies
         # to the host run under the engine's weight wake-up, the weight sync and the trainer's half of the
         # on-policy check; their device memory is released before the KV cache is mapped either way.
-        overlap = separate and cfg.overlap_offload and self._room_for_engine_weights()
+        overlap = self._room_for_engine_weights() if separate and cfg.overlap_offload else None
         offloads = ["optimizer"] + (["grads"] if cfg.grads == "offload" else [])
         steps = []
         for name in offloads:
@@ -293,7 +302,10 @@ class Runtime:
                 steps.append(_Step(f"offload {name}", lambda n=name: self._offload(n), lambda n=name: self._reload(n)))
         if cfg.grads == "free":
             steps.append(_Step("free grads", self._drop_grads, self._restore_grads, self._forget_dropped_grads))
-        steps.append(_Step("release cached memory", self._release_cache))
+        if overlap != "room":
+            # Hands freed blocks to the driver for the engine; it also waits for every stream (the offload's
+            # copies), so it is skipped when the engine's weights fit in what the driver has free already.
+            steps.append(_Step("release cached memory", self._release_cache))
         if separate:
             # Staged wake-up: weights first, synced while the trainer's parameters are still on the device; the
             # KV cache last, once the trainer's state has left, so old + new weights + KV never coexist.
@@ -372,15 +384,19 @@ class Runtime:
             self._mover.cancel(res.pending)
             res.pending = None
 
-    def _room_for_engine_weights(self) -> bool:
-        """Whether the engine's weights (and a sync bucket) fit while the trainer's optimizer is still resident."""
+    def _room_for_engine_weights(self) -> str | None:
+        """Whether the engine's weights (and a sync bucket) fit while the trainer's optimizer is still resident:
+        "room" in what the driver has free now, "after release" once torch's cache and freed gradients are handed
+        back, None if not at all."""
         if self.device.type != "cuda":
-            return True
+            return "after release"
+        need = self.engine.weights_bytes + self.config.sync_bucket_bytes + 512 * 2**20
+        free = memory.device_free_bytes(self.device)
+        if free >= need:
+            return "room"
         grads = sum(nbytes(t) for t in self._tensors("grads")) if self.config.grads == "free" else 0
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        room = memory.device_free_bytes(self.device) + cached + grads
-        need = self.engine.weights_bytes + self.config.sync_bucket_bytes + 512 * 2**20
-        return room >= need
+        return "after release" if free + cached + grads >= need else None
 
     def _reload(self, name: str, defer: bool = False) -> int:
         res = self._resources[name]
@@ -431,23 +447,30 @@ class Runtime:
         if self.config.params == "offload":
             wanted["params"] = layout_bytes(self._tensors("params"))
         growth = sum(max(0, n - self._resources[k].buffer.capacity) for k, n in wanted.items())
-        if growth == 0:
+        if growth == 0 and not distributed.is_distributed():
             return
         held = sum(r.buffer.capacity for r in self._resources.values())
         if self.config.host_budget_bytes is not None:
             available = self.config.host_budget_bytes - held
             source = f"SwapConfig.host_budget_bytes={self.config.host_budget_bytes}"
         else:
-            available = memory.host_available_bytes() - self.config.host_margin_bytes
+            # The ranks of a node share its host memory and size their buffers at the same moment.
+            ranks = distributed.local_world_size()
+            available = (memory.host_available_bytes() - self.config.host_margin_bytes) // ranks
             source = (f"available host memory less SwapConfig.host_margin_bytes "
-                      f"({memory.gib(self.config.host_margin_bytes):.1f} GiB)")
-        if growth > available:
-            parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in wanted.items())
-            raise HostBufferError(
-                f"offloading for 'generate' needs {growth} more bytes ({memory.gib(growth):.2f} GiB: {parts}) of "
-                f"host memory but only {max(available, 0)} bytes ({memory.gib(max(available, 0)):.2f} GiB) are "
-                f"allowed ({source}). Nothing was moved. Free host memory, raise host_budget_bytes, or move less: "
-                f"grads='free' or 'keep', params='keep'.")
+                      f"({memory.gib(self.config.host_margin_bytes):.1f} GiB)"
+                      + (f", shared by the {ranks} ranks of this node" if ranks > 1 else ""))
+        over = growth - available if growth else 0
+        (worst,) = distributed.all_reduce([over], "max")  # every rank refuses, or none: see swaprl.distributed
+        if worst <= 0:
+            return
+        elsewhere = "" if over > 0 else f" (this rank fits; another is {memory.gib(worst):.2f} GiB over)"
+        parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in wanted.items())
+        raise HostBufferError(
+            f"offloading for 'generate' needs {growth} more bytes ({memory.gib(growth):.2f} GiB: {parts}) of "
+            f"host memory but only {max(available, 0)} bytes ({memory.gib(max(available, 0)):.2f} GiB) are "
+            f"allowed ({source}){elsewhere}. Nothing was moved. Free host memory, raise host_budget_bytes, or "
+            f"move less: grads='free' or 'keep', params='keep'.")
 
     def _release_cache(self) -> None:
         # One call per transition, not per tensor: hands the blocks just freed back to the driver, so an engine

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,3 +39,18 @@ def test_qwen72b_example_plans_then_runs_on_the_tiny_preset(tmp_path, capsys):
     assert "per GPU (GiB)" in out and "fits" in out  # the plan is printed first
     assert (tmp_path / "q" / "report" / "report.md").exists()
     sys.modules.pop("grpo", None)
+
+
+def test_qwen72b_example_under_torchrun_shards_over_two_cpu_ranks(tmp_path):
+    """The multi-GPU command on two CPU ranks: FSDP2 over gloo, the plan printed once, a profile per rank and one
+    report over both."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(EXAMPLES / "qwen72b.py"), "--steps", "2", "--out", str(tmp_path / "q")], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("per GPU (GiB)") == 1  # rank 0 only
+    assert {f.name for f in (tmp_path / "q").glob("profile*.jsonl")} == {"profile.rank0.jsonl", "profile.rank1.jsonl"}
+    assert json.loads((tmp_path / "q" / "metrics.json").read_text())["world_size"] == 2
+    assert "rank 1" in (tmp_path / "q" / "report" / "report.md").read_text()

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import distributed
+
 Tag = str  # "weights" or "kv_cache", as vLLM names the parts of its memory pool
 TAGS: tuple[Tag, ...] = ("weights", "kv_cache")
 
@@ -95,7 +97,8 @@ def sequence_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]
     """Log-probabilities a causal LM assigns to each token of each sequence given its prefix (float32, CPU).
 
     Runs each sequence on its own so no padding or attention mask can change the numbers, in eval mode and without
-    gradients, and puts the module's training mode back afterwards.
+    gradients, and puts the module's training mode back afterwards. An FSDP2 module's forward is collective: every
+    rank must call this with the same number of sequences.
     """
     device = next(model.parameters()).device
     was_training = model.training
@@ -110,4 +113,5 @@ def sequence_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]
                 out.append(logp.cpu())
     finally:
         model.train(was_training)
+        distributed.reshard(model)
     return out

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import distributed
 from .base import Engine, EngineStateError, Sampling, sequence_logprobs
 
 
@@ -59,8 +60,11 @@ class HFEngine(Engine):
             ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
             mask[i, width - len(p):] = 1
         greedy = sampling.temperature == 0
+        # An FSDP2 model's forward is collective: every rank must step until all ranks' sequences have ended.
+        # transformers only turns this on by itself for models it sharded.
+        synced = distributed.is_distributed() and distributed.is_fsdp2(model)
         kwargs = dict(max_new_tokens=sampling.max_tokens, do_sample=not greedy, num_return_sequences=sampling.n,
-                      use_cache=True,
+                      use_cache=True, synced_gpus=synced,
                       pad_token_id=pad, eos_token_id=eos_ids or None)
         if not greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
@@ -74,6 +78,7 @@ class HFEngine(Engine):
                 out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
         finally:
             model.train(was_training)
+            distributed.reshard(model)
         completions = []
         for row in out[:, width:].tolist():
             for j, tok in enumerate(row):

