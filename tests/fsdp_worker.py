@@ -258,9 +258,16 @@ def vllm(args) -> dict:
     used: dict = {}
 
     def on_event(e: dict) -> None:
-        # Right after the optimizer states left (and the cache went back to the driver), before the engine wakes.
-        if cuda and e["type"] == "step" and e["step"] == "release cached memory" and "offloaded" not in used:
-            used["offloaded"] = memory.device_used_bytes(device)
+        # At the first cache release after the optimizer states left. With the offload overlapped, the engine's
+        # weights are mapped by then: they are the engine's, not the trainer's, and are not counted.
+        if not cuda or e["type"] != "step":
+            return
+        if e["step"] == "engine wake weights":
+            used["engine_weights"] = engine.stats.get("woke_weights_bytes", 0)
+        elif e["step"] in ("offload optimizer", "finish offload optimizer"):
+            used["optimizer_left"] = True
+        elif e["step"] == "release cached memory" and used.get("optimizer_left") and "offloaded" not in used:
+            used["offloaded"] = memory.device_used_bytes(device) - used.get("engine_weights", 0)
 
     rt.add_listener(on_event)
     # Sequences of other lengths on each rank: a rank handed another rank's share would get other shapes back.
