@@ -354,7 +354,7 @@ def gib(n: int | None) -> str:
 
 def table(result: dict) -> list[str]:
     head = (f"{'way':<28}{'preset':<14}{'vllm util':>10}{'step s':>9}{'rollout tok/s':>15}{'train tok/s':>13}"
-            f"{'peak GiB':>10}{'switch s':>10}{'switch %':>10}{'step/TRL':>10}")
+            f"{'peak GiB':>10}{'switch s':>10}{'switch %':>10}{'speed/TRL':>10}")
     lines = [head]
     for way, w in result["ways"].items():
         label = f"{way} {WAYS[way]}"
@@ -363,7 +363,8 @@ def table(result: dict) -> list[str]:
             continue
         m = w["median"]
         util = f"{w['util']:.2f}" if w["util"] else "auto"
-        ratio = f"{w['step_ratio_to_trl']:.2f}" if w.get("step_ratio_to_trl") else "n/a"
+        # Throughput against way a: TRL's step time over this way's (above 1.0: faster than TRL).
+        ratio = f"{1 / w['step_ratio_to_trl']:.2f}" if w.get("step_ratio_to_trl") else "n/a"
         switch = (f"{m['switch_s']:>10.3f}{100 * m['switch_fraction']:>9.1f}%" if w["switch_measured"]
                   else f"{'n/a':>10}{'n/a':>10}")
         lines.append(f"{label:<28}{w['preset']:<14}{util:>10}{m['step_s']:>9.2f}{m['rollout_tok_s']:>15.0f}"
@@ -373,8 +374,8 @@ def table(result: dict) -> list[str]:
 
 def markdown(result: dict, lines: list[str]) -> str:
     s = result["settings"]
-    failed = [f"- {a['way']} {a['preset']} util {a['util']}: {'OOM' if a['oom'] else 'error'}: `{a['error']}`"
-              for w in result["ways"].values() for a in w["attempts"] if not a["ok"]]
+    failed = [f"- {way} {a['preset']} util {a['util']}: {'OOM' if a['oom'] else 'error'}: `{a['error']}`"
+              for way, w in result["ways"].items() for a in w["attempts"] if not a["ok"]]
     about = (f"Hardware: {json.dumps(result['hardware'])}. Versions: {json.dumps(result['versions'])}. "
              f"Date: {result['date']}.")
     setting = (f"Settings: presets {s['presets']}, {s['prompts']} prompts x {s['completions']} completions per "
@@ -449,6 +450,12 @@ def main(argv: list[str] | None = None) -> dict:
              for way, w in ways.items()}
     print(json.dumps({"benchmark": "grpo", "workload": workload, "out": str(out), "ways": short}, default=str))
     return result
+
+
+def rewrite_markdown(path: str | Path) -> None:
+    """Write the markdown of a recorded result JSON again (after a change to its layout)."""
+    result = json.loads(Path(path).read_text())
+    Path(path).with_suffix(".md").write_text(markdown(result, table(result)))
 
 
 if __name__ == "__main__":

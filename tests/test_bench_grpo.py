@@ -38,7 +38,7 @@ def test_smoke_runs_the_three_ways_and_reports(tmp_path, monkeypatch, capsys):
     assert result["ways"]["c"]["extra"]["engine"] == "HFEngine"
 
     header, *rows = [line for line in printed if line.startswith(("way ", "a ", "b ", "c "))]
-    assert "step/TRL" in header and [r[0] for r in rows] == ["a", "b", "c"]
+    assert "speed/TRL" in header and [r[0] for r in rows] == ["a", "b", "c"]
     final = json.loads(printed[-1])
     assert final["benchmark"] == "grpo" and set(final["ways"]) == {"a", "b", "c"}
     assert json.loads(out.read_text())["versions"]["trl"]
