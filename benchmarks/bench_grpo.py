@@ -50,6 +50,8 @@ import threading
 import time
 from pathlib import Path
 
+from child import run_child
+
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = {"a": "TRL colocate + sleep mode", "b": "TRL + swaprl.wrap", "c": "swaprl loop"}
 WORKLOADS = {  # presets (W3 tries them in order), prompts, completions, max completion tokens
@@ -281,24 +283,15 @@ def child(spec_path: str) -> None:
 def launch(spec: dict, run_dir: Path, timeout: float) -> dict:
     """Run one child; returns its result with ok=True, or ok=False and the error line from its log."""
     name = f"{spec['way']}_{spec['preset']}" + (f"_u{spec['util']}" if spec.get("util") else "")
-    spec = {**spec, "result": str(run_dir / f"{name}.json")}
-    spec_path, log_path = run_dir / f"{name}.spec.json", run_dir / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    t0 = time.perf_counter()
-    with open(log_path, "w") as logf:
-        try:
-            rc = subprocess.run([sys.executable, __file__, "--child", str(spec_path)], stdout=logf,
-                                stderr=subprocess.STDOUT, timeout=timeout, check=False).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    attempt = {"way": spec["way"], "preset": spec["preset"], "util": spec.get("util"), "rc": rc,
-               "seconds": time.perf_counter() - t0, "log": str(log_path)}
-    if rc == 0 and Path(spec["result"]).exists():
-        return {**attempt, "ok": True, **json.loads(Path(spec["result"]).read_text())}
-    text = log_path.read_text(errors="replace")
-    errors = [ln.strip() for ln in text.splitlines() if re.search(r"Error|error:|Killed", ln)]
-    attempt.update(ok=False, oom=any(m in text for m in OOM_MARKERS),
-                   error=(errors[-1] if errors else f"exit {rc}")[:300])
+    child = run_child(__file__, spec, name, run_dir, timeout)
+    attempt = {"way": spec["way"], "preset": spec["preset"], "util": spec.get("util"), "rc": child.rc,
+               "seconds": child.seconds, "log": str(child.log)}
+    if child.result is not None:
+        return {**attempt, "ok": True, **child.result}
+    lines = child.log_lines()
+    errors = [ln.strip() for ln in lines if re.search(r"Error|error:|Killed", ln)]
+    attempt.update(ok=False, oom=any(m in ln for ln in lines for m in OOM_MARKERS),
+                   error=(errors[-1] if errors else f"exit {child.rc}")[:300])
     log.warning("%s failed (%s): %s", name, "OOM" if attempt["oom"] else "not OOM", attempt["error"])
     return attempt
 

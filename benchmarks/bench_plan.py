@@ -42,11 +42,12 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from child import run_child
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -344,24 +345,15 @@ def versions() -> dict:
 
 def launch(spec: dict, run_dir: Path, timeout: float) -> dict:
     name = f"depth{spec['depth']}"
-    spec = {**spec, "result": str(run_dir / f"{name}.json"), "profile": str(run_dir / f"{name}.profile.jsonl")}
-    spec_path, log_path = run_dir / f"{name}.spec.json", run_dir / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    t0 = time.perf_counter()
-    with open(log_path, "w") as logf:
-        try:
-            rc = subprocess.run([sys.executable, __file__, "--child", str(spec_path)], stdout=logf,
-                                stderr=subprocess.STDOUT, timeout=timeout, check=False).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    seconds = time.perf_counter() - t0
-    if rc == 0 and Path(spec["result"]).exists():
-        return {"ok": True, "wall_s": seconds, "profile": spec["profile"], **json.loads(Path(spec["result"]).read_text())}
-    tail = log_path.read_text(errors="replace").splitlines()[-15:]
+    child = run_child(__file__, {**spec, "profile": str(run_dir / f"{name}.profile.jsonl")}, name, run_dir, timeout)
+    if child.result is not None:
+        return {"ok": True, "wall_s": child.seconds, "profile": str(run_dir / f"{name}.profile.jsonl"),
+                **child.result}
+    tail = child.log_lines()[-15:]
     errors = [ln.strip() for ln in tail if re.search(r"Error|error|Killed|fits nothing", ln)]
-    log.warning("depth %s failed (exit %s), log %s:\n%s", spec["depth"], rc, log_path, "\n".join(tail))
-    return {"ok": False, "wall_s": seconds, "rc": rc, "log_tail": [ln[:300] for ln in tail],
-            "error": (errors[-1] if errors else f"exit {rc}")[:300]}
+    log.warning("depth %s failed (exit %s), log %s:\n%s", spec["depth"], child.rc, child.log, "\n".join(tail))
+    return {"ok": False, "wall_s": child.seconds, "rc": child.rc, "log_tail": [ln[:300] for ln in tail],
+            "error": (errors[-1] if errors else f"exit {child.rc}")[:300]}
 
 
 def ratio(planned: int | None, measured: int | None) -> float | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 import swaprl
@@ -54,3 +55,17 @@ def run(model, optimizer, engine, *, steps: int, runtime: swaprl.Runtime | None 
             losses.append(loss.item())
     return losses
 
+
+def enter_generate_interrupted_after(runtime: swaprl.Runtime, step: str) -> None:
+    """Enter `generate` with a Ctrl-C raised right after transition step `step`; the block must never run."""
+    def interrupt(event):
+        if event["type"] == "step" and event["step"] == step:
+            raise KeyboardInterrupt
+
+    remove = runtime.add_listener(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with runtime.phase("generate"):
+                pytest.fail("the block must not run when entering the phase failed")
+    finally:
+        remove()

@@ -1,0 +1,44 @@
+"""Run one measurement of a benchmark in a process of its own.
+
+vLLM's sleep-mode allocator allows one engine per process, and an out-of-memory error can leave CUDA unusable in
+the process that hit it, so each attempt (a way, a utilization, a depth) gets a fresh interpreter: the benchmark
+script itself with `--child SPEC`, where SPEC is a JSON file naming the `result` file the child writes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    rc: int | str  # the exit status, or "timeout"
+    seconds: float
+    log: Path  # the child's stdout and stderr
+    result: dict | None  # what it wrote, when it exited 0 and wrote it
+
+    def log_lines(self) -> list[str]:
+        return self.log.read_text(errors="replace").splitlines()
+
+
+def run_child(script: str, spec: dict, name: str, run_dir: Path, timeout: float) -> Child:
+    """Run `script --child` on `spec` (plus `result`, a path in `run_dir`); spec, result and log are `name.*`."""
+    spec = {**spec, "result": str(run_dir / f"{name}.json")}
+    spec_path, log_path = run_dir / f"{name}.spec.json", run_dir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        try:
+            rc: int | str = subprocess.run([sys.executable, script, "--child", str(spec_path)], stdout=logf,
+                                           stderr=subprocess.STDOUT, timeout=timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    seconds = time.perf_counter() - t0
+    result_path = Path(spec["result"])
+    result = json.loads(result_path.read_text()) if rc == 0 and result_path.exists() else None
+    return Child(rc, seconds, log_path, result)
