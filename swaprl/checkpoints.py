@@ -7,16 +7,21 @@ an index, tokenizer files) that transformers and vLLM load like any downloaded m
     python -m swaprl.checkpoints qwen2.5-1.5b /tmp/qwen1.5b [--layers 4] [--device cuda]
 
 Tensors are generated one at a time and flushed into shards of `shard_bytes`, so a 72B checkpoint needs one shard
-of memory, not 145 GB. The tokenizer is byte-level (256 byte tokens plus the Qwen chat special tokens): every text
-round-trips, and its ids all lie inside every preset's vocabulary.
+of memory, not 145 GB. The tokenizer is byte-level (256 byte tokens plus the Qwen chat special tokens, so every text
+round-trips) and, like Qwen2.5's own, it names every id up to 151,665: the rest are filler tokens of two to four
+ASCII letters and digits that encoding never produces. A random-weight model samples ids from its whole
+vocabulary, and an id the tokenizer does not know costs a detokenizer ~30 us against ~1 us: a tokenizer of 259
+entries would make every generation that detokenizes (TRL's, vLLM's default) CPU-bound and unrealistically slow.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
+import string
 from pathlib import Path
 
 import torch
@@ -26,6 +31,7 @@ from .presets import get_preset
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_TOKENIZER_SIZE = 151665  # Qwen2.5's tokenizer: 151,643 regular tokens and 22 special ones; model rows beyond pad
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -33,22 +39,42 @@ CHAT_TEMPLATE = (
 _SHARD_BYTES = 4 * 2**30
 
 
-def write_tokenizer(path: str | os.PathLike) -> dict[str, int]:
-    """Write a byte-level BPE tokenizer (no merges) to `path`; returns the special tokens' ids."""
+def write_tokenizer(path: str | os.PathLike, size: int = QWEN_TOKENIZER_SIZE) -> dict[str, int]:
+    """Write a byte-level BPE tokenizer of `size` ids to `path`; returns the special tokens' ids.
+
+    Ids 0-255 are the bytes, 256-258 the special tokens; the rest are filler tokens that only decoding meets.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_chars = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if size < len(byte_chars) + len(SPECIAL_TOKENS):
+        raise ValueError(f"a tokenizer of size {size} cannot hold the 256 bytes and {len(SPECIAL_TOKENS)} special "
+                         "tokens: give the model a vocabulary of at least 259")
+    # The order of `hf_config`'s default ids: <|im_end|> 256 (eos), <|endoftext|> 257 (bos, pad), <|im_start|> 258.
+    tokens = [*byte_chars, "<|im_end|>", "<|endoftext|>", "<|im_start|>"]
+    tokens += _filler_tokens(size - len(tokens))
+    vocab = {token: i for i, token in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
     return {t: fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+def _filler_tokens(n: int) -> list[str]:
+    """`n` distinct strings of 2-4 ASCII letters and digits (all valid UTF-8, as most real tokens are)."""
+    chars = string.ascii_letters + string.digits
+    out: list[str] = []
+    for length in (2, 3, 4):
+        for combo in itertools.product(chars, repeat=length):
+            if len(out) >= n:
+                return out
+            out.append("".join(combo))
+    return out
 
 
 def hf_config(preset: str, *, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -109,13 +135,14 @@ def write_random_checkpoint(preset: str, path: str | os.PathLike, *, layers: int
     if layers is not None and not 1 <= layers <= spec.num_hidden_layers:
         raise ValueError(f"layers={layers} is outside 1..{spec.num_hidden_layers} for {spec.name}")
     path = Path(path)
-    stamp = {"preset": spec.name, "layers": layers, "dtype": str(dtype), "seed": seed}
+    tokenizer_size = min(QWEN_TOKENIZER_SIZE, spec.vocab_size)
+    stamp = {"preset": spec.name, "layers": layers, "dtype": str(dtype), "seed": seed, "tokenizer": tokenizer_size}
     done = path / "swaprl_random.json"
     if done.exists() and json.loads(done.read_text()) == stamp:
         logger.info("reusing random checkpoint at %s", path)
         return path
     path.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(path)
+    ids = write_tokenizer(path, tokenizer_size)
     config = hf_config(spec.name, layers=layers, dtype=dtype, bos_token_id=ids["<|endoftext|>"],
                        eos_token_id=ids["<|im_end|>"])
     config.save_pretrained(str(path))
