@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workload", default="W1", choices=["W1", "W2", "W3"])
     ap.add_argument("--smoke", action="store_true", help="tiny preset, no vLLM, CPU: checks the plumbing only")
     ap.add_argument("--ways", default="a,b,c", help="which ways to run, e.g. 'a,b' (the ratio needs 'a')")
+    ap.add_argument("--presets", default=None,
+                    help="override the workload's model sizes, e.g. 'qwen2.5-7b,qwen2.5-14b' (W3 climbs them in order)")
     ap.add_argument("--prompts", type=int, default=None, help="override the workload's prompts per step")
     ap.add_argument("--completions", type=int, default=None, help="override the workload's group size")
     ap.add_argument("--max-tokens", type=int, default=None, help="override the workload's max completion tokens")
@@ -394,6 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     workload = "smoke" if args.smoke else args.workload
     presets, prompts, completions, max_tokens = WORKLOADS[workload]
+    presets = [p.strip() for p in args.presets.split(",")] if args.presets else presets
     settings = {"presets": presets, "prompts": args.prompts or prompts,
                 "completions": args.completions or completions, "max_tokens": args.max_tokens or max_tokens,
                 "prompt_tokens": 8 if args.smoke else args.prompt_tokens,
