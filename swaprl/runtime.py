@@ -107,7 +107,7 @@ class Runtime:
         self._pending_reload: torch.cuda.Event | None = None
         self._streamer: StateStreamer | None = None
         self._streaming = False  # inside the streamed step installed on the optimizer
-        self._restore_step: Callable[[], None] | None = None
+        self._restore_methods: Callable[[], None] | None = None
         self.sleep_level = self._resolve_sleep_level()
         self.last_sync: SyncReport | None = None
         self._probe: tuple[list[list[int]], list[torch.Tensor]] | None = None  # the trainer's half of the check
@@ -119,12 +119,14 @@ class Runtime:
             self._streamer = StateStreamer(optimizer, self.device, res.buffer, chunk_bytes=config.stream_chunk_bytes,
                                            reserve=self._reserve_for_states, on_step=self._on_streamed_step)
             res.location = "host"
-            # torch puts loaded states on their parameters' device; they belong in host memory.
+            # Loaded states belong in the host buffer (and with a load_state_dict captured before attach, torch
+            # put them on the device).
             self._hooks.append(optimizer.register_load_state_dict_post_hook(
-                lambda opt: self._streamer.settle("The loaded states are intact on the device.")))
+                lambda opt: self._streamer.settle("The loaded states are intact where the load put them.")))
             steps += [_Step("optimizer states to host", lambda: self._streamer.settle("Nothing was moved."),
                             self._states_to_device),
-                      _Step("install streamed step", self._install_streamed_step, lambda: self._restore_step())]
+                      _Step("install streamed step", self._install_streamed_methods,
+                            lambda: self._restore_methods())]
         if not engine.shares_trainer_weights:
             steps.append(_Step("engine sleep", lambda: self._engine_sleep(), lambda: self._engine_wake(None)))
         try:
@@ -246,7 +248,7 @@ class Runtime:
         self.wait_reload()
         if self._streamer is not None:  # plain torch steps the states on the device again
             self._states_to_device()
-            self._restore_step()
+            self._restore_methods()
         for hook in self._hooks:
             hook.remove()
         self._emit({"type": "detach", "status": self.status()})
@@ -592,15 +594,14 @@ class Runtime:
         self.wait_reload()
 
     # ---------------------------------------------------------------- host-resident optimizer states
-    def _install_streamed_step(self) -> None:
-        """Make `optimizer.step()` the streamed step, for this optimizer object only, until `detach()`.
+    def _install_streamed_methods(self) -> None:
+        """Make `optimizer.step()` the streamed step, and `optimizer.load_state_dict()` load into host memory, for
+        this optimizer object only, until `detach()`.
 
-        The instance attribute takes precedence over the class's method, so every caller (user code, accelerate's
-        AcceleratedOptimizer, an LR scheduler's wrapper made after attach) reaches it. Torch's own hook wrapper
-        runs once around all chunks: step hooks see the whole step, with every gradient in place.
+        Instance attributes take precedence over the class's methods, so every caller (user code, accelerate's
+        AcceleratedOptimizer, an LR scheduler's wrapper made after attach) reaches them.
         """
         opt, runtime, streamer = self.optimizer, self, self._streamer
-        previous = vars(opt).get("step")  # an instance-level wrapper made earlier, e.g. by an LR scheduler
         algorithm = type(opt).step
         if getattr(algorithm, "hooked", False):  # torch wraps each optimizer class's step with its hooks once
             algorithm = algorithm.__wrapped__
@@ -608,16 +609,11 @@ class Runtime:
         def streamed(opt, closure=None):
             return streamer.step(lambda: algorithm(opt), closure)
 
+        # Torch's own hook wrapper, once around all chunks: step hooks see the whole step, every gradient in place.
         hooked = torch.optim.Optimizer.profile_hook_step(streamed)
-        # An LR scheduler built before attach wrapped the step to record that it ran, and warns when a step method
-        # without its mark replaces it (https://github.com/pytorch/pytorch/issues/20124): keep both.
-        tracks_lr = getattr(previous, "_wrapped_by_lr_sched", False)
 
-        def step(opt, *args, **kwargs):
-            if runtime._closed:  # detached, but still reached through a wrapper made after attach
-                plain = previous if previous is not None else types.MethodType(type(opt).step, opt)
-                return plain(*args, **kwargs)
-            if tracks_lr:
+        def step(plain, *args, **kwargs):
+            if getattr(plain, "_wrapped_by_lr_sched", False):  # what the LR scheduler's wrapper, replaced, records
                 opt._opt_called = True
             runtime._streaming = True
             try:
@@ -625,20 +621,58 @@ class Runtime:
             finally:
                 runtime._streaming = False
 
-        if tracks_lr:
-            step._wrapped_by_lr_sched = True
-        installed = types.MethodType(step, opt)
-        opt.step = installed
+        def load_state_dict(plain, state_dict):
+            # torch casts each loaded state to its parameter's device, all at once: the very memory this mode saves.
+            # For the length of the load each parameter's data is an empty host tensor of its dtype, so the states
+            # land in host memory, and the load's post-hook moves them into the buffer from there.
+            params = [p for p, _ in streamer.params()]
+            data = [p.data for p in params]
+            try:
+                for p in params:
+                    p.data = torch.empty(0, dtype=p.dtype)
+                return plain(state_dict)
+            finally:
+                for p, d in zip(params, data):
+                    p.data = d
+
+        # An LR scheduler built before attach wrapped the step to record that it ran, and warns when a step method
+        # without its mark replaces it (https://github.com/pytorch/pytorch/issues/20124): keep the mark.
+        undo = [self._override("step", step, marks=("_wrapped_by_lr_sched",)),
+                self._override("load_state_dict", load_state_dict)]
 
         def restore() -> None:
-            if vars(opt).get("step") is installed:
-                if previous is None:
-                    del opt.step
-                else:
-                    opt.step = previous
-            # else a wrapper made after attach holds `installed`, which now passes through to the plain step
+            for fn in undo:
+                fn()
 
-        self._restore_step = restore
+        self._restore_methods = restore
+
+    def _override(self, name: str, body: Callable, marks: tuple[str, ...] = ()) -> Callable[[], None]:
+        """Set `optimizer.<name>` on the instance to call `body(plain, *args, **kwargs)`, where `plain` is what was
+        there before; returns what puts it back."""
+        opt, runtime = self.optimizer, self
+        previous = vars(opt).get(name)  # an instance-level wrapper made earlier, e.g. by an LR scheduler
+        plain = previous if previous is not None else types.MethodType(getattr(type(opt), name), opt)
+
+        def method(opt, *args, **kwargs):
+            if runtime._closed:  # detached, but still reached through a wrapper made after attach
+                return plain(*args, **kwargs)
+            return body(plain, *args, **kwargs)
+
+        for mark in marks:
+            if getattr(previous, mark, False):
+                setattr(method, mark, getattr(previous, mark))
+        installed = types.MethodType(method, opt)
+        setattr(opt, name, installed)
+
+        def restore() -> None:
+            if vars(opt).get(name) is installed:
+                if previous is None:
+                    delattr(opt, name)
+                else:
+                    setattr(opt, name, previous)
+            # else a wrapper made after attach holds `installed`, which passes through to `plain` from now on
+
+        return restore
 
     def _states_to_device(self) -> int:
         """Bring the host-resident optimizer states back to the device (detach, or undoing attach)."""

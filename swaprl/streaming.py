@@ -52,7 +52,8 @@ class _Home:
 class _Chunk:
     """Consecutive parameters stepped together, and the copies that bring their states in and out."""
 
-    params: list[torch.nn.Parameter]
+    params: list[tuple[torch.nn.Parameter, dict]]
+    """(parameter, its group)."""
     groups: list[dict] = field(default_factory=list)
     """The optimizer's parameter groups with a parameter in this chunk."""
     staged: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
@@ -103,14 +104,15 @@ class StateStreamer:
         """Drop every record (the states went back to the device for good)."""
         self._homes.clear()
 
-    def _params(self) -> list[torch.nn.Parameter]:
+    def params(self) -> list[tuple[torch.nn.Parameter, dict]]:
+        """The optimizer's parameters in order, each with its group."""
         seen: set[int] = set()
         out = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in seen:
                     seen.add(id(p))
-                    out.append(p)
+                    out.append((p, group))
         return out
 
     def _at_home(self, t: torch.Tensor) -> bool:
@@ -120,14 +122,21 @@ class StateStreamer:
     def _in_buffer(self, h: _Home) -> bool:
         return h.offset is not None and self.buffer.holds(Moved(h.tensor, h.offset, self.device, h.view.data_ptr()))
 
-    def _states(self, p: torch.Tensor) -> list[torch.Tensor]:
-        """`p`'s state tensors that belong on the device: at their host home, or on the device now (created by a
-        step, or put there by `load_state_dict`). On CUDA the CPU `step` counters of non-fused optimizers are
-        neither, and stay where torch keeps them."""
+    def _states(self, p: torch.Tensor, group: dict) -> list[torch.Tensor]:
+        """`p`'s state tensors that belong on the device: at their host home, on the device now (created by a step,
+        or loaded there), or in other host memory where torch would have put them on the device (loaded while
+        the parameters were on the host): those are taken as at home where they are. On CUDA the CPU `step`
+        counters of non-fused optimizers are none of these, and stay where torch keeps them."""
         out = []
-        for v in self.optimizer.state.get(p, {}).values():
-            if isinstance(v, torch.Tensor) and v.numel() > 0 and (self._at_home(v) or v.device == self.device):
-                out.append(v)
+        for key, v in self.optimizer.state.get(p, {}).items():
+            if not isinstance(v, torch.Tensor) or v.numel() == 0:
+                continue
+            if not (self._at_home(v) or v.device == self.device):
+                # torch's placement rule for loaded states (Optimizer._process_value_according_to_param_policy)
+                if v.device.type != "cpu" or (key == "step" and not (group.get("fused") or group.get("capturable"))):
+                    continue
+                self._homes[id(v)] = _Home(v, v.data, None)
+            out.append(v)
         return out
 
     # ---------------------------------------------------------------- the step
@@ -139,12 +148,12 @@ class StateStreamer:
             with torch.enable_grad():
                 loss = closure()
         start = time.perf_counter()
-        stepping = [p for p in self._params() if p.grad is not None]
+        stepping = [(p, g) for p, g in self.params() if p.grad is not None]
         chunks = self._plan(stepping)
-        grads = {p: p.grad for p in stepping}
+        grads = {p: p.grad for p, _ in stepping}
         figures = {"h2d_bytes": 0, "d2h_bytes": 0}
         try:
-            for p in stepping:
+            for p in grads:
                 p.grad = None
             self._run(chunks, grads, raw_step, figures)
         finally:
@@ -161,25 +170,25 @@ class StateStreamer:
             self._on_step(info)
         return loss
 
-    def _plan(self, stepping: list[torch.nn.Parameter]) -> list[_Chunk]:
+    def _plan(self, stepping: list[tuple[torch.nn.Parameter, dict]]) -> list[_Chunk]:
         """Consecutive parameters in chunks of about `chunk_bytes` of states, and each chunk's copies."""
         chunks: list[_Chunk] = []
         size = 0
-        for p in stepping:
-            states = self._states(p)
+        for p, group in stepping:
+            states = self._states(p, group)
             # No state yet (the first step): the step creates it on the device; AdamW makes two of p's size.
             b = layout_bytes(states) if states else 2 * _align(nbytes(p))
             if not chunks or size + b > self.chunk_bytes:
                 chunks.append(_Chunk([]))
                 size = 0
-            chunks[-1].params.append(p)
+            chunks[-1].params.append((p, group))
             size += b
         seen: set[int] = set()
         for chunk in chunks:
-            mine = {id(p) for p in chunk.params}
-            chunk.groups = [g for g in self.optimizer.param_groups if any(id(p) in mine for p in g["params"])]
-            for p in chunk.params:
-                for t in self._states(p):
+            mine = {id(g) for _, g in chunk.params}
+            chunk.groups = [g for g in self.optimizer.param_groups if id(g) in mine]
+            for p, group in chunk.params:
+                for t in self._states(p, group):
                     if not self._at_home(t):
                         continue  # on the device already: the step uses it where it is
                     if id(t) in seen:
@@ -230,23 +239,23 @@ class StateStreamer:
                 buf = staging[i % 2] if chunk.bytes else None
                 for t, _, offset in chunk.staged:
                     t.data = _host_view(buf, offset, t)
-                for p in chunk.params:
+                for p, _ in chunk.params:
                     p.grad = grads[p]
                 groups, self.optimizer.param_groups = self.optimizer.param_groups, chunk.groups
                 try:
                     raw_step()
                 finally:
                     self.optimizer.param_groups = groups
-                    for p in chunk.params:
+                    for p, _ in chunk.params:
                         p.grad = None
                 figures["h2d_bytes"] += sum(nbytes(t) for t, _, _ in chunk.staged)
                 figures["d2h_bytes"] += self._copy_out(chunk, buf, i, emptied)
-                figures["d2h_bytes"] += sum(self._send_home(t) for p in chunk.params for t in self._states(p)
+                figures["d2h_bytes"] += sum(self._send_home(t) for p, g in chunk.params for t in self._states(p, g)
                                             if not self._at_home(t))  # states this step created
             if cuda:  # the states are complete host tensors when step() returns
                 self._d2h.synchronize()
         except BaseException:
-            self._rescue([p for c in chunks for p in c.params])
+            self._rescue([pg for c in chunks for pg in c.params])
             raise
 
     def _copy_in(self, chunk: _Chunk, staging: list[torch.Tensor], i: int,
@@ -308,14 +317,14 @@ class StateStreamer:
         self._homes[id(t)] = h
         return nbytes(t)
 
-    def _rescue(self, params: list[torch.nn.Parameter]) -> None:
+    def _rescue(self, params: list[tuple[torch.nn.Parameter, dict]]) -> None:
         """After an error inside the step: every state back home, holding what the optimizer last wrote to it."""
         try:
             if self._h2d is not None:
                 for stream in (self._h2d, self._d2h, torch.cuda.current_stream(self.device)):
                     stream.synchronize()
-            for p in params:
-                for t in self._states(p):
+            for p, group in params:
+                for t in self._states(p, group):
                     if not self._at_home(t):
                         self._send_home(t)
         except Exception:  # keep the first error: it is the one that explains what went wrong
@@ -329,7 +338,7 @@ class StateStreamer:
         New states go after those already in the buffer when they fit; otherwise the buffer is laid out afresh,
         in parameter order, so that each chunk's states are one run of it.
         """
-        managed = [t for p in self._params() for t in self._states(p)]
+        managed = [t for p, g in self.params() for t in self._states(p, g)]
         live = {id(t) for t in managed}
         for key in [k for k in self._homes if k not in live]:  # replaced or dropped by the optimizer: let them go
             del self._homes[key]

@@ -175,7 +175,7 @@ def test_detach_brings_the_states_back_for_plain_torch(tiny_checkpoint):
         ids = [id(t) for t in optimizer_tensors(opt)]
         swaprl.detach()
         assert [id(t) for t in optimizer_tensors(opt)] == ids
-        assert "step" not in vars(opt)  # the optimizer's own step method is back
+        assert "step" not in vars(opt) and "load_state_dict" not in vars(opt)  # the optimizer's own methods
         grpo.run(model, opt, HFEngine(model), steps=1)  # plain torch from here on
         results.append(snapshot(model, opt))
     assert_same_training(*results)
@@ -424,8 +424,8 @@ def test_lbfgs_is_refused_with_the_fix(tiny_checkpoint):
 @pytest.mark.gpu
 def test_device_peak_during_the_streamed_step_is_two_chunks():
     """64 MiB of parameters with 128 MiB of AdamW states, streamed 8 MiB at a time: the states never sit on the
-    device, the step's peak stays within two staging chunks plus the foreach update's temporaries, and training
-    matches plain AdamW on the device bit for bit."""
+    device, the step's peak stays within two staging chunks plus the foreach update's temporaries, a checkpoint
+    loads without passing through the device, and training matches plain AdamW on the device bit for bit."""
     chunk = 8 * MiB
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)]).cuda()
@@ -451,6 +451,16 @@ def test_device_peak_during_the_streamed_step_is_two_chunks():
         assert peak <= 2 * chunk + chunk + 4 * MiB, (step, peak)
         assert torch.cuda.memory_allocated() - base <= 0, step  # nothing stays behind
         assert rt.status()["optimizer"]["bytes"] == 0
+    checkpoint = io.BytesIO()
+    torch.save(opt.state_dict(), checkpoint)
+    checkpoint.seek(0)
+    saved = torch.load(checkpoint, map_location="cpu")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.load_state_dict(saved)
+    assert torch.cuda.max_memory_allocated() == base  # loaded straight into host memory
+    assert rt.status()["optimizer"]["bytes"] == 0
     states = optimizer_tensors(opt)
     assert sum(t.numel() * t.element_size() for t in states) >= 2 * params
     assert all(t.is_pinned() for t in states if t.dim() > 0)  # the moments live in the page-locked buffer
