@@ -88,8 +88,7 @@ def test_streamed_step_is_bitwise_plain_training(tiny_checkpoint, device, opt_na
 
 
 def test_a_closure_runs_once_per_step(tiny_checkpoint):
-    results = []
-    for host in (False, True):
+    def train(host: bool):
         model = load(tiny_checkpoint)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         rt = swaprl.attach(model, opt, config=host_config()) if host else None
@@ -107,9 +106,11 @@ def test_a_closure_runs_once_per_step(tiny_checkpoint):
         if rt is not None:
             assert rt.status()["optimizer"]["bytes"] == 0
         swaprl.detach()
-        results.append((losses, snapshot(model, opt)))
-    assert results[0][0] == results[1][0]
-    assert_same_training(results[0][1], results[1][1])
+        return losses, snapshot(model, opt)
+
+    (l0, a), (l1, b) = train(False), train(True)
+    assert l0 == l1
+    assert_same_training(a, b)
 
 
 def test_parameters_without_gradients_keep_their_states(tiny_checkpoint):
