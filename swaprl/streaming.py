@@ -373,13 +373,28 @@ class StateStreamer:
         return moved
 
     def _place(self, tensors: list[torch.Tensor], offset: int) -> int:
+        """Copy `tensors` into the buffer from `offset` on and point them there. An interruption puts back those that
+        came from the device; those that came from a host home of their own stay in the buffer, as valid a home."""
         buf = self.buffer.span(offset + layout_bytes(tensors))
         moved = 0
-        for t in tensors:
-            view = _host_view(buf, offset, t)
-            view.copy_(t.data)
-            t.data = view  # a temporary it came from is freed here, before the next one is copied
-            self._homes[id(t)] = _Home(t, view, offset)
-            offset += _align(nbytes(t))
-            moved += nbytes(t)
+        undo: list[tuple[torch.Tensor, torch.Tensor, _Home | None]] = []
+        try:
+            for t in tensors:
+                view = _host_view(buf, offset, t)
+                source, record, from_home = t.data, self._homes.get(id(t)), self._at_home(t)
+                view.copy_(source)
+                t.data = view  # a host temporary it came from is freed here, before the next one is copied
+                self._homes[id(t)] = _Home(t, view, offset)
+                if not from_home:
+                    undo.append((t, source, record))
+                offset += _align(nbytes(t))
+                moved += nbytes(t)
+        except BaseException:
+            for t, source, record in reversed(undo):
+                t.data = source
+                if record is None:
+                    self._homes.pop(id(t), None)
+                else:
+                    self._homes[id(t)] = record
+            raise
         return moved

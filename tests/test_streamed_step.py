@@ -200,6 +200,38 @@ def test_attach_after_training_moves_existing_states_to_host(tiny_checkpoint):
 # ---------------------------------------------------------------- faults
 
 
+class SleeplessEngine(swaprl.Engine):
+    """An engine with weights of its own that cannot sleep: the last step of attach fails."""
+
+    def generate(self, prompts, sampling):
+        raise NotImplementedError
+
+    def logprobs(self, sequences):
+        raise NotImplementedError
+
+    def sleep(self, level: int) -> None:
+        raise RuntimeError("no sleep mode")
+
+
+def test_a_failed_attach_gives_the_optimizer_back_as_it_was(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference = copy.deepcopy((model, opt))
+    grpo.run(model, opt, HFEngine(model), steps=1)
+    grpo.run(reference[0], reference[1], HFEngine(reference[0]), steps=1)
+    before = [t.clone() for t in optimizer_tensors(opt)]
+    with pytest.raises(RuntimeError, match="no sleep mode"):
+        swaprl.attach(model, opt, SleeplessEngine(), config=host_config())
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()
+    assert "step" not in vars(opt) and "load_state_dict" not in vars(opt)
+    for t, b in zip(optimizer_tensors(opt), before):
+        torch.testing.assert_close(t, b, rtol=0, atol=0)
+    grpo.run(model, opt, HFEngine(model), steps=1)  # plain torch, no hook left behind
+    grpo.run(reference[0], reference[1], HFEngine(reference[0]), steps=1)
+    assert_same_training(snapshot(model, opt), snapshot(*reference))
+
+
 def two_groups(model, opt_name="adamw"):
     """The model's parameters in two groups; the second starts in the streamed step's second chunk."""
     params = list(model.parameters())
