@@ -99,10 +99,12 @@ class SwapConfig:
             raise ValueError(f"SwapConfig.optimizer_states={self.optimizer_states!r}; use 'swap' (states on the device "
                              "for 'train', in host memory for 'generate') or 'host' (always in host memory, streamed "
                              "through the device by optimizer.step())")
-        if isinstance(self.stream_chunk_bytes, bool) or not isinstance(self.stream_chunk_bytes, int) \
-                or self.stream_chunk_bytes < 2**20:
-            raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes!r} is not an integer of 1 MiB or "
-                             "more; chunks that small make the streamed step launch-bound: use 256 MiB or more")
+        if isinstance(self.stream_chunk_bytes, bool) or not isinstance(self.stream_chunk_bytes, int):
+            raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes!r}; give a byte count as an int, "
+                             "e.g. 2**30")
+        if self.stream_chunk_bytes < 2**20:
+            raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes} is under 1 MiB; chunks that "
+                             "small make the streamed step launch-bound: use 256 MiB or more")
         if self.optimizer_states == "host" and self.overlap_optimizer_reload:
             raise ValueError("SwapConfig(optimizer_states='host', overlap_optimizer_reload=True): with 'host' the "
                              "states never come back to the device for 'train', so there is no reload to overlap "

@@ -435,7 +435,7 @@ def test_profile_and_report_show_the_streamed_step(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(optimizer_states="gpu"), r"optimizer_states='gpu'; use 'swap' .* or 'host'"),
     (dict(optimizer_states="host", stream_chunk_bytes=4096), r"stream_chunk_bytes=4096 .*use 256 MiB or more"),
-    (dict(stream_chunk_bytes=1.5 * 2**30), r"stream_chunk_bytes=1610612736.0 is not an integer"),
+    (dict(stream_chunk_bytes=1.5 * 2**30), r"stream_chunk_bytes=1610612736.0; give a byte count as an int"),
     (dict(optimizer_states="host", overlap_optimizer_reload=True), r"drop overlap_optimizer_reload"),
 ])
 def test_config_validation_names_the_fix(kwargs, match):
