@@ -19,7 +19,7 @@ import torch
 from .config import SwapConfig
 from .distributed import is_fsdp2
 from .engines.base import Engine, EngineStateError, Sampling
-from .residency import HostBufferError
+from .residency import HostBufferError, local_tensor
 from .runtime import Phase, PhaseError, Runtime, SyncReport
 
 __all__ = ["attach", "phase", "detach", "current", "SwapConfig", "Runtime", "Sampling", "Engine", "SyncReport",
@@ -55,6 +55,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Eng
                          "shards live in buffers FSDP2 owns, which swaprl cannot move. Use params='keep' (the "
                          "shards are 1/world of the model), or have FSDP2 keep them in host memory for good: "
                          "fully_shard(module, offload_policy=CPUOffloadPolicy())")
+    if config.optimizer_states == "host":
+        _check_streamable(model, optimizer)
     engine = _make_engine(engine, model, config)
     if engine.shares_trainer_weights and config.params == "offload":
         raise ValueError(f"SwapConfig(params='offload') with {type(engine).__name__}, which generates with the "
@@ -108,6 +110,22 @@ def _check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
         raise ValueError(f"{len(foreign)} optimizer parameter(s) are not parameters of the model ({listed}); build "
                          "the optimizer from this model's parameters, e.g. AdamW(model.parameters()), after any "
                          "wrapping or moving of the model")
+
+
+def _check_streamable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what `SwapConfig(optimizer_states="host")` cannot step a chunk of parameters at a time."""
+    if is_fsdp2(model) or any(local_tensor(p) is not p for p in model.parameters()):
+        # A DTensor's optimizer update goes through DTensor dispatch over its shards, whose states swaprl moves as
+        # their local tensors; stepping a chunk of them that way has not been made to work.
+        raise ValueError("SwapConfig(optimizer_states='host') with DTensor parameters (a model sharded by FSDP2's "
+                         "fully_shard, or tensor parallelism): the streamed optimizer step handles plain tensors "
+                         "only. Use optimizer_states='swap' (the shards' states are 1/world of the model), or have "
+                         "FSDP2 keep the shards and their optimizer step on the host: "
+                         "fully_shard(module, offload_policy=CPUOffloadPolicy())")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError("SwapConfig(optimizer_states='host') with LBFGS: its state (the search directions) spans "
+                        "all parameters together, so it cannot be stepped a chunk of parameters at a time. Use "
+                        "optimizer_states='swap'")
 
 
 def _make_engine(engine: Engine | str | None, model: torch.nn.Module, config: SwapConfig) -> Engine:

@@ -9,17 +9,34 @@ from typing import Literal
 GradPolicy = Literal["free", "offload", "keep"]
 ParamPolicy = Literal["keep", "offload"]
 SleepLevel = Literal[1, 2, "auto"]
+OptimizerStates = Literal["swap", "host"]
 
 _GRAD_POLICIES = ("free", "offload", "keep")
 _PARAM_POLICIES = ("keep", "offload")
+_OPTIMIZER_STATES = ("swap", "host")
 
 
 @dataclass(kw_only=True, slots=True)
 class SwapConfig:
     """How the runtime moves memory between the `train` and `generate` phases.
 
-    The optimizer states always leave the GPU during `generate`: that is what makes room for the engine.
+    The optimizer states always leave the GPU during `generate`: that is what makes room for the engine. With
+    `optimizer_states="host"` they never come back: they stay in host memory and only pass through the GPU, a
+    chunk at a time, inside `optimizer.step()`.
     """
+
+    optimizer_states: OptimizerStates = "swap"
+    """Where the optimizer states live. "swap": in host memory during `generate`, on the GPU during `train`.
+    "host": in host memory in both phases; `optimizer.step()` copies them to the GPU `stream_chunk_bytes` at a
+    time, updates that chunk's parameters and copies the states back, the copies overlapping the update. Costs
+    twice the states' bytes over PCIe per step, as "swap" does per cycle, but saves their whole size on the GPU
+    in `train`: use it when parameters, gradients and optimizer states together do not fit on the device."""
+
+    stream_chunk_bytes: int = 2**30
+    """With `optimizer_states="host"`: optimizer-state bytes per chunk of the streamed `optimizer.step()`. The GPU
+    holds two chunks during the step (one updating, one copying), or two of the largest parameter's states if
+    those are bigger. The first step, which creates the states, sizes its chunks as if each parameter's states
+    were twice its own bytes (AdamW's two moments)."""
 
     grads: GradPolicy = "offload"
     """Gradients during `generate`: "offload" keeps them in host memory and brings them back (costs nothing when
@@ -78,6 +95,20 @@ class SwapConfig:
             raise ValueError(f"SwapConfig.grads={self.grads!r}; use one of {_GRAD_POLICIES}")
         if self.params not in _PARAM_POLICIES:
             raise ValueError(f"SwapConfig.params={self.params!r}; use one of {_PARAM_POLICIES}")
+        if self.optimizer_states not in _OPTIMIZER_STATES:
+            raise ValueError(f"SwapConfig.optimizer_states={self.optimizer_states!r}; use 'swap' (states on the device "
+                             "for 'train', in host memory for 'generate') or 'host' (always in host memory, streamed "
+                             "through the device by optimizer.step())")
+        if isinstance(self.stream_chunk_bytes, bool) or not isinstance(self.stream_chunk_bytes, int):
+            raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes!r}; give a byte count as an int, "
+                             "e.g. 2**30")
+        if self.stream_chunk_bytes < 2**20:
+            raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes} is under 1 MiB; chunks that "
+                             "small make the streamed step launch-bound: use 256 MiB or more")
+        if self.optimizer_states == "host" and self.overlap_optimizer_reload:
+            raise ValueError("SwapConfig(optimizer_states='host', overlap_optimizer_reload=True): with 'host' the "
+                             "states never come back to the device for 'train', so there is no reload to overlap "
+                             "(the streamed optimizer.step() overlaps its own copies); drop overlap_optimizer_reload")
         if self.sleep_level not in (1, 2, "auto"):
             raise ValueError(f"SwapConfig.sleep_level={self.sleep_level!r}; use 1, 2 or 'auto'")
         if self.host_budget_bytes is not None and self.host_budget_bytes < 0:

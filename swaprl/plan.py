@@ -7,7 +7,9 @@
 `train` (the engine asleep, optimizer states on the GPU) and `generate` (optimizer states in pinned host memory,
 the engine awake with weights and KV cache). It tries the swap settings from the one that moves the fewest bytes
 between host and GPU to the most aggressive and picks the first under which both phases and the host fit; when
-none does, the verdict names the phase that overflows, by how much, and the single changes that would make it fit.
+none does, it tries them again with the optimizer states in host memory in `train` too (`optimizer_states="host"`,
+unsharded trainers only), and when still none does, the verdict names the phase that overflows, by how much, and
+the single changes that would make it fit.
 
 Every formula and constant is written out once, in docs/plan.md; the functions below cite its sections (§).
 """
@@ -54,6 +56,8 @@ _HOST_MARGIN_FRACTION = 0.10  # of host memory kept for the OS, page cache and d
 _HOST_MARGIN_PER_GPU = 6 * GiB  # resident memory of one GPU process (torch, CUDA libraries, vLLM, tokenizer)
 
 # The search space, each axis from the least to the most moving value (§Search).
+_OPTIMIZER_STATE_MODES = ("swap", "host")  # "host" only when no "swap" setting fits
+_STREAM_CHUNK_BYTES = 2**30  # SwapConfig.stream_chunk_bytes' default (§Phases)
 _GRADS = ("free", "keep", "offload")
 _PARAMS = ("keep", "offload")
 _SLEEP_LEVELS = (2, 1)
@@ -153,9 +157,13 @@ class Rollout:
 class Settings:
     """One point of the swap search space; the names are those of `swaprl.SwapConfig`.
 
-    The optimizer states always go to pinned host memory in `generate` and are not a choice here.
+    The optimizer states always go to pinned host memory in `generate`; `optimizer_states` says whether they also
+    stay there in `train`.
     """
 
+    optimizer_states: Literal["swap", "host"] = "swap"
+    """In `train`: the states back on the GPU ("swap"), or in host memory, streamed through the GPU by the
+    optimizer step a chunk at a time ("host")."""
     grads: Literal["free", "offload", "keep"] = "free"
     """In `generate`: drop the gradients (they are rebuilt by the next backward), copy them to host, or keep them."""
     params: Literal["keep", "offload"] = "keep"
@@ -166,6 +174,9 @@ class Settings:
     """Recompute each decoder layer in backward instead of keeping its activations."""
 
     def __post_init__(self) -> None:
+        if self.optimizer_states not in _OPTIMIZER_STATE_MODES:
+            raise ValueError(f"optimizer_states={self.optimizer_states!r}; use one of "
+                             f"{', '.join(_OPTIMIZER_STATE_MODES)}")
         if self.grads not in _GRADS:
             raise ValueError(f"grads={self.grads!r}; use one of {', '.join(_GRADS)}")
         if self.params not in _PARAMS:
@@ -177,7 +188,13 @@ class Settings:
 
     def describe(self) -> str:
         ckpt = "on" if self.activation_checkpointing else "off"
-        return f"grads={self.grads} params={self.params} sleep_level={self.sleep_level} checkpointing={ckpt}"
+        host = " optimizer_states=host" if self.optimizer_states == "host" else ""
+        return f"grads={self.grads} params={self.params} sleep_level={self.sleep_level} checkpointing={ckpt}{host}"
+
+    def label(self) -> str:
+        """How the optimizer states move, then `describe()`."""
+        moves = "optimizer offload" if self.optimizer_states == "swap" else "optimizer states in host memory"
+        return f"{moves}, {self.describe()}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -274,7 +291,7 @@ class Plan:
             (f"rollout   {r['prompts']} prompts x {r['completions_per_prompt']} = "
              f"{r['prompts'] * r['completions_per_prompt']} sequences of {r['prompt_tokens']}+"
              f"{r['completion_tokens']} tokens (global), {self.sequences_per_engine} per engine"),
-            f"settings  {'optimizer offload, ' + self.settings.describe() if self.settings else 'none fits'}",
+            f"settings  {self.settings.label() if self.settings else 'none fits'}",
             "",
             f"{'per GPU (GiB)':<24}{'train':>10}{'generate':>10}",
         ]
@@ -530,6 +547,17 @@ def _trainer_state(s: _Spec) -> dict[str, int]:
             "optimizer": -(-n * per_param_opt // s.shard_degree)}
 
 
+def _streamed_optimizer_bytes(s: _Spec) -> int:
+    """§Phases: the optimizer states on one GPU during a streamed step: two staging chunks, each at least the largest
+    parameter's states (the embedding, or an MLP matrix); one when a single chunk holds them all."""
+    b_o = dtype_bytes(s.optimizer_dtype)[1]
+    per_param_opt = _OPTIMIZER_STATES[s.optimizer] * b_o + (4 if s.master_weights else 0)
+    largest = max(s.model.vocab_size, s.model.intermediate_size) * s.model.hidden_size * per_param_opt
+    total = _trainer_state(s)["optimizer"]
+    chunk = max(_STREAM_CHUNK_BYTES, largest)
+    return total if chunk >= total else 2 * chunk
+
+
 def _engine_weight_bytes(s: _Spec) -> int:
     return _engine_params_per_rank(s.model, s.tp) * dtype_bytes(s.engine_dtype)[1]
 
@@ -551,6 +579,8 @@ def _evaluate(s: _Spec, st: Settings) -> dict:
     zero = dict.fromkeys(CATEGORIES, 0)
     train = {**zero, **state, "engine_other": _ENGINE_RESIDENT_BYTES + graphs,
              "activations": _train_activation_bytes(s, st.activation_checkpointing), "cuda_context": ctx}
+    if st.optimizer_states == "host":
+        train["optimizer"] = _streamed_optimizer_bytes(s)
     generate = {**zero, "params": state["params"] if st.params == "keep" else 0,
                 "grads": state["grads"] if st.grads == "keep" else 0, "engine_weights": engine_weights,
                 "engine_other": _ENGINE_RESIDENT_BYTES + graphs + _engine_profile_peak(s), "cuda_context": ctx}
@@ -574,7 +604,9 @@ def _evaluate(s: _Spec, st: Settings) -> dict:
     host_train = dict.fromkeys(HOST_CATEGORIES, 0)
     if st.sleep_level == 1:
         host_train["engine_weights"] = engine_weights * gpn
-    pinned = sum(host_gen.values()) + sum(host_train.values())
+    if st.optimizer_states == "host":
+        host_train["optimizer"] = host_gen["optimizer"]
+    pinned = sum(max(host_gen[c], host_train[c]) for c in HOST_CATEGORIES)  # one buffer per category, kept
     host_budget = s.cluster.host_memory_bytes - s.host_margin_bytes
 
     moved = _moved_bytes(s, st)
@@ -605,13 +637,19 @@ def _evaluate(s: _Spec, st: Settings) -> dict:
             "verdict": verdict}
 
 
-def _candidates(s: _Spec) -> list[Settings]:
-    """§Search: every allowed point, ordered by bytes moved, then by the per-axis order of least moving first."""
+def _candidates(s: _Spec, optimizer_states: str) -> list[Settings]:
+    """§Search: every allowed point with `optimizer_states`, ordered by bytes moved, then by the per-axis order of
+    least moving first."""
     pinned = dict(s.pinned)
+    if pinned.get("optimizer_states", optimizer_states) != optimizer_states:
+        return []
+    if optimizer_states == "host" and s.shard_degree > 1:
+        return []  # swaprl streams plain tensors only: refused under FSDP2
     axes = {"grads": _GRADS, "params": _PARAMS, "sleep_level": _SLEEP_LEVELS,
             "activation_checkpointing": _CHECKPOINTING}
     values = [(pinned[k],) if k in pinned else v for k, v in axes.items()]
-    points = [Settings(grads=g, params=p, sleep_level=lvl, activation_checkpointing=ac)
+    points = [Settings(optimizer_states=optimizer_states, grads=g, params=p, sleep_level=lvl,
+                       activation_checkpointing=ac)
               for g, p, lvl, ac in itertools.product(*values)]
     def key(st: Settings) -> tuple:
         return (_moved_bytes(s, st), _CHECKPOINTING.index(st.activation_checkpointing), _GRADS.index(st.grads),
@@ -622,10 +660,13 @@ def _candidates(s: _Spec) -> list[Settings]:
 
 def _search(s: _Spec) -> tuple[Settings | None, Settings, dict, list[Candidate]]:
     results = []
-    for st in _candidates(s):
-        ev = _evaluate(s, st)
-        results.append((st, ev, Candidate(settings=st, moved_bytes=ev["moved"], fits=ev["fits"],
-                                          overflow_bytes=ev["overflow"], verdict=ev["verdict"])))
+    for mode in _OPTIMIZER_STATE_MODES:  # states in host memory in train too only when swapping them fits nowhere
+        for st in _candidates(s, mode):
+            ev = _evaluate(s, st)
+            results.append((st, ev, Candidate(settings=st, moved_bytes=ev["moved"], fits=ev["fits"],
+                                              overflow_bytes=ev["overflow"], verdict=ev["verdict"])))
+        if any(all(ev["fits"].values()) for _, ev, _ in results):
+            break
     chosen = next(((st, ev) for st, ev, _ in results if all(ev["fits"].values())), None)
     if chosen is None:
         st, ev, _ = min(results, key=lambda r: sum(r[1]["overflow"].values()))
@@ -728,14 +769,20 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     grad_dtype = dtype_bytes(grad_dtype or param_dtype)[0]
     engine_dtype = dtype_bytes(engine_dtype)[0]
     settings = dict(settings or {})
-    unknown = set(settings) - {"optimizer", "grads", "params", "sleep_level", "activation_checkpointing"}
+    unknown = set(settings) - {"optimizer", "optimizer_states", "grads", "params", "sleep_level",
+                               "activation_checkpointing"}
     if unknown:
-        raise ValueError(f"unknown settings {sorted(unknown)}; pin any of grads, params, sleep_level, "
-                         "activation_checkpointing")
+        raise ValueError(f"unknown settings {sorted(unknown)}; pin any of optimizer_states, grads, params, "
+                         "sleep_level, activation_checkpointing")
     if settings.pop("optimizer", "offload") != "offload":
         raise ValueError("settings['optimizer'] can only be 'offload': the optimizer states always leave the GPU "
                          "in generate")
     Settings(**settings)  # validates the pinned values
+    degree = cluster.gpus if shard_degree is None else shard_degree
+    if settings.get("optimizer_states") == "host" and degree > 1:
+        raise ValueError(f"settings['optimizer_states']='host' with shard_degree={degree}: swaprl refuses host-resident "
+                         "optimizer states under FSDP2 (the streamed step moves plain tensors); use shard_degree=1 "
+                         "or optimizer_states='swap'")
     if not isinstance(processes_per_gpu, int) or processes_per_gpu not in (1, 2):
         raise ValueError(f"processes_per_gpu={processes_per_gpu!r}; use 1 (the engine inside the trainer's process) "
                          "or 2 (an engine process beside each trainer process)")
@@ -768,7 +815,7 @@ def _build(s: _Spec) -> Plan:
     per_wave = min(concurrent, s.engine_max_seqs)
     waves = -(-per_engine // per_wave) if per_wave else None
     if chosen is not None:
-        verdict = (f"fits with optimizer offload, {chosen.describe()}; "
+        verdict = (f"fits with {chosen.label()}; "
                    f"{_gib(ev['kv_room'])} GiB of KV cache per GPU, "
                    + ("the rollout runs in one wave" if waves == 1 else
                       f"the rollout needs {waves} waves of at most {per_wave} sequences per engine"))
@@ -837,6 +884,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-reserve-gib", type=float,
                         help="GPU memory the engine leaves free in generate (default: 2 GiB or 3%% of the GPU)")
     parser.add_argument("--host-margin-gib", type=float, help="host memory kept free (default 10%% + 6 GiB/GPU)")
+    parser.add_argument("--optimizer-states", choices=_OPTIMIZER_STATE_MODES,
+                        help="pin where the optimizer states live in train (default: 'host' only if 'swap' fits "
+                        "nowhere)")
     parser.add_argument("--grads", choices=_GRADS, help="pin the gradients' setting")
     parser.add_argument("--params", choices=_PARAMS, help="pin the parameters' setting")
     parser.add_argument("--sleep-level", type=int, choices=_SLEEP_LEVELS, help="pin the engine's sleep level")
@@ -852,7 +902,8 @@ def run(args: argparse.Namespace) -> int:
                      "gpu_memory_bytes": None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
                      "host_memory_bytes": None if args.host_memory_gib is None else int(args.host_memory_gib * GiB)}
         cluster = dataclasses.replace(cluster, **{k: v for k, v in overrides.items() if v is not None})
-        pinned = {k: getattr(args, k) for k in ("grads", "params", "sleep_level") if getattr(args, k) is not None}
+        pinned = {k: getattr(args, k) for k in ("optimizer_states", "grads", "params", "sleep_level")
+                  if getattr(args, k) is not None}
         if args.activation_checkpointing is not None:
             pinned["activation_checkpointing"] = args.activation_checkpointing == "on"
         result = plan(

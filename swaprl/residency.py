@@ -78,15 +78,39 @@ class HostBuffer:
     def capacity(self) -> int:
         return 0 if self._buf is None else self._buf.numel()
 
-    def ensure(self, size: int) -> torch.Tensor:
+    def ensure(self, size: int, *, lock: bool = True) -> torch.Tensor:
+        """The buffer, reallocated (contents lost) if it holds fewer than `size` bytes.
+
+        `lock=False` leaves a new allocation pageable until `lock()`: filled from other host memory, a buffer
+        locked first would commit all of its pages while its sources still hold as much again.
+        """
         if self._buf is not None and self._buf.numel() >= size:
             return self._buf
         self.release()
         start = time.perf_counter()
-        self._buf, self._registered = _host_empty(size, pin=self.pin)
+        if lock:
+            self._buf, self._registered = _host_empty(size, pin=self.pin)
+        else:
+            self._buf, self._registered = torch.empty(max(size, 1), dtype=torch.uint8), False
         logger.info("host buffer %r: allocated %.2f GiB%s in %.2f s", self.name, size / 2**30,
-                    " pinned" if self.pin else "", time.perf_counter() - start)
+                    " pinned" if self.pin and lock else "", time.perf_counter() - start)
         return self._buf
+
+    def lock(self) -> None:
+        """Page-lock a buffer that `ensure(..., lock=False)` allocated; nothing to do if it is locked already."""
+        if not self.pin or self._buf is None or self._registered or self._buf.is_pinned():
+            return
+        start = time.perf_counter()
+        torch.cuda.init()
+        err = torch.cuda.cudart().cudaHostRegister(self._buf.data_ptr(), self._buf.numel(), 0)
+        if int(err) != 0:
+            # Copying into torch's pinned allocator instead would take twice the memory for a moment; stay pageable.
+            logger.warning("cudaHostRegister of host buffer %r failed (%s); its copies run at pageable speed",
+                           self.name, err)
+            return
+        self._registered = True
+        logger.info("host buffer %r: page-locked %.2f GiB in %.2f s", self.name, self._buf.numel() / 2**30,
+                    time.perf_counter() - start)
 
     def holds(self, m: Moved) -> bool:
         """Whether `m` still sits at its own offset of this buffer."""
@@ -99,6 +123,7 @@ class HostBuffer:
         return self._buf[:end]
 
     def release(self) -> None:
+        """Drop the buffer. Tensors still viewing it keep its memory alive (no longer page-locked) until they go."""
         if self._buf is not None and self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
         self._buf, self._registered = None, False

@@ -11,6 +11,9 @@ dropped after its host copy is complete, and its host copy is only reused after 
                        the engine's weights next to the optimizer, the offloads' copies run under the wake-up, the
                        sync and the trainer's scoring (`SwapConfig.overlap_offload`).
     generate -> train: [engine: sleep], reload parameters, gradients, optimizer states
+
+With `SwapConfig(optimizer_states="host")` the optimizer states stay in host memory in both phases and neither
+transition moves them; `optimizer.step()` streams them through the device instead (`swaprl.streaming`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,8 +31,8 @@ import torch
 from . import distributed, memory
 from .config import SwapConfig
 from .engines.base import Engine, EngineStateError, sequence_logprobs
-from .residency import (HostBuffer, HostBufferError, Moved, Mover, PendingOffload, layout_bytes, local_tensor,
-                        nbytes)
+from .residency import HostBuffer, HostBufferError, Moved, Mover, PendingOffload, layout_bytes, local_tensor, nbytes
+from .streaming import StateStreamer
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +105,36 @@ class Runtime:
         self._listeners: list[Callable[[dict], None]] = []
         self._closed = False
         self._pending_reload: torch.cuda.Event | None = None
-        self._hooks = [optimizer.register_step_pre_hook(self._check_step_allowed),
-                       optimizer.register_state_dict_pre_hook(lambda opt: self.wait_reload())]
+        self._streamer: StateStreamer | None = None
+        self._streaming = False  # inside the streamed step installed on the optimizer
+        self._restore_methods: Callable[[], None] | None = None
         self.sleep_level = self._resolve_sleep_level()
         self.last_sync: SyncReport | None = None
         self._probe: tuple[list[list[int]], list[torch.Tensor]] | None = None  # the trainer's half of the check
+        self._hooks = [optimizer.register_step_pre_hook(self._check_step_allowed),
+                       optimizer.register_state_dict_pre_hook(lambda opt: self.wait_reload())]
+        steps = []
+        if config.optimizer_states == "host":
+            res = self._resources["optimizer"]
+            self._streamer = StateStreamer(optimizer, self.device, res.buffer, chunk_bytes=config.stream_chunk_bytes,
+                                           reserve=self._reserve_for_states, on_step=self._on_streamed_step)
+            res.location = "host"
+            # Loaded states belong in the host buffer (and with a load_state_dict captured before attach, torch
+            # put them on the device).
+            self._hooks.append(optimizer.register_load_state_dict_post_hook(
+                lambda opt: self._streamer.settle("The loaded states are intact where the load put them.")))
+            steps += [_Step("optimizer states to host", lambda: self._streamer.settle("Nothing was moved."),
+                            self._states_to_device),
+                      _Step("install streamed step", self._install_streamed_methods,
+                            lambda: self._restore_methods())]
         if not engine.shares_trainer_weights:
-            self._run_steps("attach", [_Step("engine sleep", lambda: self._engine_sleep(),
-                                             lambda: self._engine_wake(None))])
+            steps.append(_Step("engine sleep", lambda: self._engine_sleep(), lambda: self._engine_wake(None)))
+        try:
+            self._run_steps("attach", steps)
+        except BaseException:
+            for hook in self._hooks:
+                hook.remove()
+            raise
 
     # ---------------------------------------------------------------- public API
     @property
@@ -134,9 +160,11 @@ class Runtime:
         """Where each resource is and how many device bytes it holds now, plus the device and host totals."""
         out: dict = {"phase": self._phase, "cycle": self._cycle, "device": str(self.device)}
         for name, res in self._resources.items():
-            on_host = {id(m.tensor) for m in res.moved}  # on a CPU-only machine host and device look alike
+            moved = self._streamer.moved() if name == "optimizer" and self._streamer is not None else res.moved
+            on_host = {id(m.tensor) for m in moved}  # on a CPU-only machine host and device look alike
             on_device = sum(nbytes(t) for t in self._tensors(name) if id(t) not in on_host)
-            out[name] = {"location": res.location, "bytes": on_device, "host_bytes": res.host_bytes()}
+            out[name] = {"location": res.location, "bytes": on_device,
+                         "host_bytes": sum(nbytes(m.tensor) for m in moved)}
         out["engine"] = self.engine.memory()
         out["host_buffers"] = {"bytes": sum(r.buffer.capacity for r in self._resources.values()),
                                "pinned": any(r.buffer.pin for r in self._resources.values())}
@@ -218,6 +246,9 @@ class Runtime:
         if self._phase != "train":
             self._transition(self._phase, "train")
         self.wait_reload()
+        if self._streamer is not None:  # plain torch steps the states on the device again
+            self._states_to_device()
+            self._restore_methods()
         for hook in self._hooks:
             hook.remove()
         self._emit({"type": "detach", "status": self.status()})
@@ -292,7 +323,7 @@ class Runtime:
         # to the host run under the engine's weight wake-up, the weight sync and the trainer's half of the
         # on-policy check; their device memory is released before the KV cache is mapped either way.
         overlap = self._room_for_engine_weights() if separate and cfg.overlap_offload else None
-        offloads = ["optimizer"] + (["grads"] if cfg.grads == "offload" else [])
+        offloads = (["optimizer"] if self._streamer is None else []) + (["grads"] if cfg.grads == "offload" else [])
         steps = []
         for name in offloads:
             if overlap:
@@ -331,6 +362,8 @@ class Runtime:
             steps.append(_Step("engine sleep", self._engine_sleep, self._engine_rewake))
         for name in ("params", "grads", "optimizer"):
             res = self._resources[name]
+            if name == "optimizer" and self._streamer is not None:
+                continue  # host-resident for good: the streamed step brings them through the device
             if res.location == "host":
                 overlap = name == "optimizer" and self.config.overlap_optimizer_reload
                 steps.append(_Step(f"reload {name}", lambda n=name, o=overlap: self._reload(n, defer=o),
@@ -441,7 +474,9 @@ class Runtime:
 
     def _check_host_budget(self) -> None:
         """Refuse before moving a byte if the host buffers would have to grow past the budget."""
-        wanted = {"optimizer": layout_bytes(self._tensors("optimizer"))}
+        wanted = {}
+        if self._streamer is None:  # host-resident states are in their buffer already
+            wanted["optimizer"] = layout_bytes(self._tensors("optimizer"))
         if self.config.grads == "offload":
             wanted["grads"] = layout_bytes(self._tensors("grads"))
         if self.config.params == "offload":
@@ -449,19 +484,7 @@ class Runtime:
         growth = sum(max(0, n - self._resources[k].buffer.capacity) for k, n in wanted.items())
         if growth == 0 and not distributed.is_distributed():
             return
-        held = sum(r.buffer.capacity for r in self._resources.values())
-        if self.config.host_budget_bytes is not None:
-            available = self.config.host_budget_bytes - held
-            source = f"SwapConfig.host_budget_bytes={self.config.host_budget_bytes}"
-        else:
-            # The ranks of a node share its host memory and size their buffers at the same moment.
-            ranks = distributed.local_world_size()
-            available = (memory.host_available_bytes() - self.config.host_margin_bytes) // ranks
-            source = (f"available host memory less SwapConfig.host_margin_bytes "
-                      f"({memory.gib(self.config.host_margin_bytes):.1f} GiB)"
-                      + (f", shared by the {ranks} ranks of this node" if ranks > 1 else ""))
-        over = growth - available if growth else 0
-        (worst,) = distributed.all_reduce([over], "max")  # every rank refuses, or none: see swaprl.distributed
+        over, worst, available, source = self._over_host_budget(growth)
         if worst <= 0:
             return
         elsewhere = "" if over > 0 else f" (this rank fits; another is {memory.gib(worst):.2f} GiB over)"
@@ -471,6 +494,40 @@ class Runtime:
             f"host memory but only {max(available, 0)} bytes ({memory.gib(max(available, 0)):.2f} GiB) are "
             f"allowed ({source}){elsewhere}. Nothing was moved. Free host memory, raise host_budget_bytes, or "
             f"move less: grads='free' or 'keep', params='keep'.")
+
+    def _reserve_for_states(self, growth: int, releasing: int, context: str) -> None:
+        """Refuse to grow the host-resident optimizer states' buffer by `growth` bytes past the budget; `releasing`
+        bytes of ordinary host memory (states waiting to move into the buffer) are freed as it fills."""
+        if growth <= 0 and not distributed.is_distributed():
+            return
+        # Collective under torchrun: data-parallel replicas create their states at the same step, so all get here.
+        over, worst, available, source = self._over_host_budget(max(growth, 0), releasing)
+        if worst <= 0:
+            return
+        elsewhere = "" if over > 0 else f" (this rank fits; another is {memory.gib(worst):.2f} GiB over)"
+        raise HostBufferError(
+            f"keeping the optimizer states in host memory (SwapConfig(optimizer_states='host')) needs {growth} more "
+            f"bytes ({memory.gib(growth):.2f} GiB) of host memory but only {max(available, 0)} bytes "
+            f"({memory.gib(max(available, 0)):.2f} GiB) are allowed ({source}){elsewhere}. {context} Free host "
+            "memory or raise host_budget_bytes.")
+
+    def _over_host_budget(self, growth: int, releasing: int = 0) -> tuple[int, int, int, str]:
+        """(bytes by which growing the host buffers by `growth` overshoots the budget on this rank, the same on the
+        worst rank, bytes allowed, where the budget comes from). Collective under torchrun."""
+        held = sum(r.buffer.capacity for r in self._resources.values())
+        if self.config.host_budget_bytes is not None:
+            available = self.config.host_budget_bytes - held
+            source = f"SwapConfig.host_budget_bytes={self.config.host_budget_bytes}"
+        else:
+            # The ranks of a node share its host memory and size their buffers at the same moment.
+            ranks = distributed.local_world_size()
+            available = (memory.host_available_bytes() - self.config.host_margin_bytes) // ranks + releasing
+            source = (f"available host memory less SwapConfig.host_margin_bytes "
+                      f"({memory.gib(self.config.host_margin_bytes):.1f} GiB)"
+                      + (f", shared by the {ranks} ranks of this node" if ranks > 1 else ""))
+        over = growth - available if growth else 0
+        (worst,) = distributed.all_reduce([over], "max")  # every rank refuses, or none: see swaprl.distributed
+        return over, int(worst), available, source
 
     def _release_cache(self) -> None:
         # One call per transition, not per tensor: hands the blocks just freed back to the driver, so an engine
@@ -519,10 +576,123 @@ class Runtime:
         return int(level)
 
     def _check_step_allowed(self, optimizer, args, kwargs) -> None:
+        if self._streamer is not None:
+            if not self._streaming:
+                raise PhaseError(
+                    "optimizer.step() reached torch's own step, not swaprl's streamed one, while the optimizer "
+                    "states are in host memory (SwapConfig(optimizer_states='host')): it was called through a "
+                    "reference to the step method taken before swaprl.attach() (or something replaced the method "
+                    "since). Call optimizer.step() itself, and build what keeps a reference to it (accelerate's "
+                    "prepare() with a GradScaler) after attach()")
+            if self._phase != "train":
+                raise PhaseError(f"optimizer.step() was called in phase {self._phase!r}; call it inside "
+                                 "`with phase('train')`")
+            return
         if self._resources["optimizer"].location != "device":
             raise PhaseError("optimizer.step() was called while its states are in host memory (phase "
                              f"{self._phase!r}); call it inside `with phase('train')`")
         self.wait_reload()
+
+    # ---------------------------------------------------------------- host-resident optimizer states
+    def _install_streamed_methods(self) -> None:
+        """Make `optimizer.step()` the streamed step, and `optimizer.load_state_dict()` load into host memory, for
+        this optimizer object only, until `detach()`.
+
+        Instance attributes take precedence over the class's methods, so every caller (user code, accelerate's
+        AcceleratedOptimizer, an LR scheduler's wrapper made after attach) reaches them.
+        """
+        opt, runtime, streamer = self.optimizer, self, self._streamer
+        algorithm = type(opt).step
+        if getattr(algorithm, "hooked", False):  # torch wraps each optimizer class's step with its hooks once
+            algorithm = algorithm.__wrapped__
+
+        def streamed(opt, closure=None):
+            return streamer.step(lambda: algorithm(opt), closure)
+
+        # Torch's own hook wrapper, once around all chunks: step hooks see the whole step, every gradient in place.
+        hooked = torch.optim.Optimizer.profile_hook_step(streamed)
+
+        def step(plain, *args, **kwargs):
+            if getattr(plain, "_wrapped_by_lr_sched", False):  # what the LR scheduler's wrapper, replaced, records
+                opt._opt_called = True
+            runtime._streaming = True
+            try:
+                return hooked(opt, *args, **kwargs)
+            finally:
+                runtime._streaming = False
+
+        def load_state_dict(plain, state_dict):
+            # torch casts each loaded state to its parameter's device, all at once: the very memory this mode saves.
+            # For the length of the load each parameter's data is an empty host tensor of its dtype, so the states
+            # land in host memory, and the load's post-hook moves them into the buffer from there.
+            params = [p for p, _ in streamer.params()]
+            data = [p.data for p in params]
+            try:
+                for p in params:
+                    p.data = torch.empty(0, dtype=p.dtype)
+                return plain(state_dict)
+            finally:
+                for p, d in zip(params, data):
+                    p.data = d
+
+        # An LR scheduler built before attach wrapped the step to record that it ran, and warns when a step method
+        # without its mark replaces it (https://github.com/pytorch/pytorch/issues/20124): keep the mark.
+        undo = [self._override("step", step, marks=("_wrapped_by_lr_sched",)),
+                self._override("load_state_dict", load_state_dict)]
+
+        def restore() -> None:
+            for fn in undo:
+                fn()
+
+        self._restore_methods = restore
+
+    def _override(self, name: str, body: Callable, marks: tuple[str, ...] = ()) -> Callable[[], None]:
+        """Set `optimizer.<name>` on the instance to call `body(plain, *args, **kwargs)`, where `plain` is what was
+        there before; returns what puts it back."""
+        opt, runtime = self.optimizer, self
+        previous = vars(opt).get(name)  # an instance-level wrapper made earlier, e.g. by an LR scheduler
+        plain = previous if previous is not None else types.MethodType(getattr(type(opt), name), opt)
+
+        def method(opt, *args, **kwargs):
+            if runtime._closed:  # detached, but still reached through a wrapper made after attach
+                return plain(*args, **kwargs)
+            return body(plain, *args, **kwargs)
+
+        for mark in marks:
+            if getattr(previous, mark, False):
+                setattr(method, mark, getattr(previous, mark))
+        installed = types.MethodType(method, opt)
+        setattr(opt, name, installed)
+
+        def restore() -> None:
+            if vars(opt).get(name) is installed:
+                if previous is None:
+                    delattr(opt, name)
+                else:
+                    setattr(opt, name, previous)
+            # else a wrapper made after attach holds `installed`, which passes through to `plain` from now on
+
+        return restore
+
+    def _states_to_device(self) -> int:
+        """Bring the host-resident optimizer states back to the device (detach, or undoing attach)."""
+        moved = self._streamer.moved()
+        total = sum(nbytes(m.tensor) for m in moved)
+        try:
+            self._mover.reload(moved, buffer=self._resources["optimizer"].buffer)
+        except torch.OutOfMemoryError as exc:
+            free = memory.device_free_bytes(self.device) if self.device.type == "cuda" else 0
+            raise torch.OutOfMemoryError(
+                f"swaprl could not bring the host-resident optimizer states back to {self.device} for plain torch "
+                f"to step them: {memory.gib(total):.2f} GiB needed, {memory.gib(free):.2f} GiB free. They stay in "
+                "host memory and the runtime stays attached; free device memory (drop the gradients: "
+                f"optimizer.zero_grad(set_to_none=True)) before detach(). ({exc})") from exc
+        self._streamer.forget()
+        self._resources["optimizer"].location = "device"
+        return total
+
+    def _on_streamed_step(self, info: dict) -> None:
+        self._emit({"type": "step", "transition": "optimizer.step", "step": "stream optimizer states", **info})
 
     def _check_open(self) -> None:
         if self._closed:

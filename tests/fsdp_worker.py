@@ -171,6 +171,12 @@ def fsdp(args) -> dict:
     except ValueError as exc:
         out["params_offload_error"] = str(exc)
     swaprl.detach()
+    try:  # the streamed optimizer step handles plain tensors only
+        swaprl.attach(model, opt, "hf", config=swaprl.SwapConfig(optimizer_states="host"))
+        out["host_states_error"] = None
+    except ValueError as exc:
+        out["host_states_error"] = str(exc)
+    swaprl.detach()
 
     # The weight sync gathers each parameter's shards into full tensors; the on-policy check spans the ranks.
     torch.manual_seed(123)  # a replica with other weights: only the sync can make it agree

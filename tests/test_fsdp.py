@@ -57,6 +57,12 @@ def test_params_offload_is_refused_with_the_fix(ranks):
         assert "params='keep'" in r["params_offload_error"] and "CPUOffloadPolicy" in r["params_offload_error"]
 
 
+def test_host_resident_optimizer_states_are_refused_with_the_fix(ranks):
+    for r in ranks:
+        err = r["host_states_error"]
+        assert "optimizer_states='swap'" in err and "CPUOffloadPolicy" in err, err
+
+
 def test_weight_sync_gathers_full_tensors_and_the_check_spans_ranks(ranks):
     for r in ranks:
         assert r["sync_full_tensors"]

@@ -130,6 +130,37 @@ def test_pinned_settings_restrict_the_search_and_level_1_pins_engine_weights_on_
     assert free.settings.sleep_level == 2 and free.host_pinned_bytes < p.host_pinned_bytes
 
 
+def test_14b_on_one_h100_fits_only_with_the_optimizer_states_in_host_memory():
+    """bf16 Qwen2.5-14B with AdamW: parameters, gradients and states (29.5 + 29.5 + 59 GB) overflow an 80 GB GPU in
+    train whatever is swapped; with the states in host memory for good, train holds two staging chunks instead."""
+    rollout = sp.Rollout(prompts=8, completions_per_prompt=8, prompt_tokens=256, completion_tokens=512)
+    p = sp.plan("qwen2.5-14b", cluster="1xH100", optimizer_dtype="bfloat16", rollout=rollout)
+    assert p.ok and p.settings.optimizer_states == "host"
+    m = get_preset("qwen2.5-14b")
+    states = m.num_parameters() * 2 * 2
+    train = p.gpu["train"]
+    # each staging chunk holds the largest parameter's states: the embedding, 152064 x 5120 x 2 states x 2 bytes
+    assert train["optimizer"] == 2 * m.vocab_size * m.hidden_size * 4
+    assert p.host["train"]["optimizer"] == p.host["generate"]["optimizer"] == states == p.host_pinned_bytes
+    swapped = [c for c in p.candidates if c.settings.optimizer_states == "swap"]
+    streamed = [c for c in p.candidates if c.settings.optimizer_states == "host"]
+    assert len(swapped) == 24 and not any(all(c.fits.values()) for c in swapped)  # tried first, all overflow train
+    assert p.candidates[:24] == swapped and len(streamed) == 24
+    assert next(c for c in streamed if all(c.fits.values())).settings == p.settings
+    assert streamed[0].moved_bytes == swapped[0].moved_bytes == 2 * states  # the same traffic as swapping
+    assert "fits with optimizer states in host memory" in p.verdict and "optimizer_states=host" in p.table()
+    assert sp.Plan.from_json(p.to_json()) == p
+
+
+def test_host_resident_optimizer_states_are_not_planned_under_fsdp():
+    p = sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT)
+    assert all(c.settings.optimizer_states == "swap" for c in p.candidates)
+    with pytest.raises(ValueError, match=r"optimizer_states'\]='host' with shard_degree=8.*shard_degree=1"):
+        sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT, settings={"optimizer_states": "host"})
+    with pytest.raises(ValueError, match="optimizer_states='gpu'"):
+        sp.plan("qwen2.5-7b", cluster="1xH100", rollout=ROLLOUT, settings={"optimizer_states": "gpu"})
+
+
 def test_kv_heads_are_replicated_when_tp_exceeds_them():
     # qwen2.5-1.5b: 2 KV heads; with TP 4 each rank still holds one
     p = sp.plan("qwen2.5-1.5b", cluster="8xH100", tp=4, rollout=ROLLOUT)

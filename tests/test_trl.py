@@ -112,6 +112,32 @@ def test_wrapped_training_is_bitwise_identical_to_plain_trl(runs, tiny_checkpoin
     assert losses[0] == losses[1] and all(g > 0 for g in losses[0])
 
 
+def test_host_resident_optimizer_states_train_like_plain_trl(runs, tiny_checkpoint, tmp_path):
+    """SwapConfig(optimizer_states="host"): TRL's optimizer.step() (through accelerate's wrapper, with its LR
+    scheduler built by train() after wrap) streams the states, which never reach the device in either phase."""
+    from transformers import TrainerCallback
+
+    from swaprl.integrations.trl import wrap
+
+    swaprl.detach()  # the module fixture's runtime, if a test before this one left it attached
+    trainer = make_trainer(tiny_checkpoint, tmp_path)
+    rt = wrap(trainer, config=swaprl.SwapConfig(optimizer_states="host", stream_chunk_bytes=2**20))
+    streamed, seen = [], []
+    rt.add_listener(lambda e: streamed.append(e) if e.get("transition") == "optimizer.step" else None)
+
+    class OnStep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            seen.append(rt.status()["optimizer"])
+
+    trainer.add_callback(OnStep())
+    trainer.train()
+    assert len(streamed) == 3 and all(e["chunks"] >= 2 for e in streamed)
+    assert all(opt["location"] == "host" and opt["bytes"] == 0 for opt in seen)
+    plain, wrapped = params(runs["plain"].model), params(trainer.model)
+    for name in plain:
+        torch.testing.assert_close(wrapped[name], plain[name], rtol=0, atol=0, msg=name)
+
+
 def test_detach_gives_the_trainer_back(tiny_checkpoint, tmp_path):
     pytest.importorskip("trl")
     from swaprl.integrations.trl import runtime_of, wrap

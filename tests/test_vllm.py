@@ -72,6 +72,29 @@ def test_engine_logprobs_move_with_the_trainer(tiny_checkpoint, engine, level):
     torch.testing.assert_close(engine_after, trainer_after, atol=after.tolerance, rtol=0)
 
 
+def test_host_resident_optimizer_states_with_the_engine(tiny_checkpoint, engine):
+    """SwapConfig(optimizer_states="host") with an engine of its own weights: the switches wake, sync and check the
+    engine without moving the optimizer states, and the streamed steps move the engine with the trainer."""
+    model, opt = trainer(tiny_checkpoint, lr=3e-2)
+    config = swaprl.SwapConfig(optimizer_states="host", stream_chunk_bytes=MiB, verify_sync=True)
+    rt = swaprl.attach(model, opt, engine, config=config)
+    steps = []
+    rt.add_listener(lambda e: steps.append(e["step"]) if e["type"] == "step" else None)
+    with swaprl.phase("generate"):
+        engine_before = torch.cat(engine.logprobs(PROBE))
+    for _ in range(3):
+        with swaprl.phase("train"):
+            train_step(model, opt)
+        with swaprl.phase("generate"):  # raises if the engine does not score like the trainer
+            assert rt.status()["optimizer"]["location"] == "host"
+            engine_after = torch.cat(engine.logprobs(PROBE))
+    assert (engine_after - engine_before).abs().max().item() > 10 * rt.last_sync.tolerance
+    assert steps.count("stream optimizer states") == 3 and "sync weights" in steps
+    assert not any("offload optimizer" in s or "reload optimizer" in s for s in steps)
+    st = rt.status()["optimizer"]
+    assert st["location"] == "host" and st["bytes"] == 0 and st["host_bytes"] > 0
+
+
 def test_stale_engine_fails_the_on_policy_check(tiny_checkpoint, engine):
     """Without the sync (the bug TRL users hit), the check reports it instead of letting rollouts go stale."""
     model, opt = trainer(tiny_checkpoint, lr=3e-2)

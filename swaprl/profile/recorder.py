@@ -11,7 +11,9 @@ object a line; every line is written whole and flushed, so a crash leaves a read
              "interval_s", "engine", "config", "t0", ...}
     sample  {"type": "sample", "t", "host_rss", "host_buffers"[, "device_used", "torch_allocated", "torch_reserved"]}
     step    {"type": "step", "t", "transition", "step", "bytes", "seconds"[, "span_seconds"]}  (span_seconds: an
-            overlapped copy's time from the step that queued it to this one, which waited for it)
+            overlapped copy's time from the step that queued it to this one, which waited for it); also each
+            streamed optimizer step (SwapConfig(optimizer_states="host")): "transition": "optimizer.step", "step":
+            "stream optimizer states", "bytes" both ways, and "h2d_bytes", "d2h_bytes", "chunks"
     error   {"type": "error", "t", "transition", "step", "error"}: a transition that failed and was rolled back
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"}
             (the first one, "from": null, is the state when recording started)
@@ -160,7 +162,8 @@ class Profiler:
         kind = event.get("type")
         if kind == "step":
             self._write({"type": "step"} | {k: event[k] for k in ("t", "transition", "step", "bytes", "seconds",
-                                                                  "span_seconds") if k in event})
+                                                                  "span_seconds", "h2d_bytes", "d2h_bytes", "chunks")
+                                            if k in event})
         elif kind == "phase":
             self._write(self._boundary(event))
             self._write(self._sample())

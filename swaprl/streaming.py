@@ -1,0 +1,400 @@
+"""`optimizer.step()` with the optimizer states in host memory (`SwapConfig(optimizer_states="host")`).
+
+The states live in the runtime's "optimizer" host buffer in both phases and pass through the device only inside
+the step, a chunk of parameters at a time (about `stream_chunk_bytes` of states). With two device staging buffers
+and a side stream for each direction, chunk i's update overlaps the copies on both sides of it:
+
+    H2D stream:      chunk i+1: host -> staging[(i+1) % 2]     (once chunk i-1's D2H has emptied that buffer)
+    compute stream:  chunk i:   states -> staging[i % 2], the optimizer's own step on chunk i's parameters only
+    D2H stream:      chunk i:   staging[i % 2] -> host         (once chunk i's update is done)
+
+A state tensor moves the way `swaprl.residency` moves any tensor: its bytes are copied and the *same* tensor object
+is pointed at them (`tensor.data = ...`), so `optimizer.state` keeps its entries. Between steps every state tensor
+is a complete host tensor: `optimizer.state_dict()` is a checkpoint as it stands.
+
+Stepping one chunk: torch's optimizers skip parameters whose `.grad` is None, so the other parameters' gradients
+are hidden during the chunk's call and put back afterwards (in a `finally`); the call also sees only the parameter
+groups (the same dicts) that have a parameter in the chunk, so a group's own checks run when its parameters are
+stepped, as they do without streaming, and not once per chunk for every group. Each parameter is in exactly one chunk,
+so it is stepped once per `optimizer.step()` and its `state["step"]` counts as it would without streaming; the
+foreach and fused implementations only batch the parameters they are given, so a chunk's update is bit for bit
+what the whole step computes for those parameters. This needs an optimizer whose update of a parameter reads only
+that parameter's gradient and state: all of `torch.optim` except LBFGS (which `swaprl.attach` refuses).
+
+Without CUDA the same code runs with plain copies and no streams, so the CPU tests exercise every path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .residency import HostBuffer, Moved, _align, _host_view, _is_dense, layout_bytes, nbytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Home:
+    """Where a state tensor's data lives between steps: a slice of the host buffer, or (`offset` None) ordinary host
+    memory, for states made by a step and not yet moved into the buffer."""
+
+    tensor: torch.Tensor
+    view: torch.Tensor
+    offset: int | None
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """Consecutive parameters stepped together, and the copies that bring their states in and out."""
+
+    params: list[tuple[torch.nn.Parameter, dict]]
+    """(parameter, its group)."""
+    groups: list[dict] = field(default_factory=list)
+    """The optimizer's parameter groups with a parameter in this chunk."""
+    staged: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    """(state tensor, its host home, its offset in the staging buffer) for the states at home before the step."""
+    runs: list[list[int]] = field(default_factory=list)
+    """[buffer offset, staging offset, bytes]: slices of the host buffer copied whole (neighbouring states)."""
+    loose: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    """(home, staging offset) for homes outside the buffer, copied one by one."""
+    bytes: int = 0
+    """Staging bytes."""
+
+
+class StateStreamer:
+    """Keeps one optimizer's states in a host buffer and runs its step a chunk at a time through `device`.
+
+    `reserve(growth, releasing, context)` is asked before the buffer grows by `growth` bytes while `releasing`
+    bytes of ordinary host memory are about to be freed; it raises `HostBufferError` to refuse (the runtime's
+    host-budget check), with `context` saying what state things are left in. `on_step(info)` gets the figures of
+    each streamed step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, buffer: HostBuffer, *,
+                 chunk_bytes: int, reserve: Callable[[int, int, str], None],
+                 on_step: Callable[[dict], None] | None = None) -> None:
+        self.optimizer, self.device, self.buffer = optimizer, device, buffer
+        self.chunk_bytes = chunk_bytes
+        self._reserve, self._on_step = reserve, on_step
+        self._homes: dict[int, _Home] = {}  # id(state tensor) -> its home; holding the tensor keeps the id unique
+        cuda = device.type == "cuda"
+        self._h2d = torch.cuda.Stream(device) if cuda else None
+        self._d2h = torch.cuda.Stream(device) if cuda else None
+
+    # ---------------------------------------------------------------- what is where
+    def moved(self) -> list[Moved]:
+        """Every state tensor at its host home, as `Mover.reload` takes them: buffer slices at their offsets, the
+        others after the buffer's end (there the offsets only carve the device allocation a reload makes)."""
+        out, extra = [], self.buffer.capacity
+        for h in self._homes.values():
+            if not self._at_home(h.tensor):
+                continue
+            offset = h.offset
+            if not self._in_buffer(h):
+                offset, extra = extra, extra + _align(nbytes(h.tensor))
+            out.append(Moved(h.tensor, offset, self.device, h.view.data_ptr()))
+        return out
+
+    def forget(self) -> None:
+        """Drop every record (the states went back to the device for good)."""
+        self._homes.clear()
+
+    def params(self) -> list[tuple[torch.nn.Parameter, dict]]:
+        """The optimizer's parameters in order, each with its group."""
+        seen: set[int] = set()
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((p, group))
+        return out
+
+    def _at_home(self, t: torch.Tensor) -> bool:
+        h = self._homes.get(id(t))
+        return h is not None and h.tensor is t and t.data_ptr() == h.view.data_ptr()
+
+    def _in_buffer(self, h: _Home) -> bool:
+        return h.offset is not None and self.buffer.holds(Moved(h.tensor, h.offset, self.device, h.view.data_ptr()))
+
+    def _states(self, p: torch.Tensor, group: dict) -> list[torch.Tensor]:
+        """`p`'s state tensors that belong on the device: at their host home, on the device now (created by a step,
+        or loaded there), or in other host memory where torch would have put them on the device (loaded while
+        the parameters were on the host): those are taken as at home where they are. On CUDA the CPU `step`
+        counters of non-fused optimizers are none of these, and stay where torch keeps them."""
+        out = []
+        for key, v in self.optimizer.state.get(p, {}).items():
+            if not isinstance(v, torch.Tensor) or v.numel() == 0:
+                continue
+            if not (self._at_home(v) or v.device == self.device):
+                # torch's placement rule for loaded states (Optimizer._process_value_according_to_param_policy)
+                if v.device.type != "cpu" or (key == "step" and not (group.get("fused") or group.get("capturable"))):
+                    continue
+                self._homes[id(v)] = _Home(v, v.data, None)
+            out.append(v)
+        return out
+
+    # ---------------------------------------------------------------- the step
+    def step(self, raw_step: Callable[[], object], closure: Callable[[], object] | None = None) -> object:
+        """One `optimizer.step(closure)`: the closure once, then `raw_step()` (the optimizer's own algorithm, without
+        its hooks) once per chunk. Returns the closure's loss."""
+        loss = None
+        if closure is not None:  # torch's optimizers call it first; called per chunk it would redo the backward
+            with torch.enable_grad():
+                loss = closure()
+        start = time.perf_counter()
+        stepping = [(p, g) for p, g in self.params() if p.grad is not None]
+        chunks = self._plan(stepping)
+        grads = {p: p.grad for p, _ in stepping}
+        figures = {"h2d_bytes": 0, "d2h_bytes": 0}
+        try:
+            for p in grads:
+                p.grad = None
+            self._run(chunks, grads, raw_step, figures)
+        finally:
+            for p, g in grads.items():  # after an error too: a hidden gradient must come back
+                p.grad = g
+        self.settle("This optimizer.step() itself completed; the states it created are intact in ordinary host "
+                    "memory.")
+        seconds = time.perf_counter() - start
+        info = {"bytes": figures["h2d_bytes"] + figures["d2h_bytes"], "seconds": seconds, "chunks": len(chunks),
+                **figures}
+        logger.debug("streamed optimizer step: %d chunk(s), %.2f GiB in, %.2f GiB out, %.3f s", len(chunks),
+                     figures["h2d_bytes"] / 2**30, figures["d2h_bytes"] / 2**30, seconds)
+        if self._on_step is not None:
+            self._on_step(info)
+        return loss
+
+    def _plan(self, stepping: list[tuple[torch.nn.Parameter, dict]]) -> list[_Chunk]:
+        """Consecutive parameters in chunks of about `chunk_bytes` of states, and each chunk's copies."""
+        chunks: list[_Chunk] = []
+        size = 0
+        for p, group in stepping:
+            states = self._states(p, group)
+            # No state yet (the first step): the step creates it on the device; AdamW makes two of p's size.
+            b = layout_bytes(states) if states else 2 * _align(nbytes(p))
+            if not chunks or size + b > self.chunk_bytes:
+                chunks.append(_Chunk([]))
+                size = 0
+            chunks[-1].params.append((p, group))
+            size += b
+        seen: set[int] = set()
+        for chunk in chunks:
+            mine = {id(g) for _, g in chunk.params}
+            chunk.groups = [g for g in self.optimizer.param_groups if id(g) in mine]
+            for p, group in chunk.params:
+                for t in self._states(p, group):
+                    if not self._at_home(t):
+                        continue  # on the device already: the step uses it where it is
+                    if id(t) in seen:
+                        raise ValueError(f"an optimizer state tensor of shape {tuple(t.shape)} is shared between "
+                                         "parameters; SwapConfig(optimizer_states='host') streams each parameter's "
+                                         "states on their own: use optimizer_states='swap'")
+                    if not _is_dense(t):
+                        raise ValueError(f"cannot stream an optimizer state with gaps in its storage (shape "
+                                         f"{tuple(t.shape)}, stride {t.stride()}); use optimizer_states='swap'")
+                    seen.add(id(t))
+                    self._add_copy(chunk, t)
+        return chunks
+
+    def _add_copy(self, chunk: _Chunk, t: torch.Tensor) -> None:
+        h = self._homes[id(t)]
+        offset, size = chunk.bytes, _align(nbytes(t))
+        chunk.staged.append((t, h.view, offset))
+        chunk.bytes += size
+        if not self._in_buffer(h):
+            chunk.loose.append((h.view, offset))
+            return
+        # Staging is laid out with the buffer's alignment, so neighbours in the buffer stay neighbours: one copy.
+        run = chunk.runs[-1] if chunk.runs else None
+        if run is not None and run[0] + run[2] == h.offset and run[1] + run[2] == offset:
+            run[2] += size
+        else:
+            chunk.runs.append([h.offset, offset, size])
+
+    def _run(self, chunks: list[_Chunk], grads: dict, raw_step: Callable[[], object], figures: dict) -> None:
+        cuda = self._h2d is not None
+        compute = torch.cuda.current_stream(self.device) if cuda else None
+        size = max((c.bytes for c in chunks), default=0)
+        staging = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                   for _ in range(min(len(chunks), 2))] if size else []
+        copied_in: list[torch.cuda.Event | None] = [None] * len(chunks)
+        emptied: list[torch.cuda.Event | None] = [None, None]  # per staging buffer: its last copy out is done
+        if cuda:  # the staging memory may have been freed by work still queued on the compute stream
+            self._h2d.wait_stream(compute)
+            self._d2h.wait_stream(compute)
+        try:
+            if chunks:
+                copied_in[0] = self._copy_in(chunks[0], staging, 0, emptied)
+            for i, chunk in enumerate(chunks):
+                if i + 1 < len(chunks):  # the next chunk's copy runs under this chunk's update
+                    copied_in[i + 1] = self._copy_in(chunks[i + 1], staging, i + 1, emptied)
+                if copied_in[i] is not None:
+                    compute.wait_event(copied_in[i])
+                buf = staging[i % 2] if chunk.bytes else None
+                for t, _, offset in chunk.staged:
+                    t.data = _host_view(buf, offset, t)
+                for p, _ in chunk.params:
+                    p.grad = grads[p]
+                groups, self.optimizer.param_groups = self.optimizer.param_groups, chunk.groups
+                try:
+                    raw_step()
+                finally:
+                    self.optimizer.param_groups = groups
+                    for p, _ in chunk.params:
+                        p.grad = None
+                figures["h2d_bytes"] += sum(nbytes(t) for t, _, _ in chunk.staged)
+                figures["d2h_bytes"] += self._copy_out(chunk, buf, i, emptied)
+                figures["d2h_bytes"] += sum(self._send_home(t) for p, g in chunk.params for t in self._states(p, g)
+                                            if not self._at_home(t))  # states this step created
+            if cuda:  # the states are complete host tensors when step() returns
+                self._d2h.synchronize()
+        except BaseException:
+            self._rescue([pg for c in chunks for pg in c.params])
+            raise
+
+    def _copy_in(self, chunk: _Chunk, staging: list[torch.Tensor], i: int,
+                 emptied: list) -> torch.cuda.Event | None:
+        if not chunk.bytes:
+            return None
+        buf = staging[i % 2]
+        if self._h2d is None:
+            self._copy(chunk, buf, inward=True)
+            return None
+        if emptied[i % 2] is not None:  # chunk i-2's states have left this staging buffer
+            self._h2d.wait_event(emptied[i % 2])
+        with torch.cuda.stream(self._h2d):
+            self._copy(chunk, buf, inward=True)
+        done = torch.cuda.Event()
+        done.record(self._h2d)
+        return done
+
+    def _copy_out(self, chunk: _Chunk, buf: torch.Tensor | None, i: int, emptied: list) -> int:
+        if chunk.bytes:
+            if self._d2h is None:
+                self._copy(chunk, buf, inward=False)
+            else:
+                updated = torch.cuda.Event()
+                updated.record(torch.cuda.current_stream(self.device))
+                self._d2h.wait_event(updated)
+                with torch.cuda.stream(self._d2h):
+                    self._copy(chunk, buf, inward=False)
+                emptied[i % 2] = torch.cuda.Event()
+                emptied[i % 2].record(self._d2h)
+        # Pointed home before the copy lands: nothing reads them until step() has waited for the copies.
+        for t, home, _ in chunk.staged:
+            t.data = home
+        return sum(nbytes(t) for t, _, _ in chunk.staged)
+
+    def _copy(self, chunk: _Chunk, buf: torch.Tensor, *, inward: bool) -> None:
+        non_blocking = self._h2d is not None
+        host = self.buffer.span(max(b + n for b, _, n in chunk.runs)) if chunk.runs else None
+        for b, s, n in chunk.runs:
+            dst, src = (buf[s:s + n], host[b:b + n]) if inward else (host[b:b + n], buf[s:s + n])
+            dst.copy_(src, non_blocking=non_blocking)
+        for home, s in chunk.loose:
+            dev = _host_view(buf, s, home)
+            dst, src = (dev, home) if inward else (home, dev)
+            dst.copy_(src, non_blocking=non_blocking)
+
+    def _send_home(self, t: torch.Tensor) -> int:
+        """Copy a state tensor on the device to its old home if it still fits there, else to new ordinary host
+        memory (moved into the buffer by `settle`), and point it there. Waits for the copy."""
+        h = self._homes.get(id(t))
+        if h is not None and h.tensor is t and (h.view.dtype, h.view.shape, h.view.stride()) == (
+                t.dtype, t.shape, t.stride()):
+            home = h.view
+        else:
+            home = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            h = _Home(t, home, None)
+        home.copy_(t.data)
+        t.data = home
+        self._homes[id(t)] = h
+        return nbytes(t)
+
+    def _rescue(self, params: list[tuple[torch.nn.Parameter, dict]]) -> None:
+        """After an error inside the step: every state back home, holding what the optimizer last wrote to it."""
+        try:
+            if self._h2d is not None:
+                for stream in (self._h2d, self._d2h, torch.cuda.current_stream(self.device)):
+                    stream.synchronize()
+            for p, group in params:
+                for t in self._states(p, group):
+                    if not self._at_home(t):
+                        self._send_home(t)
+        except Exception:  # keep the first error: it is the one that explains what went wrong
+            logger.exception("bringing the optimizer states home after a failed step also failed")
+
+    # ---------------------------------------------------------------- the buffer
+    def settle(self, context: str = "Nothing was moved.") -> int:
+        """Move every state tensor not yet in the host buffer (made by a step, loaded by `load_state_dict`, or on
+        the device from before `attach`) into it; returns the bytes moved.
+
+        New states go after those already in the buffer when they fit; otherwise the buffer is laid out afresh,
+        in parameter order, so that each chunk's states are one run of it.
+        """
+        managed = [t for p, g in self.params() for t in self._states(p, g)]
+        live = {id(t) for t in managed}
+        for key in [k for k in self._homes if k not in live]:  # replaced or dropped by the optimizer: let them go
+            del self._homes[key]
+
+        def in_buffer(t: torch.Tensor) -> bool:
+            return self._at_home(t) and self._in_buffer(self._homes[id(t)])
+
+        outside = [t for t in managed if not in_buffer(t)]
+        if not outside:
+            return 0
+        for t in outside:
+            if not _is_dense(t):
+                raise ValueError(f"cannot keep an optimizer state with gaps in its storage in host memory (shape "
+                                 f"{tuple(t.shape)}, stride {t.stride()}); use SwapConfig(optimizer_states='swap')")
+        start = time.perf_counter()
+        end = max((h.offset + _align(nbytes(h.tensor)) for h in self._homes.values()
+                   if self._at_home(h.tensor) and self._in_buffer(h)), default=0)
+        if end + layout_bytes(outside) <= self.buffer.capacity:
+            moved = self._place(outside, end)
+        else:
+            total = layout_bytes(managed)
+            loose = sum(nbytes(t) for t in managed if self._at_home(t) and self._homes[id(t)].offset is None)
+            self._reserve(total - self.buffer.capacity, loose, context)
+            # The tensors in the old buffer keep its memory alive until they are pointed at the new one.
+            self.buffer.release()
+            self.buffer.ensure(total, lock=False)
+            moved = self._place(managed, 0)
+            self.buffer.lock()
+        logger.info("optimizer states: %.2f GiB moved into host buffer %r (%d tensors, %.2f GiB held) in %.2f s",
+                    moved / 2**30, self.buffer.name, len(outside), self.buffer.capacity / 2**30,
+                    time.perf_counter() - start)
+        return moved
+
+    def _place(self, tensors: list[torch.Tensor], offset: int) -> int:
+        """Copy `tensors` into the buffer from `offset` on and point them there. An interruption puts back those that
+        came from the device; those that came from a host home of their own stay in the buffer, as valid a home."""
+        buf = self.buffer.span(offset + layout_bytes(tensors))
+        moved = 0
+        undo: list[tuple[torch.Tensor, torch.Tensor, _Home | None]] = []
+        try:
+            for t in tensors:
+                view = _host_view(buf, offset, t)
+                source, record, from_home = t.data, self._homes.get(id(t)), self._at_home(t)
+                view.copy_(source)
+                t.data = view  # a host temporary it came from is freed here, before the next one is copied
+                self._homes[id(t)] = _Home(t, view, offset)
+                if not from_home:
+                    undo.append((t, source, record))
+                offset += _align(nbytes(t))
+                moved += nbytes(t)
+        except BaseException:
+            for t, source, record in reversed(undo):
+                t.data = source
+                if record is None:
+                    self._homes.pop(id(t), None)
+                else:
+                    self._homes[id(t)] = record
+            raise
+        return moved
