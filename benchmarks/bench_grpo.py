@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (byte tokens)")
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward in every way")
     ap.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--optimizer-states", default="swap", choices=["swap", "host"],
+                    help="ways b and c: SwapConfig.optimizer_states ('host': states stay in host memory and "
+                         "optimizer.step() streams them through the GPU; TRL alone has no such mode)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
@@ -212,7 +215,9 @@ def run_trl(spec: dict) -> dict:
     if spec["way"] == "b":
         from swaprl.integrations.trl import wrap
 
-        rt = wrap(trainer, config=swaprl.SwapConfig(verify_sync=True, grads="free", overlap_optimizer_reload=True))
+        states = spec["optimizer_states"]
+        rt = wrap(trainer, config=swaprl.SwapConfig(verify_sync=True, grads="free", optimizer_states=states,
+                                                    overlap_optimizer_reload=states == "swap"))
         rt.add_listener(lambda e: acc.__setitem__("switch", acc["switch"] + e["seconds"])
                         if e["type"] == "phase" else None)
 
@@ -254,7 +259,8 @@ def run_loop(spec: dict) -> dict:
             "--prompts", str(spec["prompts"]), "--completions", str(spec["completions"]),
             "--prompt-tokens", str(spec["prompt_tokens"]), "--max-tokens", str(spec["max_tokens"]),
             "--micro-batch", str(spec["micro_batch"]), "--lr", str(spec["lr"]), "--seed", str(spec["seed"]),
-            "--max-model-len", str(max_model_len(spec)), "--out", str(out)]
+            "--max-model-len", str(max_model_len(spec)), "--optimizer-states", spec["optimizer_states"],
+            "--out", str(out)]
     if not spec["smoke"]:
         argv.append("--verify")  # as way b's verify_sync=True
     grpo.main(argv)
@@ -401,7 +407,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "completions": args.completions or completions, "max_tokens": args.max_tokens or max_tokens,
                 "prompt_tokens": 8 if args.smoke else args.prompt_tokens,
                 "micro_batch": 4 if args.smoke else args.micro_batch, "param_dtype": args.param_dtype,
-                "lr": args.lr, "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
+                "lr": args.lr, "optimizer_states": args.optimizer_states,
+                "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
                 "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir}
     utils = [None] if args.smoke else [float(u) for u in args.utilizations.split(",")]
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_grpo_")) / "result.json"

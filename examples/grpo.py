@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--sleep-level", default="auto", choices=["auto", "1", "2"])
     ap.add_argument("--verify", action="store_true", help="run the on-policy check after every weight sync")
+    ap.add_argument("--optimizer-states", default="swap", choices=["swap", "host"],
+                    help="'host': keep the AdamW states in host memory and stream them through optimizer.step() "
+                         "(for models whose parameters + gradients + states do not fit the GPU)")
     ap.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size under torchrun")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
@@ -187,9 +190,11 @@ def main(argv: list[str] | None = None) -> dict:
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     level = args.sleep_level if args.sleep_level == "auto" else int(args.sleep_level)
-    # This loop never reads the optimizer states itself, so their reload may overlap the forward pass.
+    # This loop never reads the optimizer states itself, so their reload may overlap the forward pass (host-resident
+    # states have no reload).
     config = swaprl.SwapConfig(sleep_level=level, verify_sync=args.verify, grads="free",
-                               overlap_optimizer_reload=True,
+                               optimizer_states=args.optimizer_states,
+                               overlap_optimizer_reload=args.optimizer_states == "swap",
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                profile=(out / "profile.jsonl") if out else None)
     engine = make_engine(args, path, config)

@@ -217,6 +217,10 @@ def test_vllm_colocate_is_driven_by_swaprl(tiny_checkpoint, tmp_path):
     check, stale = r["checks"][-1], r["stale"]
     assert stale["max"] > check["tolerance"] or stale["mean"] > check["mean_tolerance"], (stale, check)
     assert r["weights_moved"]
+    # Lean rollouts: vLLM was asked for token ids only (TRL decodes the text itself; the importance-sampling
+    # correction is off, so nothing reads log-probabilities), and TRL trained on them; detach restored its requests.
+    assert r["requests"] and all(q == {"detokenize": False, "logprobs": None} for q in r["requests"])
+    assert r["restored"] == {"detokenize": None, "logprobs": 0}
 
 
 def _vllm_child(checkpoint: str, out: str) -> None:
@@ -226,10 +230,20 @@ def _vllm_child(checkpoint: str, out: str) -> None:
     from swaprl.engines.base import sequence_logprobs
     from swaprl.integrations.trl import wrap
 
-    trainer = make_trainer(checkpoint, Path(out) / "run", steps=2, use_vllm=True)
+    trainer = make_trainer(checkpoint, Path(out) / "run", steps=2, use_vllm=True,
+                           vllm_importance_sampling_correction=False)
     rt = wrap(trainer, config=swaprl.SwapConfig(verify_sync=True))
     r = {"phases": [], "syncs": 0, "checks": [], "engine_generate": [], "engine_train": [],
-         "optimizer_generate": []}
+         "optimizer_generate": [], "requests": []}
+    llm = trainer.vllm_generation.llm
+    llm_generate = llm.generate
+
+    def recording_generate(prompts, sampling_params=None, **kw):  # what TRL asks of vLLM (not swaprl's probe)
+        if sampling_params is not None and sampling_params.prompt_logprobs is None:
+            r["requests"].append({"detokenize": sampling_params.detokenize, "logprobs": sampling_params.logprobs})
+        return llm_generate(prompts, sampling_params=sampling_params, **kw)
+
+    llm.generate = recording_generate
 
     def on_event(e: dict) -> None:
         if e["type"] == "step" and e["step"] == "sync weights":
@@ -256,6 +270,8 @@ def _vllm_child(checkpoint: str, out: str) -> None:
     r["weights_moved"] = any(not torch.equal(p.detach().cpu(), q) for p, q in
                              zip(trainer.model.parameters(), initial.parameters()))
     rt.detach()
+    vg = trainer.vllm_generation
+    r["restored"] = {"detokenize": vg.generation_kwargs.get("detokenize"), "logprobs": vg.logprobs}
     (Path(out) / "result.json").write_text(json.dumps(r, default=str))
 
 

@@ -54,12 +54,15 @@ SUPPORTED_TRL = ">=1.16,<1.17"
 _RUNTIME_ATTR = "_swaprl_runtime"  # set on a wrapped trainer: refuses a second wrap, found by `runtime_of`
 
 
-def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engine | None = None) -> Runtime:
+def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engine | None = None,
+         lean_rollouts: bool = True) -> Runtime:
     """Attach swaprl to a constructed `trl.GRPOTrainer` and return the runtime (also `swaprl.current()`).
 
     `config`: what moves (default `SwapConfig()`). `engine`: leave None; swaprl builds the engine matching how the
     trainer generates. Pass one only to choose its arguments, e.g. a `VLLMEngine(llm=trainer.vllm_generation.llm,
     model="/local/checkpoint")` when the model was loaded by hub name and its files are not in the local cache.
+    `lean_rollouts` (vLLM colocate only): ask vLLM for what the trainer reads and nothing else (see `_lean_rollouts`);
+    False leaves TRL's sampling requests as they are.
     Call it before `trainer.train()` (or between two calls); everything is validated before anything moves.
     """
     try:
@@ -83,7 +86,7 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
     optimizer = _optimizer(trainer)
     engine = _engine(trainer, engine)
     rt = swaprl.attach(trainer.model, optimizer, engine, config=config)
-    _install(trainer, rt)
+    _install(trainer, rt, lean_rollouts=lean_rollouts)
     logger.info("wrapped GRPOTrainer (trl %s): generation in phase 'generate' with %s", trl.__version__,
                 type(engine).__name__)
     return rt
@@ -205,7 +208,7 @@ def _checkpoint_dir(model: torch.nn.Module) -> Path:
 
 
 # ---------------------------------------------------------------- the hooks
-def _install(trainer, rt: Runtime) -> None:
+def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
     """Route the trainer's generation through `rt`; record how to undo each change, undone at `rt.detach()`."""
     undo: list[Callable[[], None]] = []
     try:
@@ -220,6 +223,8 @@ def _install(trainer, rt: Runtime) -> None:
         undo.append(lambda: vars(trainer).pop("_generate", None))
         if trainer.use_vllm:
             undo.append(_take_over_vllm(trainer, rt))
+            if lean_rollouts:
+                undo.append(_lean_rollouts(trainer))
         setattr(trainer, _RUNTIME_ATTR, rt)
         undo.append(lambda: vars(trainer).pop(_RUNTIME_ATTR, None))
     except BaseException:
@@ -258,6 +263,43 @@ def _take_over_vllm(trainer, rt: Runtime) -> Callable[[], None]:
         else:
             rt.engine.wake()  # TRL without sleep mode expects an awake engine
         trainer._last_loaded_step = -1  # the engine's weights may be stale or discarded: TRL syncs next time
+
+    return restore
+
+
+def _lean_rollouts(trainer) -> Callable[[], None]:
+    """Ask vLLM for token ids, not text, and for log-probabilities only when the trainer reads them; returns the undo.
+
+    GRPOTrainer 1.16 decodes the completions' text itself from their ids (`processing_class.batch_decode`) and reads
+    the sampled tokens' log-probabilities only for `vllm_importance_sampling_correction`, yet asks vLLM for both.
+    vLLM makes them per token in Python, in the same loop that schedules the GPU: with them, TRL's rollouts ran at
+    11-13k tokens/s on an H100 whatever the model size (1.5B to 7B), about a third of what the same engine does
+    without them. Stop strings need the text, so a `generation_kwargs["stop"]` keeps detokenization on. Tokens not
+    scored get TRL's own mark for "vLLM gave no log-probability" (None, read as NaN and excluded).
+    """
+    vg = trainer.vllm_generation
+    kwargs, logprobs, generate = vg.generation_kwargs, vg.logprobs, vg.generate
+    own_generate = "generate" in vars(vg)  # set on the instance already (by another wrapper): put that one back
+    if not (kwargs or {}).get("stop"):
+        vg.generation_kwargs = {"detokenize": False, **(kwargs or {})}
+    if not getattr(trainer, "vllm_importance_sampling_correction", True):
+        vg.logprobs = None
+
+        @functools.wraps(generate)
+        def generate_without_logprobs(*args, **kw):
+            prompt_ids, completion_ids, scores, score_ids = generate(*args, **kw)
+            if scores is None:  # the shape TRL indexes: one [sampled token's log-probability] per token
+                scores = [[[None]] * len(ids) for ids in completion_ids]
+            return prompt_ids, completion_ids, scores, score_ids
+
+        vg.generate = generate_without_logprobs
+
+    def restore() -> None:
+        vg.generation_kwargs, vg.logprobs = kwargs, logprobs
+        if own_generate:
+            vg.generate = generate
+        else:
+            vars(vg).pop("generate", None)
 
     return restore
 
