@@ -12,11 +12,14 @@ state broken):
      `vllm_gpu_memory_utilization` of `--utilizations` that runs every step (one fresh process per try; the
      failures and their errors are recorded).
   b  the same trainer under `swaprl.integrations.trl.wrap(trainer, config=SwapConfig(verify_sync=True,
-     grads="free", overlap_optimizer_reload=True))`, the same utilization search.
+     grads="free", overlap_optimizer_reload=True))` (lean rollouts, the wrapper's default: vLLM is asked for
+     token ids only), the same utilization search.
   c  swaprl's own loop, `examples/grpo.py --engine vllm --verify` (the engine sizes itself), read from its metrics.
 
 Workloads: W1 = Qwen2.5-1.5B, 32 prompts x 8 completions, 1024 completion tokens; W2 = Qwen2.5-3B, 64 x 8, 2048;
-W3 = W1's batch on 1.5B, 3B, 7B, 14B for each way until one fails (the largest that ran is reported). Random-weight
+W3 = W1's batch on 1.5B, 3B, 7B, 14B for each way until one fails (the largest that ran is reported; `--presets`
+climbs only some sizes). `--optimizer-states host` keeps ways b and c's AdamW states in host memory for the whole
+run (what lets a model whose parameters, gradients and states exceed the GPU train at all). Random-weight
 checkpoints (`swaprl.checkpoints`), full-parameter AdamW on `--param-dtype` parameters (bfloat16 by default in all
 three ways: torch's AdamW then keeps bf16 states), gradient checkpointing, no reference model (`beta=0`, swaprl's
 loop has none), reward = fraction of even completion token ids. TRL's vLLM importance-sampling correction is off:

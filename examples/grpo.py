@@ -250,7 +250,10 @@ def main(argv: list[str] | None = None) -> dict:
         log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
                  "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
                  rollout_tokens, mean_reward, f", on-policy max|dlogp| {check:.3g}" if check is not None else "")
-    swaprl.detach()
+    if args.optimizer_states == "swap":
+        swaprl.detach()
+    # else: detach() would bring the states back to the GPU for plain torch, and they were put on the host because
+    # they do not fit there; the process ends here, which releases everything.
     engine.close()
 
     timed = steps[args.warmup:] or steps

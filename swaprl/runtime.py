@@ -682,11 +682,16 @@ class Runtime:
             self._mover.reload(moved, buffer=self._resources["optimizer"].buffer)
         except torch.OutOfMemoryError as exc:
             free = memory.device_free_bytes(self.device) if self.device.type == "cuda" else 0
+            # Without the gradients (and the engine, asleep in "train") would they fit? Say which fix applies.
+            grads = sum(nbytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+            fix = ("free device memory (drop the gradients: optimizer.zero_grad(set_to_none=True)) before "
+                   "detach()" if total <= free + grads else
+                   "they do not fit next to the parameters: keep the runtime attached to the end of training "
+                   "(optimizer.state_dict() taken now is a complete checkpoint of host tensors)")
             raise torch.OutOfMemoryError(
                 f"swaprl could not bring the host-resident optimizer states back to {self.device} for plain torch "
                 f"to step them: {memory.gib(total):.2f} GiB needed, {memory.gib(free):.2f} GiB free. They stay in "
-                "host memory and the runtime stays attached; free device memory (drop the gradients: "
-                f"optimizer.zero_grad(set_to_none=True)) before detach(). ({exc})") from exc
+                f"host memory and the runtime stays attached; {fix}. ({exc})") from exc
         self._streamer.forget()
         self._resources["optimizer"].location = "device"
         return total
