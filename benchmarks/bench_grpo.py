@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (byte tokens)")
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward in every way")
     ap.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
+                    help="ways b and c: the on-policy check's bounds (SwapConfig.verify_tolerance); default: swaprl's")
     ap.add_argument("--optimizer-states", default="swap", choices=["swap", "host"],
                     help="ways b and c: SwapConfig.optimizer_states ('host': states stay in host memory and "
                          "optimizer.step() streams them through the GPU; TRL alone has no such mode)")
@@ -218,9 +220,10 @@ def run_trl(spec: dict) -> dict:
     if spec["way"] == "b":
         from swaprl.integrations.trl import wrap
 
-        states = spec["optimizer_states"]
-        rt = wrap(trainer, config=swaprl.SwapConfig(verify_sync=True, grads="free", optimizer_states=states,
-                                                    overlap_optimizer_reload=states == "swap"))
+        states, bounds = spec["optimizer_states"], spec["verify_tolerance"]
+        rt = wrap(trainer, config=swaprl.SwapConfig(
+            verify_sync=True, grads="free", optimizer_states=states, overlap_optimizer_reload=states == "swap",
+            verify_tolerance=tuple(float(x) for x in bounds.split(",")) if bounds else None))
         rt.add_listener(lambda e: acc.__setitem__("switch", acc["switch"] + e["seconds"])
                         if e["type"] == "phase" else None)
 
@@ -266,6 +269,8 @@ def run_loop(spec: dict) -> dict:
             "--out", str(out)]
     if not spec["smoke"]:
         argv.append("--verify")  # as way b's verify_sync=True
+        if spec["verify_tolerance"]:
+            argv += ["--verify-tolerance", spec["verify_tolerance"]]
     grpo.main(argv)
     metrics = json.loads((out / "metrics.json").read_text())
     return {"steps": metrics["steps"], "engine": metrics["engine"]}
@@ -411,6 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "prompt_tokens": 8 if args.smoke else args.prompt_tokens,
                 "micro_batch": 4 if args.smoke else args.micro_batch, "param_dtype": args.param_dtype,
                 "lr": args.lr, "optimizer_states": args.optimizer_states,
+                "verify_tolerance": args.verify_tolerance,
                 "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
                 "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir}
     utils = [None] if args.smoke else [float(u) for u in args.utilizations.split(",")]

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--sleep-level", default="auto", choices=["auto", "1", "2"])
     ap.add_argument("--verify", action="store_true", help="run the on-policy check after every weight sync")
+    ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
+                    help="bounds of the on-policy check (SwapConfig.verify_tolerance); default: swaprl's")
     ap.add_argument("--optimizer-states", default="swap", choices=["swap", "host"],
                     help="'host': keep the AdamW states in host memory and stream them through optimizer.step() "
                          "(for models whose parameters + gradients + states do not fit the GPU)")
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     # states have no reload).
     config = swaprl.SwapConfig(sleep_level=level, verify_sync=args.verify, grads="free",
                                optimizer_states=args.optimizer_states,
+                               verify_tolerance=(tuple(float(x) for x in args.verify_tolerance.split(","))
+                                                 if args.verify_tolerance else None),
                                overlap_optimizer_reload=args.optimizer_states == "swap",
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                profile=(out / "profile.jsonl") if out else None)

@@ -90,6 +90,12 @@ class SwapConfig:
     scores the probe right after the sync, before its parameters may be offloaded, so this works with any
     `params` policy."""
 
+    verify_tolerance: tuple[float, float] | None = None
+    """(max, mean) bounds on |log p_trainer - log p_engine| for the on-policy check. None: exact for an engine that
+    shares the trainer's weights, else (0.25, 0.05), set on Qwen2.5-1.5B and 3B with a bf16 engine. Deeper models
+    round more: a bf16 Qwen2.5-14B pair measured max 0.25, mean 0.091 at its first sync, before any update. Set
+    bounds a little above what the first sync reports (`runtime.last_sync`) for your model."""
+
     def __post_init__(self) -> None:
         if self.grads not in _GRAD_POLICIES:
             raise ValueError(f"SwapConfig.grads={self.grads!r}; use one of {_GRAD_POLICIES}")
@@ -119,5 +125,11 @@ class SwapConfig:
         if self.sync_bucket_bytes < 2**20:
             raise ValueError(f"SwapConfig.sync_bucket_bytes={self.sync_bucket_bytes} is under 1 MiB; "
                              "buckets that small make the weight sync launch-bound: use 64 MiB or more")
+        if self.verify_tolerance is not None:
+            bounds = self.verify_tolerance
+            if (not isinstance(bounds, tuple | list) or len(bounds) != 2
+                    or not all(isinstance(b, int | float) and b > 0 for b in bounds)):
+                raise ValueError(f"SwapConfig.verify_tolerance={bounds!r}; give (max, mean) as two positive "
+                                 "numbers, e.g. (0.5, 0.12), or None for the defaults")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"SwapConfig.gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]")

@@ -245,3 +245,28 @@ def test_train_phase_memory_does_not_grow_over_50_cycles(tiny_checkpoint, engine
             baseline.append(torch.cuda.mem_get_info()[1] - _free())
     growth = max(baseline[2:]) - baseline[1]
     assert growth < 64 * MiB, f"train-phase device memory grew by {growth / MiB:.1f} MiB over 50 cycles"
+
+
+def test_verify_tolerance_sets_the_check_bounds(tiny_checkpoint, engine):
+    """Bounds below the engine's rounding fail the check at the first sync, with the fix named; nothing moves."""
+    model, opt = trainer(tiny_checkpoint)
+    train_step(model, opt)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(verify_sync=True))
+    with swaprl.phase("generate"):
+        measured = rt.last_sync
+    assert measured.ok and measured.max_abs_diff > 0  # two implementations of the forward pass round differently
+    swaprl.detach()
+    tight = measured.max_abs_diff / 2, measured.mean_abs_diff / 2
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(verify_sync=True, verify_tolerance=tight))
+    with pytest.raises(EngineStateError, match=r"verify_tolerance=\(max, mean\)"):
+        with swaprl.phase("generate"):
+            pass
+    assert rt.current_phase == "train" and rt.status()["optimizer"]["location"] == "device"
+    assert (rt.last_sync.tolerance, rt.last_sync.mean_tolerance) == tight
+    swaprl.detach()
+
+
+@pytest.mark.parametrize("bounds", [(0.5,), (0.5, -1), ("a", 0.1)])
+def test_verify_tolerance_is_validated(bounds):
+    with pytest.raises(ValueError, match="verify_tolerance"):
+        swaprl.SwapConfig(verify_tolerance=bounds)
