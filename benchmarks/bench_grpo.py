@@ -92,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
     ap.add_argument("--utilizations", default="0.9,0.8,0.7,0.6,0.5,0.4,0.3",
-                    help="vllm_gpu_memory_utilization values tried in order for ways a and b")
+                    help="vllm_gpu_memory_utilization values tried in order for way a (and b, unless "
+                         "--utilizations-b is given)")
+    ap.add_argument("--utilizations-b", default=None,
+                    help="the values tried for way b (whose optimizer states leave the GPU: it usually runs at the "
+                         "first, 0.9, where way a runs out of memory)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"),
                     help="where random checkpoints are written (and reused)")
@@ -419,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "verify_tolerance": args.verify_tolerance,
                 "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
                 "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir}
-    utils = [None] if args.smoke else [float(u) for u in args.utilizations.split(",")]
+    utils = {way: [None] if args.smoke else [float(u) for u in values.split(",")]
+             for way, values in (("a", args.utilizations), ("b", args.utilizations_b or args.utilizations))}
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_grpo_")) / "result.json"
     run_dir = out.parent / f"{out.stem}_runs"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -434,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
             written = launch({**base, "way": "write"}, run_dir, args.timeout)
             if not written["ok"]:
                 raise SystemExit(f"writing the {preset} checkpoint failed: {written['error']} ({written['log']})")
-            r, attempts = run_way(way, base, run_dir, utils, args.timeout)
+            r, attempts = run_way(way, base, run_dir, utils.get(way, [None]), args.timeout)
             ways[way]["attempts"] += attempts
             if not r["ok"]:
                 break
