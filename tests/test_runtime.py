@@ -210,10 +210,11 @@ def test_host_budget_refuses_before_moving_a_byte(tiny_checkpoint):
         torch.testing.assert_close(t, b, rtol=0, atol=0)
 
 
-def test_step_inside_generate_is_refused(tiny_checkpoint):
+@pytest.mark.parametrize("states", ["swap", "host"])
+def test_step_inside_generate_is_refused(tiny_checkpoint, states):
     model = load(tiny_checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rt = swaprl.attach(model, opt)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states=states))
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
     with swaprl.phase("generate"):
         with pytest.raises(swaprl.PhaseError, match=r"inside `with phase\('train'\)`"):
