@@ -53,7 +53,7 @@ import threading
 import time
 from pathlib import Path
 
-from child import run_child
+from child import run_child, start
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = {"a": "TRL colocate + sleep mode", "b": "TRL + swaprl.wrap", "c": "swaprl loop"}
@@ -407,11 +407,9 @@ def markdown(result: dict, lines: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    if args.child:
-        child(args.child)
+    args = start(build_parser(), argv, child)
+    if args is None:
         return {}
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     workload = "smoke" if args.smoke else args.workload
     presets, prompts, completions, max_tokens = WORKLOADS[workload]
     presets = [p.strip() for p in args.presets.split(",")] if args.presets else presets

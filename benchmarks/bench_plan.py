@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from child import run_child
+from child import run_child, start
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -495,11 +495,9 @@ def save(result: dict, previous: dict, out_dir: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    if args.child:
-        child(args.child)
+    args = start(build_parser(), argv, child)
+    if args is None:
         return {}
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     fill_defaults(args)
     import psutil
 

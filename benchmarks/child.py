@@ -7,11 +7,14 @@ script itself with `--child SPEC`, where SPEC is a JSON file naming the `result`
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -42,3 +45,14 @@ def run_child(script: str, spec: dict, name: str, run_dir: Path, timeout: float)
     result_path = Path(spec["result"])
     result = json.loads(result_path.read_text()) if rc == 0 and result_path.exists() else None
     return Child(rc, seconds, log_path, result)
+
+
+def start(parser: argparse.ArgumentParser, argv: list[str] | None,
+          run_one: Callable[[str], None]) -> argparse.Namespace | None:
+    """Parse the benchmark's command line. In a child (`--child SPEC`) run its one measurement and return None."""
+    args = parser.parse_args(argv)
+    if args.child:
+        run_one(args.child)
+        return None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return args
