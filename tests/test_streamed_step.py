@@ -45,6 +45,16 @@ def trained(checkpoint, host: bool, steps: int) -> tuple[torch.nn.Module, torch.
     return model, opt, rt
 
 
+def trained_twice(checkpoint) -> tuple[torch.nn.Module, torch.optim.Optimizer, tuple]:
+    """Two identical models with AdamW after one plain GRPO step: one for swaprl, one (a pair) as the reference."""
+    model = load(checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference = copy.deepcopy((model, opt))
+    grpo.run(model, opt, HFEngine(model), steps=1)
+    grpo.run(reference[0], reference[1], HFEngine(reference[0]), steps=1)
+    return model, opt, reference
+
+
 def streamed_steps(rt: swaprl.Runtime) -> list[dict]:
     events: list[dict] = []
     rt.add_listener(lambda e: events.append(e) if e.get("transition") == "optimizer.step" else None)
@@ -187,11 +197,7 @@ def test_detach_brings_the_states_back_for_plain_torch(tiny_checkpoint):
 
 
 def test_attach_after_training_moves_existing_states_to_host(tiny_checkpoint):
-    model = load(tiny_checkpoint)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    reference = copy.deepcopy((model, opt))
-    grpo.run(model, opt, HFEngine(model), steps=1)
-    grpo.run(reference[0], reference[1], HFEngine(reference[0]), steps=1)
+    model, opt, reference = trained_twice(tiny_checkpoint)
     rt = swaprl.attach(model, opt, config=host_config())
     state_bytes = sum(t.numel() * t.element_size() for t in optimizer_tensors(opt))
     assert rt.status()["optimizer"] == {"location": "host", "bytes": 0, "host_bytes": state_bytes}
@@ -218,11 +224,7 @@ class SleeplessEngine(swaprl.Engine):
 
 
 def test_a_failed_attach_gives_the_optimizer_back_as_it_was(tiny_checkpoint):
-    model = load(tiny_checkpoint)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    reference = copy.deepcopy((model, opt))
-    grpo.run(model, opt, HFEngine(model), steps=1)
-    grpo.run(reference[0], reference[1], HFEngine(reference[0]), steps=1)
+    model, opt, reference = trained_twice(tiny_checkpoint)
     before = [t.clone() for t in optimizer_tensors(opt)]
     with pytest.raises(RuntimeError, match="no sleep mode"):
         swaprl.attach(model, opt, SleeplessEngine(), config=host_config())
