@@ -31,7 +31,11 @@ to `on_step_end`); rollout tokens/s = completion tokens / time inside generation
 - phase switches); phase switches (a: TRL's `llm.sleep`, `llm.wake_up` and `sync_weights`, timed by wrapping them;
 b: the runtime's "phase" events; c: the loop's own); peak device memory = the most NVML (else `cudaMemGetInfo`)
 showed in use on the whole device, sampled every 20 ms by a thread in the child (vLLM's pool is invisible to
-torch's allocator statistics). The table ends with one JSON line; `--out` gets the JSON and a markdown next to it.
+torch's allocator statistics). The switch floor (ways b and c) is what the switches' copies cost at the bandwidth
+measured in the same child before the engine starts: bytes offloaded over pinned device-to-host, bytes reloaded
+over pinned host-to-device, and the weight sync's bytes read and written over device-to-device; "floor/switch" is
+that floor over the measured switch time. Way a's switches happen inside vLLM and report no bytes: no floor. The
+table ends with one JSON line; `--out` gets the JSON and a markdown next to it.
 """
 
 from __future__ import annotations
@@ -156,6 +160,42 @@ class PeakSampler:
 
 
 # ---------------------------------------------------------------- children: one way, one process
+class SwitchFloor:
+    """Per generation cycle, the seconds the phase switches' copies take at the bandwidth measured in this process."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from bench_offload import copy_floor
+        from bench_transitions import device_copy_GBps
+
+        self.cycles: list[float] = []
+        self.gbps = None
+        if torch.cuda.is_available():  # measured before the engine takes the free memory for its KV cache
+            self.gbps = {**copy_floor(1 << 30), "d2d_read_write": device_copy_GBps()}
+            torch.cuda.empty_cache()
+
+    def on_event(self, e: dict) -> None:
+        if e["type"] == "phase" and e["phase"] == "generate":
+            self.cycles.append(0.0)  # each training step starts with one switch to generate
+        elif e["type"] == "step" and e.get("bytes") and self.gbps and self.cycles:
+            name, n = e["step"], e["bytes"]
+            if name.startswith(("offload ", "finish offload ")):
+                self.cycles[-1] += n / (self.gbps["d2h"] * 1e9)
+            elif name.startswith("reload "):
+                self.cycles[-1] += n / (self.gbps["h2d"] * 1e9)
+            elif name == "sync weights":  # read from the trainer's parameters, written into the engine's
+                self.cycles[-1] += 2 * n / (self.gbps["d2d_read_write"] * 1e9)
+
+    def fill(self, steps: list[dict]) -> None:
+        """Each step's `switch_floor_s`, when the cycles line up one to one with the steps."""
+        if self.gbps and len(self.cycles) != len(steps):
+            log.warning("%d switches to generate for %d steps: no switch floor", len(self.cycles), len(steps))
+        elif self.gbps:
+            for s, floor in zip(steps, self.cycles):
+                s["switch_floor_s"] = floor
+
+
 def run_trl(spec: dict) -> dict:
     """Ways a and b: TRL's GRPOTrainer, plain or wrapped; per-step times from a callback and wrapped methods."""
     import torch
@@ -166,6 +206,7 @@ def run_trl(spec: dict) -> dict:
     import swaprl
 
     cuda, use_vllm = torch.cuda.is_available(), not spec["smoke"]
+    floor = SwitchFloor() if spec["way"] == "b" else None
     seqs = spec["prompts"] * spec["completions"]
     if seqs % spec["micro_batch"]:
         raise ValueError(f"{seqs} sequences per step do not split into micro-batches of {spec['micro_batch']}")
@@ -230,6 +271,7 @@ def run_trl(spec: dict) -> dict:
             verify_tolerance=tuple(float(x) for x in bounds.split(",")) if bounds else None))
         rt.add_listener(lambda e: acc.__setitem__("switch", acc["switch"] + e["seconds"])
                         if e["type"] == "phase" else None)
+        rt.add_listener(floor.on_event)
 
     steps: list[dict] = []
 
@@ -251,6 +293,9 @@ def run_trl(spec: dict) -> dict:
         s["rollout_tokens"] = s["train_tokens"] = round(lengths[s["step"]] * seqs)
         s["train_s"] = s["step_s"] - s["generate_s"] - s["switch_s"]
     extra = {"torch_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}
+    if floor is not None:
+        floor.fill(steps)
+        extra["floor_GBps"] = floor.gbps
     if rt is not None:
         extra["last_sync_max_abs_diff"] = rt.last_sync.max_abs_diff if rt.last_sync else None
         rt.detach()
@@ -261,6 +306,15 @@ def run_loop(spec: dict) -> dict:
     """Way c: examples/grpo.py's main() in this process, read back from its metrics.json."""
     sys.path.insert(0, str(ROOT / "examples"))
     import grpo
+
+    import swaprl
+
+    floor, attach = SwitchFloor(), swaprl.attach
+
+    def attach_with_floor(*a, **k):  # the loop attaches inside main(): listen to the runtime it makes
+        rt = attach(*a, **k)
+        rt.add_listener(floor.on_event)
+        return rt
 
     out = Path(spec["result"]).parent / "loop"
     argv = ["--model", str(checkpoint_dir(spec)), "--preset", spec["preset"],
@@ -275,9 +329,14 @@ def run_loop(spec: dict) -> dict:
         argv.append("--verify")  # as way b's verify_sync=True
         if spec["verify_tolerance"]:
             argv += ["--verify-tolerance", spec["verify_tolerance"]]
-    grpo.main(argv)
+    swaprl.attach = attach_with_floor
+    try:
+        grpo.main(argv)
+    finally:
+        swaprl.attach = attach
     metrics = json.loads((out / "metrics.json").read_text())
-    return {"steps": metrics["steps"], "engine": metrics["engine"]}
+    floor.fill(metrics["steps"])
+    return {"steps": metrics["steps"], "engine": metrics["engine"], "floor_GBps": floor.gbps}
 
 
 def child(spec_path: str) -> None:
@@ -336,6 +395,9 @@ def summarize(r: dict, warmup: int) -> dict:
     med["rollout_tok_s"] = statistics.median(s["rollout_tokens"] / s["generate_s"] for s in timed)
     med["train_tok_s"] = statistics.median(s["train_tokens"] / s["train_s"] for s in timed)
     med["switch_fraction"] = med["switch_s"] / med["step_s"]
+    if all("switch_floor_s" in s for s in timed):
+        med["switch_floor_s"] = statistics.median(s["switch_floor_s"] for s in timed)
+        med["switch_floor_ratio"] = med["switch_floor_s"] / med["switch_s"] if med["switch_s"] else None
     return med
 
 
@@ -367,7 +429,7 @@ def gib(n: int | None) -> str:
 
 def table(result: dict) -> list[str]:
     head = (f"{'way':<28}{'preset':<14}{'vllm util':>10}{'step s':>9}{'rollout tok/s':>15}{'train tok/s':>13}"
-            f"{'peak GiB':>10}{'switch s':>10}{'switch %':>10}{'speed/TRL':>10}")
+            f"{'peak GiB':>10}{'switch s':>10}{'switch %':>10}{'floor s':>9}{'floor/sw':>9}{'speed/TRL':>10}")
     lines = [head]
     for way, w in result["ways"].items():
         label = f"{way} {WAYS[way]}"
@@ -380,6 +442,10 @@ def table(result: dict) -> list[str]:
         ratio = f"{1 / w['step_ratio_to_trl']:.2f}" if w.get("step_ratio_to_trl") else "n/a"
         switch = (f"{m['switch_s']:>10.3f}{100 * m['switch_fraction']:>9.1f}%" if w["switch_measured"]
                   else f"{'n/a':>10}{'n/a':>10}")
+        if m.get("switch_floor_ratio") is not None:
+            switch += f"{m['switch_floor_s']:>9.3f}{m['switch_floor_ratio']:>9.2f}"
+        else:
+            switch += f"{'n/a':>9}{'n/a':>9}"
         lines.append(f"{label:<28}{w['preset']:<14}{util:>10}{m['step_s']:>9.2f}{m['rollout_tok_s']:>15.0f}"
                      f"{m['train_tok_s']:>13.0f}{gib(w['peak_device_bytes']):>10}{switch}{ratio:>10}")
     return lines
@@ -446,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
                 peak_device_bytes=r["peak_device_bytes"], baseline_device_bytes=r["baseline_device_bytes"],
                 switch_measured=way != "a" or not args.smoke,  # TRL without vLLM has no switch to time
                 extra={k: r.get(k) for k in ("torch_max_reserved_bytes", "last_sync_max_abs_diff", "engine",
-                                             "wall_s")})
+                                             "wall_s", "floor_GBps")})
     base_a = ways.get("a", {})
     for w in ways.values():
         if w["ok"] and base_a.get("ok") and w["preset"] == base_a["preset"]:
