@@ -44,3 +44,31 @@ def test_smoke_runs_the_three_ways_and_reports(tmp_path, monkeypatch, capsys):
     assert json.loads(out.read_text())["versions"]["trl"]
     md = out.with_suffix(".md").read_text()
     assert "python benchmarks/bench_grpo.py --smoke" in md and "swaprl loop" in md and "No attempt failed" in md
+
+
+def test_switch_floor_counts_each_cycles_copies_at_their_bandwidth(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_grpo
+
+    floor = bench_grpo.SwitchFloor()
+    floor.gbps = {"d2h": 50.0, "h2d": 25.0, "d2d_read_write": 1000.0}  # as measured on a GPU
+    events = [
+        {"type": "phase", "phase": "generate"},  # step 0: no states yet, the sync only
+        {"type": "step", "step": "sync weights", "bytes": 10**9},
+        {"type": "step", "step": "engine wake kv_cache", "bytes": 0},
+        {"type": "phase", "phase": "train"},
+        {"type": "phase", "phase": "generate"},  # step 1: the states leave and come back
+        {"type": "step", "step": "start offload optimizer", "bytes": 0},
+        {"type": "step", "step": "finish offload optimizer", "bytes": 5 * 10**9},
+        {"type": "step", "step": "reload optimizer", "bytes": 5 * 10**9},
+        {"type": "step", "step": "stream optimizer states", "bytes": 10**12},  # optimizer.step's, not a switch's
+    ]
+    for e in events:
+        floor.on_event(e)
+    steps = [{}, {}]
+    floor.fill(steps)
+    assert steps[0]["switch_floor_s"] == pytest.approx(2e9 / 1000e9)
+    assert steps[1]["switch_floor_s"] == pytest.approx(5e9 / 50e9 + 5e9 / 25e9)
+
+    floor.fill(extra := [{}])  # the cycles do not line up with the steps: no floor rather than a wrong one
+    assert extra == [{}]
