@@ -170,22 +170,29 @@ class SwitchFloor:
         from bench_transitions import device_copy_GBps
 
         self.cycles: list[float] = []
+        self._pending = 0.0
         self.gbps = None
         if torch.cuda.is_available():  # measured before the engine takes the free memory for its KV cache
             self.gbps = {**copy_floor(1 << 30), "d2d_read_write": device_copy_GBps()}
             torch.cuda.empty_cache()
 
     def on_event(self, e: dict) -> None:
-        if e["type"] == "phase" and e["phase"] == "generate":
-            self.cycles.append(0.0)  # each training step starts with one switch to generate
-        elif e["type"] == "step" and e.get("bytes") and self.gbps and self.cycles:
+        # A transition's step events come before its phase event: sum them, then book them to the cycle the phase
+        # event opens (to generate: each training step starts with one) or continues (back to train).
+        if e["type"] == "phase":
+            if e["phase"] == "generate":
+                self.cycles.append(0.0)
+            if self.cycles:
+                self.cycles[-1] += self._pending
+            self._pending = 0.0
+        elif e["type"] == "step" and e.get("bytes") and self.gbps:
             name, n = e["step"], e["bytes"]
             if name.startswith(("offload ", "finish offload ")):
-                self.cycles[-1] += n / (self.gbps["d2h"] * 1e9)
+                self._pending += n / (self.gbps["d2h"] * 1e9)
             elif name.startswith("reload "):
-                self.cycles[-1] += n / (self.gbps["h2d"] * 1e9)
+                self._pending += n / (self.gbps["h2d"] * 1e9)
             elif name == "sync weights":  # read from the trainer's parameters, written into the engine's
-                self.cycles[-1] += 2 * n / (self.gbps["d2d_read_write"] * 1e9)
+                self._pending += 2 * n / (self.gbps["d2d_read_write"] * 1e9)
 
     def fill(self, steps: list[dict]) -> None:
         """Each step's `switch_floor_s`, when the cycles line up one to one with the steps."""

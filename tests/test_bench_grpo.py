@@ -52,15 +52,16 @@ def test_switch_floor_counts_each_cycles_copies_at_their_bandwidth(monkeypatch):
 
     floor = bench_grpo.SwitchFloor()
     floor.gbps = {"d2h": 50.0, "h2d": 25.0, "d2d_read_write": 1000.0}  # as measured on a GPU
-    events = [
-        {"type": "phase", "phase": "generate"},  # step 0: no states yet, the sync only
-        {"type": "step", "step": "sync weights", "bytes": 10**9},
+    events = [  # in the runtime's order: a transition's steps, then its phase event
+        {"type": "step", "step": "sync weights", "bytes": 10**9},  # step 0: no states yet, the sync only
         {"type": "step", "step": "engine wake kv_cache", "bytes": 0},
+        {"type": "phase", "phase": "generate"},
         {"type": "phase", "phase": "train"},
-        {"type": "phase", "phase": "generate"},  # step 1: the states leave and come back
-        {"type": "step", "step": "start offload optimizer", "bytes": 0},
+        {"type": "step", "step": "start offload optimizer", "bytes": 0},  # step 1: the states leave...
         {"type": "step", "step": "finish offload optimizer", "bytes": 5 * 10**9},
-        {"type": "step", "step": "reload optimizer", "bytes": 5 * 10**9},
+        {"type": "phase", "phase": "generate"},
+        {"type": "step", "step": "reload optimizer", "bytes": 5 * 10**9},  # ...and come back
+        {"type": "phase", "phase": "train"},
         {"type": "step", "step": "stream optimizer states", "bytes": 10**12},  # optimizer.step's, not a switch's
     ]
     for e in events:
