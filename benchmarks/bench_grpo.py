@@ -305,7 +305,10 @@ def run_trl(spec: dict) -> dict:
         extra["floor_GBps"] = floor.gbps
     if rt is not None:
         extra["last_sync_max_abs_diff"] = rt.last_sync.max_abs_diff if rt.last_sync else None
-        rt.detach()
+        if spec["optimizer_states"] == "swap":
+            rt.detach()
+        # else: as in examples/grpo.py, detach() would bring the states back to the GPU for plain torch, and they
+        # were put on the host because they do not fit there; the child exits with them where they are
     return {"steps": steps, **extra}
 
 
