@@ -93,8 +93,9 @@ class SwapConfig:
     verify_tolerance: tuple[float, float] | None = None
     """(max, mean) bounds on |log p_trainer - log p_engine| for the on-policy check. None: exact for an engine that
     shares the trainer's weights, else (0.25, 0.05), set on Qwen2.5-1.5B and 3B with a bf16 engine. Deeper models
-    round more: a bf16 Qwen2.5-14B pair measured max 0.25, mean 0.091 at its first sync, before any update. Set
-    bounds a little above what the first sync reports (`runtime.last_sync`) for your model."""
+    round more: a bf16 Qwen2.5-14B pair measured max 0.25 (mean 0.091) at its first sync, before any update, and
+    0.27-0.33 at the next; its GRPO runs used (0.5, 0.15). Set bounds well above what the first syncs report
+    (`runtime.last_sync`) for your model: one sync's maximum is a single token's worst rounding."""
 
     def __post_init__(self) -> None:
         if self.grads not in _GRAD_POLICIES:
