@@ -4,6 +4,8 @@ device memory always adds up to the device figure (synthetic CUDA figures here, 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -87,6 +89,29 @@ def test_profile_of_a_training_loop(tiny_checkpoint, tmp_path):
     time.sleep(0.2)
     assert path.stat().st_size == size
     assert not profiler_threads()
+
+
+def test_profile_of_a_run_that_ends_attached_is_complete(tiny_checkpoint, tmp_path):
+    """With host-resident optimizer states that do not fit on the device, a run ends without detach(): the profile
+    still gets its end record when the process exits."""
+    path = tmp_path / "run.jsonl"
+    script = f"""
+import torch, swaprl
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tiny_checkpoint)!r}, dtype=torch.float32)
+opt = torch.optim.AdamW(model.parameters())
+rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(profile={str(path)!r}, optimizer_states="host"))
+with swaprl.phase("train"):
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recs = read(path)
+    assert recs[-1]["type"] == "end" and recs[-1]["reason"] == "exit"
+    assert any(r["type"] == "step" and r["step"] == "stream optimizer states" for r in recs)
+    assert recs[-2]["type"] == "sample"
 
 
 def test_profile_from_runtime_as_context_manager(tiny_checkpoint, tmp_path):

@@ -17,7 +17,10 @@ object a line; every line is written whole and flushed, so a crash leaves a read
     error   {"type": "error", "t", "transition", "step", "error"}: a transition that failed and was rolled back
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"}
             (the first one, "from": null, is the state when recording started)
-    end     {"type": "end", "t", "reason": "detach" | "close", "samples"}
+    end     {"type": "end", "t", "reason": "detach" | "close" | "exit", "samples"}  ("exit": the process ended with
+            the runtime still attached: the normal end when host-resident optimizer states do not fit on the device
+            for `detach()`, or an uncaught exception; a profile without an end record was cut short: a kill, a
+            hard crash, or a run still going)
 
 Times are epoch seconds, sizes bytes. Device figures exist only on CUDA: "device_used" is NVML's whole-device figure
 (it sees vLLM's own memory pool and CUDA contexts, which torch's allocator does not), or the CUDA driver's when NVML
@@ -27,6 +30,7 @@ is missing ("device_used_source" says which). Sampling costs one NVML query, two
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -53,7 +57,7 @@ _COPY_REPEATS = 5
 
 
 class Profiler:
-    """Writes a memory profile of `runtime` to `path` until `close()` or the runtime's `detach()`.
+    """Writes a memory profile of `runtime` to `path` until `close()`, the runtime's `detach()` or the process's exit.
 
     Build it with `attach_profiler` (or `Runtime.profile`); it is also a context manager. `path` is where the file
     actually goes (with the rank suffix under torch.distributed).
@@ -88,6 +92,7 @@ class Profiler:
             self._file.close()
             raise
         self._remove_listener = runtime.add_listener(self._on_event)
+        atexit.register(self._close_at_exit)
         self._thread = threading.Thread(target=self._sample_loop, name="swaprl-profiler", daemon=True)
         self._thread.start()
         logger.info("recording a memory profile to %s every %.0f ms (device figures: %s)", self.path,
@@ -99,6 +104,7 @@ class Profiler:
             if self._closing:
                 return
             self._closing = True
+        atexit.unregister(self._close_at_exit)
         self._remove_listener()
         self._stop.set()
         if self._thread is not threading.current_thread():
@@ -109,6 +115,9 @@ class Profiler:
             self._closed = True
             self._file.close()
         logger.info("memory profile written to %s (%d samples)", self.path, self._samples)
+
+    def _close_at_exit(self) -> None:
+        self.close("exit")
 
     def __enter__(self) -> Profiler:
         return self

@@ -136,7 +136,7 @@ def load_run(path: str | Path) -> Run:
         run.warnings.append(f"{path.name}: {bad} unreadable line(s) skipped inside the file")
     if run.end is None and not run.empty:
         run.warnings.append(f"{path.name}: no end record: the run neither detached nor closed the profiler "
-                            "(crashed, killed, or still running); figures stop at the last record")
+                            "and the process did not exit (killed, crashed hard, or still running); figures stop at the last record")
     return run
 
 
