@@ -424,7 +424,9 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
     peak.tables.append(_Table("", ["rank", "phase", "spans", "peak device used", "at cycle", "peak torch reserved",
                                    "peak torch allocated", "peak host RSS"], rows,
                               "Peaks over the samples taken in each kind of span; transitions are listed when a "
-                              "sample fell inside one."))
+                              "sample fell inside one. Torch's reserved and allocated counters include the engine's "
+                              "sleep-mode pool, which torch keeps counting while the engine sleeps, so in train they "
+                              "can exceed the device's own figure."))
     secs.append(peak)
 
     attr = _Section("Attribution at phase boundaries")
