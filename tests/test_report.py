@@ -295,3 +295,17 @@ def test_overlapped_offload_is_rated_over_its_whole_span():
     (row,) = transition_rows(run)
     assert row["GBps"] == pytest.approx(16 * GiB / 0.8 / 1e9)
     assert row["ceiling_GBps"] == 25.0
+
+
+def test_streamed_optimizer_step_is_rated_against_both_directions_at_once():
+    """The streamed step copies 4 GiB in and 4 GiB out: at best each direction at its own speed, at the same time."""
+    from swaprl.profile.report import Run, transition_rows
+
+    run = Run(Path("run.jsonl"), {"copy_bandwidth": {"d2h_GBps": 20.0, "h2d_GBps": 25.0}})
+    run.steps = [{"t": float(i), "transition": "optimizer.step", "step": "stream optimizer states",
+                  "bytes": 8 * GiB, "h2d_bytes": 4 * GiB, "d2h_bytes": 4 * GiB, "seconds": 0.5, "chunks": 4}
+                 for i in range(3)]
+    (row,) = transition_rows(run)
+    floor_s = 4 * GiB / 20e9  # the slower direction
+    assert row["ceiling_GBps"] == pytest.approx(8 * GiB / floor_s / 1e9)
+    assert row["fraction"] == pytest.approx(floor_s / 0.5)
