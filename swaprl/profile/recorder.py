@@ -117,7 +117,10 @@ class Profiler:
         logger.info("memory profile written to %s (%d samples)", self.path, self._samples)
 
     def _close_at_exit(self) -> None:
-        self.close("exit")
+        try:
+            self.close("exit")
+        except Exception as exc:  # the interpreter is ending: say why the profile has no end record, do not raise
+            logger.warning("memory profile %s: could not write its end record at exit (%s)", self.path, exc)
 
     def __enter__(self) -> Profiler:
         return self
