@@ -12,8 +12,8 @@ state broken):
      `vllm_gpu_memory_utilization` of `--utilizations` that runs every step (one fresh process per try; the
      failures and their errors are recorded).
   b  the same trainer under `swaprl.integrations.trl.wrap(trainer, config=SwapConfig(verify_sync=True,
-     grads="free", overlap_optimizer_reload=True))` (lean rollouts, the wrapper's default: vLLM is asked for
-     token ids only), the same utilization search.
+     grads="free", overlap_optimizer_reload=True))` (no reload to overlap with `--optimizer-states host`; lean
+     rollouts, the wrapper's default: vLLM is asked for token ids only), the same utilization search.
   c  swaprl's own loop, `examples/grpo.py --engine vllm --verify` (the engine sizes itself), read from its metrics.
 
 Workloads: W1 = Qwen2.5-1.5B, 32 prompts x 8 completions, 1024 completion tokens; W2 = Qwen2.5-3B, 64 x 8, 2048;
