@@ -14,7 +14,8 @@ state broken):
   b  the same trainer under `swaprl.integrations.trl.wrap(trainer, config=SwapConfig(verify_sync=True,
      grads="free", overlap_optimizer_reload=True))` (no reload to overlap with `--optimizer-states host`; lean
      rollouts, the wrapper's default: vLLM is asked for token ids only), the same utilization search.
-  c  swaprl's own loop, `examples/grpo.py --engine vllm --verify` (the engine sizes itself), read from its metrics.
+  c  swaprl's own loop, `examples/grpo.py --engine vllm` (the engine sizes itself, the check on as in b), read from
+     its metrics.
 
 Workloads: W1 = Qwen2.5-1.5B, 32 prompts x 8 completions, 1024 completion tokens; W2 = Qwen2.5-3B, 64 x 8, 2048;
 W3 = W1's batch on 1.5B, 3B, 7B, 14B for each way until one fails (the largest that ran is reported; `--presets`
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward in every way")
     ap.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
-                    help="ways b and c: the on-policy check's bounds (SwapConfig.verify_tolerance); default: swaprl's")
+                    help="ways b and c: bounds on the measured mismatch (SwapConfig.verify_tolerance); default: none")
     ap.add_argument("--optimizer-states", default="swap", choices=["swap", "host"],
                     help="ways b and c: SwapConfig.optimizer_states ('host': states stay in host memory and "
                          "optimizer.step() streams them through the GPU; TRL alone has no such mode)")
@@ -335,10 +336,10 @@ def run_loop(spec: dict) -> dict:
             "--micro-batch", str(spec["micro_batch"]), "--lr", str(spec["lr"]), "--seed", str(spec["seed"]),
             "--max-model-len", str(max_model_len(spec)), "--optimizer-states", spec["optimizer_states"],
             "--out", str(out)]
-    if not spec["smoke"]:
-        argv.append("--verify")  # as way b's verify_sync=True
-        if spec["verify_tolerance"]:
-            argv += ["--verify-tolerance", spec["verify_tolerance"]]
+    if spec["smoke"]:
+        argv.append("--no-verify")  # the embedded engine shares the trainer's weights: nothing to check
+    elif spec["verify_tolerance"]:
+        argv += ["--verify-tolerance", spec["verify_tolerance"]]
     swaprl.attach = attach_with_floor
     try:
         grpo.main(argv)

@@ -82,9 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--sleep-level", default="auto", choices=["auto", "1", "2"])
-    ap.add_argument("--verify", action="store_true", help="run the on-policy check after every weight sync")
+    ap.add_argument("--no-verify", dest="verify", action="store_false",
+                    help="skip the on-policy check after each weight sync (on by default: the engine's weights are "
+                         "proved to be the trainer's, and the rollout-training mismatch is measured)")
     ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
-                    help="bounds of the on-policy check (SwapConfig.verify_tolerance); default: swaprl's")
+                    help="stop when the mismatch exceeds these |dlogp| bounds (SwapConfig.verify_tolerance); "
+                         "default: report it only")
     ap.add_argument("--optimizer-states", default="swap", choices=["swap", "host"],
                     help="'host': keep the AdamW states in host memory and stream them through optimizer.step() "
                          "(for models whose parameters + gradients + states do not fit the GPU)")
@@ -245,15 +248,17 @@ def main(argv: list[str] | None = None) -> dict:
             loss, mean_reward = loss / world, mean_reward / world
             rollout_tokens, train_tokens = int(rollout_tokens), int(train_tokens)
         check = rt.last_sync.max_abs_diff if rt.last_sync else None
+        sync = rt.last_sync.as_dict() if rt.last_sync else None
         rec = {"step": step, "step_s": total, "generate_s": gen_s, "train_s": train_s, "switch_s": switch["s"],
                "rollout_tokens": rollout_tokens, "train_tokens": train_tokens, "loss": loss, "reward": mean_reward,
-               "sync_max_abs_diff": check,
+               "sync_max_abs_diff": check, "sync": sync,
                # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
                "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
         steps.append(rec)
         log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
                  "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
-                 rollout_tokens, mean_reward, f", on-policy max|dlogp| {check:.3g}" if check is not None else "")
+                 rollout_tokens, mean_reward, f", weights {sync['weights']}, mismatch max|dlogp| {check:.3g}"
+                 if check is not None else "")
     if args.optimizer_states == "swap":
         swaprl.detach()
     # else: detach() would bring the states back to the GPU for plain torch, and they were put on the host because

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         loop += ["--preset", preset] + (["--layers", str(layers)] if layers else [])
     if on_gpu:
-        loop += ["--dtype", "bfloat16", "--verify", "--tp", str(tp)]
+        loop += ["--dtype", "bfloat16", "--tp", str(tp)]
     grpo.main(loop)
     if rank == 0:
         print(f"memory report: {Path(args.out) / 'report' / 'report.html'}")

@@ -20,7 +20,8 @@ from .config import SwapConfig
 from .distributed import is_fsdp2
 from .engines.base import Engine, EngineStateError, Sampling
 from .residency import HostBufferError, local_tensor
-from .runtime import Phase, PhaseError, Runtime, SyncReport
+from .runtime import Phase, PhaseError, Runtime
+from .verify import SyncReport
 
 __all__ = ["attach", "phase", "detach", "current", "SwapConfig", "Runtime", "Sampling", "Engine", "SyncReport",
            "PhaseError", "HostBufferError", "EngineStateError"]

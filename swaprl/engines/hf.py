@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from .. import distributed
-from .base import Engine, EngineStateError, Sampling, sequence_logprobs
+from ..sync import trainer_weights
+from .base import Engine, EngineStateError, Sampling, WeightPrint, sequence_logprobs
 
 
 class HFEngine(Engine):
@@ -90,3 +91,11 @@ class HFEngine(Engine):
 
     def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         return sequence_logprobs(self._module(), sequences)
+
+    def weight_fingerprints(self) -> dict[str, WeightPrint]:
+        """The module's own parameters: the trainer's, by construction (collective under FSDP2)."""
+        from ..verify import module_fingerprints
+
+        params = dict(trainer_weights(self._module()))
+        return {name: WeightPrint(fp, numel, params[name].dtype, (name,))
+                for name, (fp, numel) in module_fingerprints(self._module()).items()}

