@@ -309,3 +309,34 @@ def test_streamed_optimizer_step_is_rated_against_both_directions_at_once():
     floor_s = 4 * GiB / 20e9  # the slower direction
     assert row["ceiling_GBps"] == pytest.approx(8 * GiB / floor_s / 1e9)
     assert row["fraction"] == pytest.approx(floor_s / 0.5)
+
+
+def test_on_policy_check_section_from_a_recorded_run(tmp_path, capsys):
+    """A CPU run with an engine of its own weights: each sync's check is in the profile and the report, and a
+    refused switch (weights that differ) is flagged at the top."""
+    from swaprl.checkpoints import random_model
+
+    from . import grpo
+
+    torch.manual_seed(0)
+    model = random_model("tiny", device="cpu")
+    engine = grpo.ReplicaEngine(random_model("tiny", device="cpu").to(torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(profile=tmp_path / "run.jsonl"))
+    grpo.run(model, opt, engine, steps=3, runtime=rt)
+    load = engine.load_weights
+    engine.load_weights = lambda weights: load([(n, t) for n, t in weights if "layers.1." not in n])
+    with pytest.raises(swaprl.EngineStateError):
+        with rt.phase("generate"):
+            pass
+    swaprl.detach()
+    syncs = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()
+             if '"type":"sync"' in line]
+    assert [s["weights"] for s in syncs] == ["exact"] * 3 + ["differ"]
+    assert all(s["mismatch"]["tokens"] > 0 for s in syncs[:3]) and syncs[3]["mismatch"] is None
+    assert main(["report", str(tmp_path / "run.jsonl"), "-o", str(tmp_path / "rep")]) == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "## On-policy check" in md and "mismatch_rank0.png" in md
+    assert "| rank 0 | 3 | exact |" in md
+    assert "at cycle 4 the engine did not hold the trainer's weights (model.layers.1." in md
+    assert (tmp_path / "rep" / "mismatch_rank0.png").stat().st_size > 1000

@@ -2,7 +2,7 @@
 
     from swaprl.integrations.trl import wrap
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
-    rt = wrap(trainer)                      # or wrap(trainer, config=swaprl.SwapConfig(verify_sync=True))
+    rt = wrap(trainer)                      # or wrap(trainer, config=swaprl.SwapConfig(...))
     trainer.train()
     rt.detach()                             # optional: puts the trainer back as it was
 
@@ -19,9 +19,11 @@ optimizer's creation):
   exist; AdamW allocates its states at the first step anyway, so this costs no memory.
 - `use_vllm=False`: TRL generates with the trainer's own module, so there is nothing to sync: swaprl's `HFEngine`
   semantics (only the optimizer-state swap). `use_vllm=True, vllm_mode="colocate"`: swaprl drives TRL's in-process
-  `vllm.LLM` through `VLLMEngine` (asleep in "train"; woken, synced from the trainer and, with
-  `SwapConfig(verify_sync=True)`, checked on-policy at each "generate"). TRL's own weight sync becomes a no-op and
-  its sleep mode is switched off on this instance, so the engine is not woken, synced or put to sleep twice.
+  `vllm.LLM` through `VLLMEngine` (asleep in "train"; woken, synced from the trainer and checked at each
+  "generate": bit-exact weights, and the rollout-training mismatch measured). TRL's own weight sync becomes a no-op
+  and its sleep mode is switched off on this instance, so the engine is not woken, synced or put to sleep twice.
+- `trainer.log` adds swaprl's figures (`swaprl/...`: phase switches, the last sync's check and mismatch) to every
+  record, so they reach whatever `report_to` the user set.
 
 The hook is on private TRL methods whose behaviour changes between releases, hence the version range
 `SUPPORTED_TRL`: other versions are refused rather than silently mis-wrapped.
@@ -221,6 +223,7 @@ def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
 
         trainer._generate = _generate
         undo.append(lambda: vars(trainer).pop("_generate", None))
+        undo.append(_log_figures(trainer, rt))
         if trainer.use_vllm:
             undo.append(_take_over_vllm(trainer, rt))
             if lean_rollouts:
@@ -237,6 +240,56 @@ def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
             logger.info("GRPOTrainer unwrapped: TRL generates on its own again")
 
     rt.add_listener(on_event)
+
+
+def _log_figures(trainer, rt: Runtime) -> Callable[[], None]:
+    """Add swaprl's figures to every `trainer.log(...)` record, so they reach the user's `report_to` (wandb,
+    tensorboard) with TRL's own; returns the undo.
+
+    Per record: the phase switches since the previous record (count, seconds, bytes moved) and the last sync's
+    check: whether the engine's weights were the trainer's bit for bit, the sync's and the check's seconds, and the
+    rollout-training mismatch on the probe.
+    """
+    switches = {"n": 0, "s": 0.0, "bytes": 0}
+
+    def on_phase(event: dict) -> None:
+        if event["type"] == "phase":
+            switches["n"] += 1
+            switches["s"] += event["seconds"]
+            switches["bytes"] += event["bytes"]
+
+    remove = rt.add_listener(on_phase)
+    log = trainer.log
+
+    @functools.wraps(log)
+    def log_with_swaprl(logs: dict, *args, **kwargs):
+        if switches["n"]:
+            logs = {**logs, "swaprl/switch_seconds": switches["s"], "swaprl/switches": switches["n"],
+                    "swaprl/moved_gib": switches["bytes"] / 2**30}
+            switches.update(n=0, s=0.0, bytes=0)
+        return log({**logs, **sync_metrics(rt.last_sync)}, *args, **kwargs)
+
+    trainer.log = log_with_swaprl
+
+    def restore() -> None:
+        remove()
+        vars(trainer).pop("log", None)
+
+    return restore
+
+
+def sync_metrics(report) -> dict[str, float]:
+    """The last sync's check as flat numbers for a training log ({} before the first sync)."""
+    if report is None:
+        return {}
+    out = {"swaprl/weights_exact": float(report.weights == "exact"), "swaprl/verify_seconds": report.verify_seconds}
+    if report.sync_seconds is not None:
+        out["swaprl/sync_seconds"] = report.sync_seconds
+    if report.mismatch is not None:
+        m = report.mismatch
+        out.update({"swaprl/mismatch/max_abs_logp": m.max_abs, "swaprl/mismatch/mean_abs_logp": m.mean_abs,
+                    "swaprl/mismatch/kl": m.kl, "swaprl/mismatch/ratio_outside": m.outside})
+    return out
 
 
 def _take_over_vllm(trainer, rt: Runtime) -> Callable[[], None]:

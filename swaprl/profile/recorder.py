@@ -15,6 +15,9 @@ object a line; every line is written whole and flushed, so a crash leaves a read
             streamed optimizer step (SwapConfig(optimizer_states="host")): "transition": "optimizer.step", "step":
             "stream optimizer states", "bytes" both ways, and "h2d_bytes", "d2h_bytes", "chunks"
     error   {"type": "error", "t", "transition", "step", "error"}: a transition that failed and was rolled back
+    sync    {"type": "sync", "t", "cycle", "weights", "checked", "differing", "stale_since", "sync_seconds",
+             "sync_bytes", "verify_seconds", "mismatch": {"tokens", "max_abs", "mean_abs", "kl", "outside"} | null,
+             "mismatch_seconds", "bounds", "ok"}: the on-policy check after each weight sync (`swaprl.verify`)
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"}
             (the first one, "from": null, is the state when recording started)
     end     {"type": "end", "t", "reason": "detach" | "close" | "exit", "samples"}  ("exit": the process ended with
@@ -181,6 +184,8 @@ class Profiler:
             self._write(self._sample())
         elif kind == "error":  # a transition that failed and was rolled back
             self._write({"type": "error"} | {k: event[k] for k in ("t", "transition", "step", "error")})
+        elif kind == "sync":  # the on-policy check's findings after a weight sync
+            self._write(event)
         elif kind == "detach":
             self.close("detach")
 

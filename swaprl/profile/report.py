@@ -48,6 +48,7 @@ class Run:
     samples: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     phases: list[dict] = field(default_factory=list)
+    syncs: list[dict] = field(default_factory=list)
     end: dict | None = None
     warnings: list[str] = field(default_factory=list)
     label: str = ""
@@ -127,6 +128,8 @@ def load_run(path: str | Path) -> Run:
             run.steps.append(rec)
         elif kind == "phase":
             run.phases.append(rec)
+        elif kind == "sync":
+            run.syncs.append(rec)
         elif kind == "end":
             run.end = rec
         elif kind == "error":
@@ -352,6 +355,35 @@ def attribution_figure(run: Run) -> bytes:
     return _png(fig)
 
 
+def mismatch_figure(run: Run) -> bytes:
+    """The rollout-training mismatch at each sync: max and mean |dlogp| (left), the KL estimate (right)."""
+    from matplotlib.figure import Figure
+
+    recs = [r for r in sorted(run.syncs, key=lambda r: r["t"]) if r.get("mismatch")]
+    xs = [r.get("cycle") for r in recs]
+    fig = Figure(figsize=(10, 3.2))
+    ax = fig.add_subplot()
+    lines = ax.plot(xs, [r["mismatch"]["max_abs"] for r in recs], "o-", color="tab:red", lw=1.2, ms=3,
+                    label="max |dlogp|")
+    lines += ax.plot(xs, [r["mismatch"]["mean_abs"] for r in recs], "o-", color="tab:blue", lw=1.2, ms=3,
+                     label="mean |dlogp|")
+    bounds = next((r["bounds"] for r in recs if r.get("bounds")), None)
+    if bounds:
+        ax.axhline(bounds[0], color="tab:red", ls=":", lw=1)
+        ax.axhline(bounds[1], color="tab:blue", ls=":", lw=1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("cycle (weight sync)")
+    ax.set_ylabel("|log p_trainer - log p_engine|")
+    kl_ax = ax.twinx()
+    lines += kl_ax.plot(xs, [r["mismatch"]["kl"] for r in recs], "s--", color="tab:green", lw=1, ms=3,
+                        label="KL(engine || trainer), k3")
+    kl_ax.set_ylim(bottom=0)
+    kl_ax.set_ylabel("KL estimate")
+    ax.set_title(f"{run.label}: rollout-training mismatch on the probe at each sync", fontsize=10)
+    ax.legend(handles=lines, fontsize=8, loc="upper left", bbox_to_anchor=(1.08, 1.0))
+    return _png(fig)
+
+
 # ---------------------------------------------------------------------------------------------------- text
 def _b(n: float | None) -> str:
     if n is None:
@@ -485,6 +517,9 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
                                      "optimizer step)."))
     secs.append(trans)
 
+    if any(r.syncs for r in live):
+        secs.append(_check_section(live, figures, warnings))
+
     grow = _Section("Residual growth across cycles")
     rows = []
     for r in live:
@@ -508,6 +543,39 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
                                   "left out: the optimizer states are usually created in its train phase."))
     secs.append(grow)
     return warnings, secs
+
+
+def _check_section(live: list[Run], figures: dict[str, bytes], warnings: list[str]) -> _Section:
+    """The on-policy check after each sync: were the engine's weights the trainer's, at what cost, how far apart."""
+    sec = _Section("On-policy check")
+    sec.text.append("After each weight sync every tensor the engine holds is fingerprinted and compared with the "
+                    "trainer's (bit-exact, no tolerance); then the engine samples a short probe and the trainer "
+                    "scores the same tokens: the rollout-training mismatch, measured rather than judged.")
+    rows = []
+    for r in live:
+        recs = sorted(r.syncs, key=lambda x: x["t"])
+        if any(x.get("mismatch") for x in recs):
+            name = f"mismatch_{_slug(r)}.png"
+            figures[name] = mismatch_figure(r)
+            sec.figures.append((name, f"{r.label}: mismatch at each sync"))
+        for x in _pick(recs, 40):
+            m = x.get("mismatch") or {}
+            ratio = (x["verify_seconds"] / x["sync_seconds"]) if x.get("sync_seconds") else None
+            rows.append([r.label, str(x.get("cycle")), x.get("weights", "?"), str(x.get("checked", 0)),
+                         _f(x.get("sync_seconds")), _f(x.get("verify_seconds")), _f(ratio, "{:.1%}"),
+                         _f(m.get("max_abs"), "{:.4f}"), _f(m.get("mean_abs"), "{:.4f}"), _f(m.get("kl"), "{:.2e}"),
+                         _f(m.get("outside"), "{:.2%}"), str(m.get("tokens", "—")), _f(x.get("mismatch_seconds"))])
+        for x in recs:
+            if x.get("weights") == "differ":
+                warnings.append(f"{r.label}: at cycle {x.get('cycle')} the engine did not hold the trainer's "
+                                f"weights ({', '.join(x.get('differing') or [])[:300]})")
+    sec.tables.append(_Table("", ["rank", "cycle", "weights", "tensors equal", "sync s", "check s", "check/sync",
+                                  "max abs dlogp", "mean abs dlogp", "KL", "ratio outside [0.5, 2]", "tokens",
+                                  "probe s"], rows,
+                             "weights: exact (bit for bit), differ (the switch was refused), unchecked (the engine "
+                             "cannot report its tensors). KL: the k3 estimate of KL(engine || trainer) on tokens "
+                             "the engine sampled."))
+    return sec
 
 
 def _markdown(warnings: list[str], secs: list[_Section]) -> str:
