@@ -143,6 +143,7 @@ class VLLMEngine(Engine):
         self._weights_valid = True
         self._level: int | None = None
         self.stats: dict[str, float] = {}
+        self._pool: dict[str, int] = {}  # device bytes each tag's wake-up mapped (measured; see memory())
         # Decided before vLLM starts: an in-process vLLM initialises a process group of one of its own.
         self.tp_group: distributed.TPGroup | None = None
         built = llm is None
@@ -334,7 +335,10 @@ class VLLMEngine(Engine):
         self._sleeping -= set(want)
         if "weights" in want and self._level == 1:
             self._weights_valid = True
-        self.stats[f"woke_{'_'.join(want)}_bytes"] = free0 - self._free()
+        mapped = free0 - self._free()
+        self.stats[f"woke_{'_'.join(want)}_bytes"] = mapped
+        if self.cuda and len(want) == 1:
+            self._pool[want[0]] = mapped
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if "weights" in self._sleeping:
@@ -380,13 +384,18 @@ class VLLMEngine(Engine):
             self.llm.reset_prefix_cache()
 
     def memory(self) -> dict:
-        weights = 0 if "weights" in self._sleeping else self.weights_bytes
-        kv = 0 if "kv_cache" in self._sleeping else self.kv_cache_bytes
+        # What a wake-up of each part mapped, as the driver saw it, once one has been measured: vLLM's pool maps in
+        # granules and holds, under the weights' tag, whatever was allocated while the model loaded, so the pool can
+        # exceed the tensors' own bytes (0.7 MB of a tiny model's weights mapped 24 MiB on an H200).
+        pool_weights = self._pool.get("weights", self.weights_bytes)
+        pool_kv = self._pool.get("kv_cache", self.kv_cache_bytes)
+        weights = 0 if "weights" in self._sleeping else pool_weights
+        kv = 0 if "kv_cache" in self._sleeping else pool_kv
         if not self._sleeping:
             location = "device"
         else:
             location = "host" if self._level == 1 else "released"
-        other = max(self.stats.get("footprint_bytes", 0) - self.weights_bytes - self.kv_cache_bytes, 0)
+        other = max(self.stats.get("footprint_bytes", 0) - pool_weights - pool_kv, 0)
         return {"location": location, "bytes": weights + kv + other, "weights_bytes": weights,
                 "kv_cache_bytes": kv, "other_bytes": other, "sleep_level": self._level,
                 "weights_valid": self._weights_valid}
