@@ -31,7 +31,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import distributed, fingerprint
-from .engines.base import Engine, EngineStateError, Sampling, WeightPrint, sequence_logprobs
+from .engines.base import Engine, EngineStateError, Sampling, sequence_logprobs
+from .fingerprint import WeightPrint, module_fingerprints
 from .sync import trainer_weights
 
 logger = logging.getLogger(__name__)
@@ -149,98 +150,6 @@ class SyncReport:
                "bounds": list(self.bounds) if self.bounds else None, "ok": self.ok}
         out["mismatch"] = self.mismatch.as_dict() if self.mismatch is not None else None
         return out
-
-
-# ---------------------------------------------------------------- fingerprints of a module's parameters
-def module_fingerprints(model: torch.nn.Module, *, sent: dict[str, torch.dtype] | None = None,
-                        held: dict[str, torch.dtype] | None = None) -> dict[str, tuple[int, int]]:
-    """(fingerprint, numel) of each parameter by checkpoint name, whole even when sharded, cast to `sent[name]`
-    and then to `held[name]` where given (what the sync sends, then what the engine stores).
-
-    An FSDP2 parameter's fingerprint is the sum of its shards', reduced over its mesh: nothing is gathered.
-    Collective under torchrun when the model has DTensor parameters. Tied names share one computation.
-    """
-    named = trainer_weights(model)
-    sent, held = sent or {}, held or {}
-    first: dict[tuple[int, torch.dtype | None, torch.dtype | None], str] = {}
-    unique: list[str] = []
-    for name, p in named.items():
-        key = (id(p), sent.get(name), held.get(name))
-        if key not in first:
-            first[key] = name
-            unique.append(name)
-    by_mesh: dict[object, list[str]] = {}
-    local: dict[str, torch.Tensor | None] = {}
-    for name in unique:
-        p = named[name]
-        mesh = _shard_mesh(p)
-        if mesh is not None:
-            by_mesh.setdefault(mesh, []).append(name)
-            local[name] = p.to_local()
-        elif hasattr(p, "full_tensor"):  # another DTensor layout: gather this one parameter (collective)
-            local[name] = p.full_tensor()
-        else:
-            local[name] = p
-    values = dict(zip(unique, _fold_cast([local[n] for n in unique], [sent.get(n) for n in unique],
-                                         [held.get(n) for n in unique])))
-    for mesh, names in by_mesh.items():  # shards -> whole: one sum over each mesh
-        summed = _all_reduce_sum([values[n] for n in names], mesh.get_group())
-        values.update(zip(names, (v & fingerprint.MASK for v in summed)))
-    out = {}
-    for name, p in named.items():
-        origin = first[(id(p), sent.get(name), held.get(name))]
-        out[name] = (values[origin], p.numel())
-    return out
-
-
-def _fold_cast(tensors: list[torch.Tensor], sent: list, held: list) -> list[int]:
-    """Fingerprints of `tensors`, each cast to its `sent` then `held` dtype, grouped by device."""
-    out = [0] * len(tensors)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    for idx in by_device.values():
-        casts = []
-        for i in idx:
-            t, s, h = tensors[i], sent[i], held[i]
-            if s is not None and h is not None and s != h and t.dtype != s:
-                # Two casts (trainer -> sent -> held) are not one: cast to the sent dtype here, the kernel casts on.
-                tensors[i] = t = t.detach().to(s)
-            casts.append(h if h is not None else s)
-        for i, v in zip(idx, fingerprint.fold_into([tensors[i] for i in idx], cast=casts)):
-            out[i] = v
-    return out
-
-
-def _shard_mesh(p: torch.Tensor):
-    """The 1-D device mesh a DTensor parameter is sharded over (FSDP2), or None."""
-    placements = getattr(p, "placements", None)
-    mesh = getattr(p, "device_mesh", None)
-    if placements is None or mesh is None or mesh.ndim != 1:
-        return None
-    return mesh if all(pl.is_shard() for pl in placements) else None
-
-
-def _all_reduce_sum(values: list[int], group) -> list[int]:
-    import torch.distributed as dist
-
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available() else torch.device("cpu"))
-    t = torch.tensor(values, dtype=torch.int64, device=device)  # each < 2**48: the sum of 2**15 ranks fits
-    dist.all_reduce(t, group=group)
-    return t.tolist()
-
-
-def sum_over_group(prints: dict[str, WeightPrint], group) -> dict[str, WeightPrint]:
-    """Each tensor's fingerprint and element count summed over the ranks of `group` (one engine's ranks, which
-    hold its tensors in shards or replicas); `prints` must list the same names on every rank."""
-    if group is None:
-        return prints
-    names = sorted(prints)
-    summed = _all_reduce_sum([prints[n].fingerprint for n in names] + [prints[n].numel for n in names], group)
-    k = len(names)
-    return {n: WeightPrint(summed[i] & fingerprint.MASK, summed[k + i], prints[n].dtype, prints[n].sources)
-            for i, n in enumerate(names)}
 
 
 # ---------------------------------------------------------------- the weight check

@@ -5,26 +5,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from .. import distributed
+from ..fingerprint import WeightPrint
 
 Tag = str  # "weights" or "kv_cache", as vLLM names the parts of its memory pool
 TAGS: tuple[Tag, ...] = ("weights", "kv_cache")
-
-
-class WeightPrint(NamedTuple):
-    """One tensor an engine holds, as the weight check sees it (`swaprl.verify`)."""
-
-    fingerprint: int
-    """`swaprl.fingerprint` of the tensor, summed over the ranks that hold one engine's shards or replicas."""
-    numel: int
-    """Elements held, summed likewise (0: held in a form that cannot be read back)."""
-    dtype: torch.dtype
-    sources: tuple[str, ...]
-    """The checkpoint names loaded into it: one, or several for a fused tensor (q, k, v into vLLM's qkv_proj)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

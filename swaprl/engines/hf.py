@@ -13,7 +13,8 @@ import torch
 
 from .. import distributed
 from ..sync import trainer_weights
-from .base import Engine, EngineStateError, Sampling, WeightPrint, sequence_logprobs
+from ..fingerprint import WeightPrint, module_fingerprints
+from .base import Engine, EngineStateError, Sampling, sequence_logprobs
 
 
 class HFEngine(Engine):
@@ -94,8 +95,6 @@ class HFEngine(Engine):
 
     def weight_fingerprints(self) -> dict[str, WeightPrint]:
         """The module's own parameters: the trainer's, by construction (collective under FSDP2)."""
-        from ..verify import module_fingerprints
-
         params = dict(trainer_weights(self._module()))
         return {name: WeightPrint(fp, numel, params[name].dtype, (name,))
                 for name, (fp, numel) in module_fingerprints(self._module()).items()}

@@ -45,7 +45,8 @@ import torch
 
 from .. import distributed, fingerprint
 from ..memory import gib
-from .base import Engine, EngineStateError, Sampling, WeightPrint
+from ..fingerprint import WeightPrint, sum_over_group
+from .base import Engine, EngineStateError, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -361,8 +362,6 @@ class VLLMEngine(Engine):
         """Every parameter of this rank's model, fingerprinted on its device and summed over the tensor-parallel
         group; a fused parameter's sources come from the model's `packed_modules_mapping` (the table vLLM keeps
         for LoRA and quantization: "qkv_proj" <- q_proj, k_proj, v_proj)."""
-        from ..verify import sum_over_group
-
         if "weights" in self._sleeping:
             raise EngineStateError("the engine's weights are not mapped; wake(['weights']) before checking them")
 
