@@ -13,8 +13,7 @@ import swaprl
 from swaprl import fingerprint
 from swaprl.checkpoints import random_model
 from swaprl.engines.base import EngineStateError
-from swaprl.fingerprint import WeightPrint
-from swaprl.fingerprint import module_fingerprints
+from swaprl.fingerprint import WeightPrint, module_fingerprints
 from swaprl.verify import PROBE_COMPLETION_TOKENS, PROBE_PROMPTS, VerificationError, compare, mismatch
 
 from . import grpo
