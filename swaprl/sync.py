@@ -17,15 +17,24 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Wrappers that prefix parameter names: DDP, torch.compile, FSDP1 and activation checkpointing.
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+# Module names wrappers insert into parameter names: torch.compile, FSDP1 and activation checkpointing, which also
+# wrap submodules, so their names stand inside a parameter's name too, always as a whole path component
+# ("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight"); and DDP, whose "module" only leads the name
+# (a model's own submodule may be called "module").
+_WRAPPER_COMPONENTS = frozenset(("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
+_LEADING_WRAPPER = "module"
 
 
 def hf_name(name: str) -> str:
-    """The checkpoint name of a trainer parameter, without the prefixes wrappers add."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """The checkpoint name of a trainer parameter, without the components wrappers add.
+
+    Only whole path components are dropped: a module whose name merely contains a wrapper's ("visual.submodule",
+    "my_module") keeps it.
+    """
+    parts = [part for part in name.split(".") if part not in _WRAPPER_COMPONENTS]
+    while len(parts) > 1 and parts[0] == _LEADING_WRAPPER:
+        parts.pop(0)
+    return ".".join(parts)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
