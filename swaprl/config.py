@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 GradPolicy = Literal["free", "offload", "keep"]
 ParamPolicy = Literal["keep", "offload"]
 SleepLevel = Literal[1, 2, "auto"]
 OptimizerStates = Literal["swap", "host"]
 
-_GRAD_POLICIES = ("free", "offload", "keep")
-_PARAM_POLICIES = ("keep", "offload")
-_OPTIMIZER_STATES = ("swap", "host")
+GRAD_POLICIES: tuple[str, ...] = get_args(GradPolicy)
+PARAM_POLICIES: tuple[str, ...] = get_args(ParamPolicy)
+SLEEP_LEVELS: tuple[int | str, ...] = get_args(SleepLevel)
+OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerStates)  # "swap" first: the planner tries it first
+
+# Who holds device memory, in the order tables list them: the categories the profiler splits a measured device figure
+# into (swaprl.profile.attribution) and the planner predicts (swaprl.plan). "unattributed" is what the measured
+# categories do not explain; the planner has no measurement, so it is always 0 there.
+MEMORY_CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "engine_weights", "kv_cache", "engine_other",
+                                      "activations", "cuda_context", "unattributed")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,11 +107,11 @@ class SwapConfig:
     must stop when the mismatch grows past what its importance-sampling correction is tuned for."""
 
     def __post_init__(self) -> None:
-        if self.grads not in _GRAD_POLICIES:
-            raise ValueError(f"SwapConfig.grads={self.grads!r}; use one of {_GRAD_POLICIES}")
-        if self.params not in _PARAM_POLICIES:
-            raise ValueError(f"SwapConfig.params={self.params!r}; use one of {_PARAM_POLICIES}")
-        if self.optimizer_states not in _OPTIMIZER_STATES:
+        if self.grads not in GRAD_POLICIES:
+            raise ValueError(f"SwapConfig.grads={self.grads!r}; use one of {GRAD_POLICIES}")
+        if self.params not in PARAM_POLICIES:
+            raise ValueError(f"SwapConfig.params={self.params!r}; use one of {PARAM_POLICIES}")
+        if self.optimizer_states not in OPTIMIZER_STATES:
             raise ValueError(f"SwapConfig.optimizer_states={self.optimizer_states!r}; use 'swap' (states on the device "
                              "for 'train', in host memory for 'generate') or 'host' (always in host memory, streamed "
                              "through the device by optimizer.step())")
@@ -118,7 +125,7 @@ class SwapConfig:
             raise ValueError("SwapConfig(optimizer_states='host', overlap_optimizer_reload=True): with 'host' the "
                              "states never come back to the device for 'train', so there is no reload to overlap "
                              "(the streamed optimizer.step() overlaps its own copies); drop overlap_optimizer_reload")
-        if self.sleep_level not in (1, 2, "auto"):
+        if self.sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"SwapConfig.sleep_level={self.sleep_level!r}; use 1, 2 or 'auto'")
         if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
             raise ValueError(f"SwapConfig.host_budget_bytes={self.host_budget_bytes} is negative; "

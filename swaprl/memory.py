@@ -70,9 +70,21 @@ def device_total_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[1]
 
 
+def device_figures(device: torch.device) -> dict[str, int]:
+    """The device's used and total bytes (NVML where it reads) and torch's allocated and reserved counters."""
+    return {"used": device_used_bytes(device), "total": device_total_bytes(device),
+            "torch_allocated": torch.cuda.memory_allocated(device), "torch_reserved": torch.cuda.memory_reserved(device)}
+
+
 def host_available_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
 def gib(n: float) -> float:
     return n / 2**30
+
+
+def default_reserve_bytes(total: int) -> int:
+    """What a self-sized engine leaves free on a GPU of `total` bytes for the trainer's transient needs: 2 GiB or
+    3% of the GPU, the larger (`VLLMEngine` sizes itself, and `swaprl.plan` the `generate` phase, with this rule)."""
+    return max(2 * 2**30, int(0.03 * total))

@@ -26,21 +26,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .engines.vllm import default_reserve_bytes
+from .config import MEMORY_CATEGORIES as CATEGORIES
+from .config import OPTIMIZER_STATES, PARAM_POLICIES, GradPolicy, OptimizerStates, ParamPolicy
+from .memory import default_reserve_bytes
 from .presets import PRESETS, Preset, get_preset
 
 GiB = 2**30
 MiB = 2**20
 PHASES = ("train", "generate")
-CATEGORIES = ("params", "grads", "optimizer", "engine_weights", "kv_cache", "engine_other", "activations",
-              "cuda_context", "unattributed")
 HOST_CATEGORIES = ("params", "grads", "optimizer", "engine_weights")
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
                   "fp8": "float8", "fp8_e4m3": "float8", "fp8_e5m2": "float8", "float8_e4m3fn": "float8",
                   "float8_e5m2": "float8"}
-_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1}  # state tensors per parameter (§Trainer state)
+_STATES_PER_PARAM = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1}  # state tensors per parameter (§Trainer state)
 
 # §Constants: per GPU, measured on an H100 (torch 2.11, vLLM 0.26) unless docs/plan.md says otherwise.
 _CUDA_CONTEXT_BYTES = 684 * MiB  # CUDA context, loaded kernels and cuBLAS workspace of one process
@@ -55,11 +55,11 @@ _KV_BLOCK_TOKENS = 16  # vLLM's KV block size: a sequence holds whole blocks
 _HOST_MARGIN_FRACTION = 0.10  # of host memory kept for the OS, page cache and data
 _HOST_MARGIN_PER_GPU = 6 * GiB  # resident memory of one GPU process (torch, CUDA libraries, vLLM, tokenizer)
 
-# The search space, each axis from the least to the most moving value (§Search).
-_OPTIMIZER_STATE_MODES = ("swap", "host")  # "host" only when no "swap" setting fits
+# The search space, each axis from the least to the most moving value (§Search). The optimizer states' modes and
+# the parameters' settings are SwapConfig's, in its order; the gradients' are SwapConfig's in §Search's order, and
+# the sleep levels leave out "auto", which SwapConfig resolves before anything runs.
 _STREAM_CHUNK_BYTES = 2**30  # SwapConfig.stream_chunk_bytes' default (§Phases)
 _GRADS = ("free", "keep", "offload")
-_PARAMS = ("keep", "offload")
 _SLEEP_LEVELS = (2, 1)
 _CHECKPOINTING = (False, True)
 _SUGGESTIONS = 6  # changes listed at most
@@ -161,12 +161,12 @@ class Settings:
     stay there in `train`.
     """
 
-    optimizer_states: Literal["swap", "host"] = "swap"
+    optimizer_states: OptimizerStates = "swap"
     """In `train`: the states back on the GPU ("swap"), or in host memory, streamed through the GPU by the
     optimizer step a chunk at a time ("host")."""
-    grads: Literal["free", "offload", "keep"] = "free"
+    grads: GradPolicy = "free"
     """In `generate`: drop the gradients (they are rebuilt by the next backward), copy them to host, or keep them."""
-    params: Literal["keep", "offload"] = "keep"
+    params: ParamPolicy = "keep"
     """In `generate`: keep the trainer's parameter shards on the GPU or copy them to host."""
     sleep_level: Literal[1, 2] = 2
     """In `train`: vLLM sleep level 1 (weights copied to host) or 2 (weights dropped, re-synced at wake)."""
@@ -174,13 +174,13 @@ class Settings:
     """Recompute each decoder layer in backward instead of keeping its activations."""
 
     def __post_init__(self) -> None:
-        if self.optimizer_states not in _OPTIMIZER_STATE_MODES:
+        if self.optimizer_states not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer_states={self.optimizer_states!r}; use one of "
-                             f"{', '.join(_OPTIMIZER_STATE_MODES)}")
+                             f"{', '.join(OPTIMIZER_STATES)}")
         if self.grads not in _GRADS:
             raise ValueError(f"grads={self.grads!r}; use one of {', '.join(_GRADS)}")
-        if self.params not in _PARAMS:
-            raise ValueError(f"params={self.params!r}; use one of {', '.join(_PARAMS)}")
+        if self.params not in PARAM_POLICIES:
+            raise ValueError(f"params={self.params!r}; use one of {', '.join(PARAM_POLICIES)}")
         if self.sleep_level not in _SLEEP_LEVELS:
             raise ValueError(f"sleep_level={self.sleep_level!r}; use 1 or 2")
         if not isinstance(self.activation_checkpointing, bool):
@@ -377,8 +377,8 @@ class _Spec:
             raise ValueError(f"shard_degree={s!r} must divide the {c.gpus} GPUs of the cluster (FSDP shards over "
                              f"groups of shard_degree GPUs and replicates across groups); use one of "
                              f"{_divisors(c.gpus)}")
-        if self.optimizer not in _OPTIMIZER_STATES:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(_OPTIMIZER_STATES)}")
+        if self.optimizer not in _STATES_PER_PARAM:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(_STATES_PER_PARAM)}")
         if self.master_weights and self.param_dtype == "float32":
             raise ValueError("master_weights=True keeps an fp32 copy of low-precision parameters, but "
                              "param_dtype is already float32; drop master_weights or use param_dtype='bfloat16'")
@@ -542,7 +542,7 @@ def _trainer_state(s: _Spec) -> dict[str, int]:
     """§Trainer state: per-GPU shards of parameters, gradients and optimizer states."""
     n = s.model.num_parameters()
     b_p, b_g, b_o = (dtype_bytes(d)[1] for d in (s.param_dtype, s.grad_dtype, s.optimizer_dtype))
-    per_param_opt = _OPTIMIZER_STATES[s.optimizer] * b_o + (4 if s.master_weights else 0)
+    per_param_opt = _STATES_PER_PARAM[s.optimizer] * b_o + (4 if s.master_weights else 0)
     return {"params": -(-n * b_p // s.shard_degree), "grads": -(-n * b_g // s.shard_degree),
             "optimizer": -(-n * per_param_opt // s.shard_degree)}
 
@@ -551,7 +551,7 @@ def _streamed_optimizer_bytes(s: _Spec) -> int:
     """§Phases: the optimizer states on one GPU during a streamed step: two staging chunks, each at least the largest
     parameter's states (the embedding, or an MLP matrix); one when a single chunk holds them all."""
     b_o = dtype_bytes(s.optimizer_dtype)[1]
-    per_param_opt = _OPTIMIZER_STATES[s.optimizer] * b_o + (4 if s.master_weights else 0)
+    per_param_opt = _STATES_PER_PARAM[s.optimizer] * b_o + (4 if s.master_weights else 0)
     largest = max(s.model.vocab_size, s.model.intermediate_size) * s.model.hidden_size * per_param_opt
     total = _trainer_state(s)["optimizer"]
     chunk = max(_STREAM_CHUNK_BYTES, largest)
@@ -645,7 +645,7 @@ def _candidates(s: _Spec, optimizer_states: str) -> list[Settings]:
         return []
     if optimizer_states == "host" and s.shard_degree > 1:
         return []  # swaprl streams plain tensors only: refused under FSDP2
-    axes = {"grads": _GRADS, "params": _PARAMS, "sleep_level": _SLEEP_LEVELS,
+    axes = {"grads": _GRADS, "params": PARAM_POLICIES, "sleep_level": _SLEEP_LEVELS,
             "activation_checkpointing": _CHECKPOINTING}
     values = [(pinned[k],) if k in pinned else v for k, v in axes.items()]
     points = [Settings(optimizer_states=optimizer_states, grads=g, params=p, sleep_level=lvl,
@@ -653,14 +653,14 @@ def _candidates(s: _Spec, optimizer_states: str) -> list[Settings]:
               for g, p, lvl, ac in itertools.product(*values)]
     def key(st: Settings) -> tuple:
         return (_moved_bytes(s, st), _CHECKPOINTING.index(st.activation_checkpointing), _GRADS.index(st.grads),
-                _PARAMS.index(st.params), _SLEEP_LEVELS.index(st.sleep_level))
+                PARAM_POLICIES.index(st.params), _SLEEP_LEVELS.index(st.sleep_level))
 
     return sorted(points, key=key)
 
 
 def _search(s: _Spec) -> tuple[Settings | None, Settings, dict, list[Candidate]]:
     results = []
-    for mode in _OPTIMIZER_STATE_MODES:  # states in host memory in train too only when swapping them fits nowhere
+    for mode in OPTIMIZER_STATES:  # states in host memory in train too only when swapping them fits nowhere
         for st in _candidates(s, mode):
             ev = _evaluate(s, st)
             results.append((st, ev, Candidate(settings=st, moved_bytes=ev["moved"], fits=ev["fits"],
@@ -872,7 +872,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-dtype", help="default: the param dtype")
     parser.add_argument("--optimizer-dtype", default="float32")
     parser.add_argument("--master-weights", action="store_true", help="fp32 master copy of the parameters")
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZER_STATES))
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(_STATES_PER_PARAM))
     parser.add_argument("--compute-dtype", default="bfloat16")
     parser.add_argument("--engine-dtype", default="bfloat16")
     parser.add_argument("--kv-dtype", help="default: the engine dtype")
@@ -884,11 +884,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-reserve-gib", type=float,
                         help="GPU memory the engine leaves free in generate (default: 2 GiB or 3%% of the GPU)")
     parser.add_argument("--host-margin-gib", type=float, help="host memory kept free (default 10%% + 6 GiB/GPU)")
-    parser.add_argument("--optimizer-states", choices=_OPTIMIZER_STATE_MODES,
+    parser.add_argument("--optimizer-states", choices=OPTIMIZER_STATES,
                         help="pin where the optimizer states live in train (default: 'host' only if 'swap' fits "
                         "nowhere)")
     parser.add_argument("--grads", choices=_GRADS, help="pin the gradients' setting")
-    parser.add_argument("--params", choices=_PARAMS, help="pin the parameters' setting")
+    parser.add_argument("--params", choices=PARAM_POLICIES, help="pin the parameters' setting")
     parser.add_argument("--sleep-level", type=int, choices=_SLEEP_LEVELS, help="pin the engine's sleep level")
     parser.add_argument("--activation-checkpointing", choices=("on", "off"), help="pin activation checkpointing")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

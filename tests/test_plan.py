@@ -6,6 +6,7 @@ import json
 import pytest
 
 import swaprl.plan as sp
+from swaprl.config import GRAD_POLICIES, PARAM_POLICIES, SwapConfig
 from swaprl.presets import get_preset
 
 GiB = 2**30
@@ -159,6 +160,15 @@ def test_host_resident_optimizer_states_are_not_planned_under_fsdp():
         sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT, settings={"optimizer_states": "host"})
     with pytest.raises(ValueError, match="optimizer_states='gpu'"):
         sp.plan("qwen2.5-7b", cluster="1xH100", rollout=ROLLOUT, settings={"optimizer_states": "gpu"})
+
+
+def test_every_searched_setting_is_a_swapconfig_and_the_search_covers_its_values():
+    p = sp.plan("qwen2.5-1.5b", cluster="1xH100", rollout=ROLLOUT)
+    for c in p.candidates:
+        st = c.settings
+        SwapConfig(optimizer_states=st.optimizer_states, grads=st.grads, params=st.params, sleep_level=st.sleep_level)
+    assert {c.settings.grads for c in p.candidates} == set(GRAD_POLICIES)
+    assert {c.settings.params for c in p.candidates} == set(PARAM_POLICIES)
 
 
 def test_kv_heads_are_replicated_when_tp_exceeds_them():

@@ -26,8 +26,8 @@ engine's and keep their address range even while the engine sleeps, when torch s
 
 from __future__ import annotations
 
-CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "engine_weights", "kv_cache", "engine_other",
-                               "activations", "cuda_context", "unattributed")
+from ..config import MEMORY_CATEGORIES as CATEGORIES
+
 TRAINER: tuple[str, ...] = ("params", "grads", "optimizer")
 
 

@@ -19,9 +19,11 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._version import __version__
 from .attribution import CATEGORIES
 from .recorder import SCHEMA, VERSION
 
@@ -99,8 +101,6 @@ def load_run(path: str | Path) -> Run:
         raise ProfileFormatError(f"{path} is not a swaprl memory profile: its first line has no "
                                  f'"schema": "{SCHEMA}"; {fix}')
     if header.get("version") != VERSION:
-        from .. import __version__
-
         raise ProfileFormatError(
             f"{path} uses profile schema version {header.get('version')!r} (written by swaprl "
             f"{header.get('swaprl', '?')}), but swaprl {__version__} reads version {VERSION}: make the report with "
@@ -412,6 +412,14 @@ class _Section:
     tables: list[_Table] = field(default_factory=list)
 
 
+def _add_figure(sec: _Section, figures: dict[str, bytes], run: Run, kind: str, draw: Callable[[Run], bytes],
+                caption: str) -> None:
+    """Draw `run`'s figure of `kind` into `figures` (PNG by file name) and show it in `sec`."""
+    name = f"{kind}_{_slug(run)}.png"
+    figures[name] = draw(run)
+    sec.figures.append((name, f"{run.label}: {caption}"))
+
+
 def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], list[_Section]]:
     warnings = [w for r in runs for w in r.warnings]
     secs = []
@@ -447,9 +455,7 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
     timeline.text.append("Shaded: train (blue), generate (orange), transitions (grey). Sampled every "
                          f"{runs[0].header.get('interval_s', 0) * 1e3:.0f} ms; peaks shorter than that can be missed.")
     for r in live:
-        name = f"memory_{_slug(r)}.png"
-        figures[name] = memory_figure(r)
-        timeline.figures.append((name, f"{r.label}: memory over time"))
+        _add_figure(timeline, figures, r, "memory", memory_figure, "memory over time")
     secs.append(timeline)
 
     peak = _Section("Peak memory per phase")
@@ -467,17 +473,14 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
                               "can exceed the device's own figure."))
     secs.append(peak)
 
-    attr = _Section("Attribution at phase boundaries")
-    attr.text.append("Device memory split by holder at each phase boundary; the categories sum to the device figure "
-                     "exactly, and unattributed (hatched) is whatever they do not explain, negative when they "
-                     "overcount.")
+    attr = _Section("Attribution at phase boundaries", [
+        "Device memory split by holder at each phase boundary; the categories sum to the device figure exactly, and "
+        "unattributed (hatched) is whatever they do not explain, negative when they overcount."])
     rows = []
     for r in live:
         if not r.phases:
             continue
-        name = f"attribution_{_slug(r)}.png"
-        figures[name] = attribution_figure(r)
-        attr.figures.append((name, f"{r.label}: attribution"))
+        _add_figure(attr, figures, r, "attribution", attribution_figure, "attribution")
         latest = {}
         for rec in sorted(r.phases, key=lambda x: x["t"]):
             latest[rec["phase"]] = rec
@@ -547,17 +550,15 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
 
 def _check_section(live: list[Run], figures: dict[str, bytes], warnings: list[str]) -> _Section:
     """The on-policy check after each sync: were the engine's weights the trainer's, at what cost, how far apart."""
-    sec = _Section("On-policy check")
-    sec.text.append("After each weight sync every tensor the engine holds is fingerprinted and compared with the "
-                    "trainer's (bit-exact, no tolerance); then the engine samples a short probe and the trainer "
-                    "scores the same tokens: the rollout-training mismatch, measured rather than judged.")
+    sec = _Section("On-policy check", [
+        "After each weight sync every tensor the engine holds is fingerprinted and compared with the trainer's "
+        "(bit-exact, no tolerance); then the engine samples a short probe and the trainer scores the same tokens: the "
+        "rollout-training mismatch, measured rather than judged."])
     rows = []
     for r in live:
         recs = sorted(r.syncs, key=lambda x: x["t"])
         if any(x.get("mismatch") for x in recs):
-            name = f"mismatch_{_slug(r)}.png"
-            figures[name] = mismatch_figure(r)
-            sec.figures.append((name, f"{r.label}: mismatch at each sync"))
+            _add_figure(sec, figures, r, "mismatch", mismatch_figure, "mismatch at each sync")
         for x in _pick(recs, 40):
             m = x.get("mismatch") or {}
             ratio = (x["verify_seconds"] / x["sync_seconds"]) if x.get("sync_seconds") else None
