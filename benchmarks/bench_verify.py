@@ -31,6 +31,7 @@ import torch
 
 import swaprl
 from swaprl.checkpoints import write_random_checkpoint
+from swaprl.compat import vllm as vllm_compat
 
 from bench_transitions import device_copy_GBps
 
@@ -163,12 +164,12 @@ def inject_faults(rt, engine, model, opt, args) -> dict:
                 flat[12345] = old + 1.0 if value is None else value
                 return old
 
-        old = engine.llm.apply_model(poke)[0]
+        old = vllm_compat.apply_model(engine.llm, poke)[0]
         t = time.perf_counter()
         report = rt.verify_sync()
         out["one_element_changed"] = {"caught": report.weights == "differ" and target in report.differing,
                                       "differing": list(report.differing), "seconds": time.perf_counter() - t}
-        engine.llm.apply_model(lambda m: poke(m, old))
+        vllm_compat.apply_model(engine.llm, lambda m: poke(m, old))
     with swaprl.phase("train"):
         policy_step(model, opt, [[1, 2, 3, 4]], [[5, 6, 7, 8]] * 2, 2, micro_batch=2)
     load = engine.load_weights

@@ -12,6 +12,8 @@ round-trips) and, like Qwen2.5's own, it names every id up to 151,665: the rest 
 ASCII letters and digits that encoding never produces. A random-weight model samples ids from its whole
 vocabulary, and an id the tokenizer does not know costs a detokenizer ~30 us against ~1 us: a tokenizer of 259
 entries would make every generation that detokenizes (TRL's, vLLM's default) CPU-bound and unrealistically slow.
+
+`checkpoint_dir_of(model)` finds the local checkpoint directory a loaded model came from (what vLLM starts from).
 """
 
 from __future__ import annotations
@@ -184,6 +186,14 @@ def write_random_checkpoint(preset: str, path: str | os.PathLike, *, layers: int
     done.write_text(json.dumps(stamp))
     logger.info("wrote random %s checkpoint (%.2f GiB, %d shards) to %s", spec.name, total / 2**30, n, path)
     return path
+
+
+def checkpoint_dir_of(model: torch.nn.Module) -> Path | None:
+    """The local checkpoint directory `model` was loaded from: `model.config._name_or_path` when it names a directory
+    holding a config.json; None otherwise (a model built from a config, or loaded by hub name)."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    path = Path(str(name))
+    return path if name and (path / "config.json").exists() else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,29 +26,22 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat.torch import local_tensor
+
 logger = logging.getLogger(__name__)
 
 _ALIGN = 512  # host slices start on 512-byte boundaries: any dtype views them, and DMA runs at full speed
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns the memory: the local shard of a DTensor (FSDP2), else `t` itself.
-
-    DTensor keeps its shard in the private `_local_tensor`; `to_local()` goes through autograd and may return a
-    view, whose `.data` we could not swap. This is the one place swaprl reaches into DTensor.
-    """
-    return getattr(t, "_local_tensor", t)
 
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _is_dense(t: torch.Tensor) -> bool:
+def is_dense(t: torch.Tensor) -> bool:
     """True when `t` covers exactly numel elements of its storage span (any dimension order, no gaps)."""
     if t.numel() <= 1:
         return True
@@ -61,8 +54,13 @@ def _is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-class HostBufferError(MemoryError):
-    """An offload would need more host memory than the budget allows."""
+def check_dense(tensors: list[torch.Tensor], action: str, fix: str) -> None:
+    """Refuse to `action` ("offload a tensor") one with gaps in its storage: its bytes are copied as one run, which
+    for such a tensor would include (and later overwrite) memory that is not its own."""
+    for t in tensors:
+        if not is_dense(t):
+            raise ValueError(f"cannot {action} with gaps in its storage (shape {tuple(t.shape)}, stride "
+                             f"{t.stride()}); {fix}")
 
 
 class HostBuffer:
@@ -167,10 +165,10 @@ class Moved:
 
 def layout_bytes(tensors: list[torch.Tensor]) -> int:
     """Host bytes needed to hold `tensors` back to back with the buffer's alignment."""
-    return sum(_align(nbytes(t)) for t in tensors)
+    return sum(align(nbytes(t)) for t in tensors)
 
 
-def _host_view(buf: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
+def host_view(buf: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
     """`t`'s dtype, shape and strides over the bytes of `buf` starting at `offset` (host or device)."""
     return buf[offset:offset + nbytes(t)].view(t.dtype).as_strided(t.shape, t.stride())
 
@@ -194,20 +192,13 @@ class Mover:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def offload(self, tensors: list[torch.Tensor], buffer: HostBuffer) -> list[Moved]:
-        """Copy `tensors` (all on `self.device`, distinct, dense) into `buffer` and re-point them there."""
-        return self.finish(self.start_offload(tensors, buffer))
-
     def start_offload(self, tensors: list[torch.Tensor], buffer: HostBuffer) -> PendingOffload:
         """Queue the copies of `tensors` into `buffer` on the side stream and return at once.
 
         The tensors keep their device data until `finish`; they must not be written in between (the runtime only
         starts an offload of state that nothing touches until it is back). `cancel` drops the copies instead.
         """
-        for t in tensors:
-            if not _is_dense(t):
-                raise ValueError(f"cannot offload a tensor with gaps in its storage (shape {tuple(t.shape)}, "
-                                 f"stride {t.stride()}); make it contiguous before attaching")
+        check_dense(tensors, "offload a tensor", "make it contiguous before attaching")
         plan: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         if not tensors:  # nothing to move (an optimizer before its first step): allocate nothing
             return PendingOffload(plan, None)
@@ -217,10 +208,10 @@ class Mover:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             for t in tensors:
-                host = _host_view(buf, offset, t)
+                host = host_view(buf, offset, t)
                 host.copy_(t.data, non_blocking=self.stream is not None)
                 plan.append((t, offset, host))
-                offset += _align(nbytes(t))
+                offset += align(nbytes(t))
         event = None
         if self.stream is not None:
             event = torch.cuda.Event()
@@ -271,9 +262,9 @@ class Mover:
             todo.append(m)
         # One allocation for the whole set, carved like the host buffer: after the runtime hands torch's cache back
         # to the driver, a few hundred separate cudaMallocs would cost more than the copies themselves.
-        end = max((m.offset + _align(nbytes(m.tensor)) for m in todo), default=0)
+        end = max((m.offset + align(nbytes(m.tensor)) for m in todo), default=0)
         flat = torch.empty(end, dtype=torch.uint8, device=self.device)
-        fresh = [_host_view(flat, m.offset, m.tensor) for m in todo]
+        fresh = [host_view(flat, m.offset, m.tensor) for m in todo]
         whole = bool(todo) and buffer is not None and len(todo) == len(moved) and all(map(buffer.holds, todo))
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))

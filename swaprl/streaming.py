@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .residency import HostBuffer, Moved, _align, _host_view, _is_dense, layout_bytes, nbytes
+from .compat import torch as compat
+from .residency import HostBuffer, Moved, align, check_dense, host_view, layout_bytes, nbytes
+from .undo import Undo
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +72,19 @@ class _Chunk:
 class StateStreamer:
     """Keeps one optimizer's states in a host buffer and runs its step a chunk at a time through `device`.
 
-    `reserve(growth, releasing, context)` is asked before the buffer grows by `growth` bytes while `releasing`
-    bytes of ordinary host memory are about to be freed; it raises `HostBufferError` to refuse (the runtime's
+    `check_budget(growth, releasing, context)` is asked before the buffer grows by `growth` bytes while `releasing`
+    bytes of ordinary host memory are about to be freed; it raises `HostBufferError` to refuse (the placement's
     host-budget check), with `context` saying what state things are left in. `on_step(info)` gets the figures of
-    each streamed step.
+    each streamed step. `stepping` is True while `install_step`'s step method runs.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, buffer: HostBuffer, *,
-                 chunk_bytes: int, reserve: Callable[[int, int, str], None],
+                 chunk_bytes: int, check_budget: Callable[[int, int, str], None],
                  on_step: Callable[[dict], None] | None = None) -> None:
         self.optimizer, self.device, self.buffer = optimizer, device, buffer
         self.chunk_bytes = chunk_bytes
-        self._reserve, self._on_step = reserve, on_step
+        self.stepping = False
+        self._check_budget, self._on_step = check_budget, on_step
         self._homes: dict[int, _Home] = {}  # id(state tensor) -> its home; holding the tensor keeps the id unique
         cuda = device.type == "cuda"
         self._h2d = torch.cuda.Stream(device) if cuda else None
@@ -96,7 +100,7 @@ class StateStreamer:
                 continue
             offset = h.offset
             if not self._in_buffer(h):
-                offset, extra = extra, extra + _align(nbytes(h.tensor))
+                offset, extra = extra, extra + align(nbytes(h.tensor))
             out.append(Moved(h.tensor, offset, self.device, h.view.data_ptr()))
         return out
 
@@ -159,7 +163,7 @@ class StateStreamer:
         finally:
             for p, g in grads.items():  # after an error too: a hidden gradient must come back
                 p.grad = g
-        self.settle("This optimizer.step() itself completed; the states it created are intact in ordinary host "
+        self.move_into_buffer("This optimizer.step() itself completed; the states it created are intact in ordinary host "
                     "memory.")
         seconds = time.perf_counter() - start
         info = {"bytes": figures["h2d_bytes"] + figures["d2h_bytes"], "seconds": seconds, "chunks": len(chunks),
@@ -177,7 +181,7 @@ class StateStreamer:
         for p, group in stepping:
             states = self._states(p, group)
             # No state yet (the first step): the step creates it on the device; AdamW makes two of p's size.
-            b = layout_bytes(states) if states else 2 * _align(nbytes(p))
+            b = layout_bytes(states) if states else 2 * align(nbytes(p))
             if not chunks or size + b > self.chunk_bytes:
                 chunks.append(_Chunk([]))
                 size = 0
@@ -195,16 +199,14 @@ class StateStreamer:
                         raise ValueError(f"an optimizer state tensor of shape {tuple(t.shape)} is shared between "
                                          "parameters; SwapConfig(optimizer_states='host') streams each parameter's "
                                          "states on their own: use optimizer_states='swap'")
-                    if not _is_dense(t):
-                        raise ValueError(f"cannot stream an optimizer state with gaps in its storage (shape "
-                                         f"{tuple(t.shape)}, stride {t.stride()}); use optimizer_states='swap'")
+                    check_dense([t], "stream an optimizer state", "use SwapConfig(optimizer_states='swap')")
                     seen.add(id(t))
                     self._add_copy(chunk, t)
         return chunks
 
     def _add_copy(self, chunk: _Chunk, t: torch.Tensor) -> None:
         h = self._homes[id(t)]
-        offset, size = chunk.bytes, _align(nbytes(t))
+        offset, size = chunk.bytes, align(nbytes(t))
         chunk.staged.append((t, h.view, offset))
         chunk.bytes += size
         if not self._in_buffer(h):
@@ -238,7 +240,7 @@ class StateStreamer:
                     compute.wait_event(copied_in[i])
                 buf = staging[i % 2] if chunk.bytes else None
                 for t, _, offset in chunk.staged:
-                    t.data = _host_view(buf, offset, t)
+                    t.data = host_view(buf, offset, t)
                 for p, _ in chunk.params:
                     p.grad = grads[p]
                 groups, self.optimizer.param_groups = self.optimizer.param_groups, chunk.groups
@@ -298,13 +300,13 @@ class StateStreamer:
             dst, src = (buf[s:s + n], host[b:b + n]) if inward else (host[b:b + n], buf[s:s + n])
             dst.copy_(src, non_blocking=non_blocking)
         for home, s in chunk.loose:
-            dev = _host_view(buf, s, home)
+            dev = host_view(buf, s, home)
             dst, src = (dev, home) if inward else (home, dev)
             dst.copy_(src, non_blocking=non_blocking)
 
     def _send_home(self, t: torch.Tensor) -> int:
         """Copy a state tensor on the device to its old home if it still fits there, else to new ordinary host
-        memory (moved into the buffer by `settle`), and point it there. Waits for the copy."""
+        memory (moved into the buffer by `move_into_buffer`), and point it there. Waits for the copy."""
         h = self._homes.get(id(t))
         if h is not None and h.tensor is t and (h.view.dtype, h.view.shape, h.view.stride()) == (
                 t.dtype, t.shape, t.stride()):
@@ -331,7 +333,7 @@ class StateStreamer:
             logger.exception("bringing the optimizer states home after a failed step also failed")
 
     # ---------------------------------------------------------------- the buffer
-    def settle(self, context: str = "Nothing was moved.") -> int:
+    def move_into_buffer(self, context: str = "Nothing was moved.") -> int:
         """Move every state tensor not yet in the host buffer (made by a step, loaded by `load_state_dict`, or on
         the device from before `attach`) into it; returns the bytes moved.
 
@@ -349,19 +351,16 @@ class StateStreamer:
         outside = [t for t in managed if not in_buffer(t)]
         if not outside:
             return 0
-        for t in outside:
-            if not _is_dense(t):
-                raise ValueError(f"cannot keep an optimizer state with gaps in its storage in host memory (shape "
-                                 f"{tuple(t.shape)}, stride {t.stride()}); use SwapConfig(optimizer_states='swap')")
+        check_dense(outside, "keep an optimizer state in host memory", "use SwapConfig(optimizer_states='swap')")
         start = time.perf_counter()
-        end = max((h.offset + _align(nbytes(h.tensor)) for h in self._homes.values()
+        end = max((h.offset + align(nbytes(h.tensor)) for h in self._homes.values()
                    if self._at_home(h.tensor) and self._in_buffer(h)), default=0)
         if end + layout_bytes(outside) <= self.buffer.capacity:
             moved = self._place(outside, end)
         else:
             total = layout_bytes(managed)
             loose = sum(nbytes(t) for t in managed if self._at_home(t) and self._homes[id(t)].offset is None)
-            self._reserve(total - self.buffer.capacity, loose, context)
+            self._check_budget(total - self.buffer.capacity, loose, context)
             # The tensors in the old buffer keep its memory alive until they are pointed at the new one.
             self.buffer.release()
             self.buffer.ensure(total, lock=False)
@@ -380,14 +379,14 @@ class StateStreamer:
         undo: list[tuple[torch.Tensor, torch.Tensor, _Home | None]] = []
         try:
             for t in tensors:
-                view = _host_view(buf, offset, t)
+                view = host_view(buf, offset, t)
                 source, record, from_home = t.data, self._homes.get(id(t)), self._at_home(t)
                 view.copy_(source)
                 t.data = view  # a host temporary it came from is freed here, before the next one is copied
                 self._homes[id(t)] = _Home(t, view, offset)
                 if not from_home:
                     undo.append((t, source, record))
-                offset += _align(nbytes(t))
+                offset += align(nbytes(t))
                 moved += nbytes(t)
         except BaseException:
             for t, source, record in reversed(undo):
@@ -398,3 +397,84 @@ class StateStreamer:
                     self._homes[id(t)] = record
             raise
         return moved
+
+
+# ---------------------------------------------------------------- the optimizer's methods
+def install_step(streamer: StateStreamer, *, detached: Callable[[], bool]) -> Callable[[], None]:
+    """Make `optimizer.step()` the streamed step, and `optimizer.load_state_dict()` load into host memory (then into
+    the buffer), for `streamer`'s optimizer object only; returns what restores them. Once `detached()` is True, a method still
+    reached through a wrapper made meanwhile passes straight through to what it replaced.
+
+    Instance attributes take precedence over the class's methods, so every caller (user code, accelerate's
+    AcceleratedOptimizer, an LR scheduler's wrapper made after attach) reaches them.
+    """
+    opt, algorithm = streamer.optimizer, compat.unhooked_step(streamer.optimizer)
+
+    def streamed(opt, closure=None):
+        return streamer.step(lambda: algorithm(opt), closure)
+
+    # Torch's own hook wrapper, once around all chunks: step hooks see the whole step, every gradient in place.
+    hooked = compat.with_step_hooks(streamed)
+
+    def step(plain, *args, **kwargs):
+        compat.record_step_for_scheduler(opt, plain)
+        streamer.stepping = True
+        try:
+            return hooked(opt, *args, **kwargs)
+        finally:
+            streamer.stepping = False
+
+    def load_state_dict(plain, state_dict):
+        # torch casts each loaded state to its parameter's device, all at once: the very memory this mode saves.
+        # For the length of the load each parameter's data is an empty host tensor of its dtype, so the states
+        # land in host memory, and the load's post-hook moves them into the buffer from there.
+        params = [p for p, _ in streamer.params()]
+        data = [p.data for p in params]
+        try:
+            for p in params:
+                p.data = torch.empty(0, dtype=p.dtype)
+            return plain(state_dict)
+        finally:
+            for p, d in zip(params, data):
+                p.data = d
+
+    undo = Undo("the streamed optimizer step")
+    with undo.on_error():
+        # An LR scheduler built before attach wrapped the step and marked the wrapper: keep the mark.
+        undo.push(_override(opt, "step", step, detached, marks=(compat.LR_SCHEDULER_MARK,)), "step")
+        undo.push(_override(opt, "load_state_dict", load_state_dict, detached), "load_state_dict")
+        # Loaded states belong in the buffer (with a load_state_dict captured before attach, torch put them on the
+        # device).
+        undo.push(opt.register_load_state_dict_post_hook(
+            lambda opt: streamer.move_into_buffer("The loaded states are intact where the load put them.")).remove,
+            "load_state_dict post-hook")
+    return undo.run
+
+
+def _override(opt: torch.optim.Optimizer, name: str, body: Callable, detached: Callable[[], bool],
+              marks: tuple[str, ...] = ()) -> Callable[[], None]:
+    """Set `opt.<name>` on the instance to call `body(plain, *args, **kwargs)`, where `plain` is what was there
+    before; returns what puts it back."""
+    previous = vars(opt).get(name)  # an instance-level wrapper made earlier, e.g. by an LR scheduler
+    plain = previous if previous is not None else types.MethodType(getattr(type(opt), name), opt)
+
+    def method(opt, *args, **kwargs):
+        if detached():  # reached through a wrapper made after attach
+            return plain(*args, **kwargs)
+        return body(plain, *args, **kwargs)
+
+    for mark in marks:
+        if getattr(previous, mark, False):
+            setattr(method, mark, getattr(previous, mark))
+    installed = types.MethodType(method, opt)
+    setattr(opt, name, installed)
+
+    def restore() -> None:
+        if vars(opt).get(name) is installed:
+            if previous is None:
+                delattr(opt, name)
+            else:
+                setattr(opt, name, previous)
+        # else a wrapper made after attach holds `installed`, which passes through to `plain` from now on
+
+    return restore

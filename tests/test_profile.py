@@ -114,12 +114,12 @@ with swaprl.phase("train"):
     assert recs[-2]["type"] == "sample"
 
 
-def test_profile_from_runtime_as_context_manager(tiny_checkpoint, tmp_path):
+def test_profile_of_an_attached_runtime_as_context_manager(tiny_checkpoint, tmp_path):
     path = tmp_path / "run.jsonl"
     model = load(tiny_checkpoint)
     opt = torch.optim.AdamW(model.parameters())
     rt = swaprl.attach(model, opt)
-    with rt.profile(path) as prof:
+    with swaprl.profile.attach_profiler(rt, path) as prof:
         assert prof.path == path
         cycles(rt, model, opt, n=1)
     assert not profiler_threads()

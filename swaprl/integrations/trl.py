@@ -41,9 +41,12 @@ import torch
 
 import swaprl
 
+from ..compat import in_range
 from ..config import SwapConfig
 from ..engines.base import Engine
-from ..runtime import PhaseError, Runtime
+from ..errors import PhaseError
+from ..runtime import Runtime
+from ..undo import Undo
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
@@ -88,7 +91,11 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
     optimizer = _optimizer(trainer)
     engine = _engine(trainer, engine)
     rt = swaprl.attach(trainer.model, optimizer, engine, config=config)
-    _install(trainer, rt, lean_rollouts=lean_rollouts)
+    try:
+        _install(trainer, rt, lean_rollouts=lean_rollouts)
+    except BaseException:
+        rt.detach()  # nothing of the wrap stays behind: the trainer is as it was, and no runtime is attached
+        raise
     logger.info("wrapped GRPOTrainer (trl %s): generation in phase 'generate' with %s", trl.__version__,
                 type(engine).__name__)
     return rt
@@ -101,14 +108,7 @@ def runtime_of(trainer: GRPOTrainer) -> Runtime | None:
 
 def check_version(version: str) -> None:
     """Raise if `version` (a TRL version string) is outside `SUPPORTED_TRL`."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        known = Version(version).base_version in SpecifierSet(SUPPORTED_TRL)
-    except InvalidVersion:
-        known = False
-    if not known:
+    if not in_range(version, SUPPORTED_TRL):
         raise RuntimeError(
             f"swaprl.integrations.trl supports trl{SUPPORTED_TRL}, found trl {version}. It hooks GRPOTrainer's "
             f"private generation method, whose behaviour changes between releases, so other versions are refused "
@@ -173,16 +173,18 @@ def _engine(trainer, engine: Engine | None) -> Engine:
             raise ValueError(f"GRPOConfig(use_vllm=False): TRL generates with the trainer's own module, but "
                              f"{type(engine).__name__} holds its own weights; leave engine=None")
         return engine
+    from ..compat import vllm as vllm_compat
     from ..engines.vllm import VLLMEngine
 
     llm = trainer.vllm_generation.llm
     if engine is not None and not (isinstance(engine, VLLMEngine) and engine.llm is llm):
         raise ValueError("with use_vllm=True the engine must be a VLLMEngine around the trainer's own LLM: "
                          "VLLMEngine(llm=trainer.vllm_generation.llm, model=<checkpoint dir>), or engine=None")
+    vllm_compat.check_version()  # before the engine is touched (VLLMEngine checks again)
     # TRL puts the engine to sleep (level 2) as soon as it builds it; VLLMEngine starts from an awake engine and
     # the runtime puts it back to sleep at attach, at its own level. (TRL's own record, where vLLM cannot say.)
-    is_sleeping = getattr(llm.llm_engine, "is_sleeping", None)
-    if is_sleeping() if callable(is_sleeping) else trainer.vllm_generation._llm_weights_sleeping:
+    sleeping = vllm_compat.is_sleeping(llm)
+    if sleeping if sleeping is not None else trainer.vllm_generation._llm_weights_sleeping:
         llm.wake_up()
     if engine is None:
         engine = VLLMEngine(llm=llm, model=_checkpoint_dir(trainer.model))
@@ -191,9 +193,12 @@ def _engine(trainer, engine: Engine | None) -> Engine:
 
 def _checkpoint_dir(model: torch.nn.Module) -> Path:
     """The local directory of the checkpoint TRL started vLLM from (`model.name_or_path`, or its hub cache)."""
+    from ..checkpoints import checkpoint_dir_of
+
+    local = checkpoint_dir_of(model)
+    if local is not None:
+        return local
     name = getattr(model, "name_or_path", "") or ""
-    if (Path(name) / "config.json").exists():
-        return Path(name)
     try:
         from huggingface_hub import snapshot_download
 
@@ -212,8 +217,8 @@ def _checkpoint_dir(model: torch.nn.Module) -> Path:
 # ---------------------------------------------------------------- the hooks
 def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
     """Route the trainer's generation through `rt`; record how to undo each change, undone at `rt.detach()`."""
-    undo: list[Callable[[], None]] = []
-    try:
+    undo = Undo("wrapping the GRPOTrainer")
+    with undo.on_error():
         generate = trainer._generate
 
         @functools.wraps(generate)
@@ -222,24 +227,20 @@ def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
                 return generate(*args, **kwargs)
 
         trainer._generate = _generate
-        undo.append(lambda: vars(trainer).pop("_generate", None))
-        undo.append(_log_figures(trainer, rt))
+        undo.push(lambda: vars(trainer).pop("_generate", None), "_generate")
+        undo.push(_log_figures(trainer, rt), "log")
         if trainer.use_vllm:
-            undo.append(_take_over_vllm(trainer, rt))
+            undo.push(_take_over_vllm(trainer, rt), "vLLM sleep, wake-up and sync")
             if lean_rollouts:
-                undo.append(_lean_rollouts(trainer))
+                undo.push(_lean_rollouts(trainer), "lean rollouts")
         setattr(trainer, _RUNTIME_ATTR, rt)
-        undo.append(lambda: vars(trainer).pop(_RUNTIME_ATTR, None))
-    except BaseException:
-        _run_undo(undo)
-        raise
+        undo.push(lambda: vars(trainer).pop(_RUNTIME_ATTR, None), "runtime_of")
 
-    def on_event(event: dict) -> None:
-        if event["type"] == "detach":
-            _run_undo(undo)
-            logger.info("GRPOTrainer unwrapped: TRL generates on its own again")
+    def unwrap() -> None:
+        undo.run()
+        logger.info("GRPOTrainer unwrapped: TRL generates on its own again")
 
-    rt.add_listener(on_event)
+    rt.on_detach(unwrap)
 
 
 def _log_figures(trainer, rt: Runtime) -> Callable[[], None]:
@@ -355,12 +356,3 @@ def _lean_rollouts(trainer) -> Callable[[], None]:
             vars(vg).pop("generate", None)
 
     return restore
-
-
-def _run_undo(undo: list[Callable[[], None]]) -> None:
-    for fn in reversed(undo):
-        try:
-            fn()
-        except Exception:  # keep undoing: the remaining changes must still be reverted
-            logger.exception("restoring the GRPOTrainer failed at one step")
-    undo.clear()

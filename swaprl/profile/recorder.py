@@ -49,6 +49,7 @@ import psutil
 import torch
 
 from .. import memory
+from .._version import __version__
 from .attribution import attribute
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class Profiler:
             self._file.close()
             raise
         self._remove_listener = runtime.add_listener(self._on_event)
+        runtime.on_detach(lambda: self.close("detach"))
         atexit.register(self._close_at_exit)
         self._thread = threading.Thread(target=self._sample_loop, name="swaprl-profiler", daemon=True)
         self._thread.start()
@@ -133,8 +135,6 @@ class Profiler:
 
     # ---------------------------------------------------------------- records
     def _header(self, runtime, bandwidth: dict | None) -> dict:
-        from .. import __version__
-
         rank, world = _rank_world()
         config = {k: v for k, v in asdict(runtime.config).items() if k != "profile"}
         head = {"schema": SCHEMA, "version": VERSION, "type": "header", "rank": rank, "world_size": world,
@@ -186,8 +186,6 @@ class Profiler:
             self._write({"type": "error"} | {k: event[k] for k in ("t", "transition", "step", "error")})
         elif kind == "sync":  # the on-policy check's findings after a weight sync
             self._write(event)
-        elif kind == "detach":
-            self.close("detach")
 
     # ---------------------------------------------------------------- plumbing
     def _write(self, record: dict) -> None:

@@ -1,0 +1,77 @@
+"""What `attach` refuses, before any memory moves or any engine is built: each error says what to change."""
+
+from __future__ import annotations
+
+import torch
+
+from .compat import torch as torch_compat
+from .config import SwapConfig
+from .distributed import is_fsdp2
+from .engines.base import Engine
+from .residency import local_tensor
+
+
+def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SwapConfig) -> None:
+    """Refuse a model, optimizer and config that swaprl cannot drive together."""
+    torch_compat.check_version()
+    if not isinstance(config, SwapConfig):
+        raise TypeError(f"config must be a swaprl.SwapConfig, not {type(config).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    mine = {id(p) for p in model.parameters()}
+    foreign = [(gi, pi, tuple(p.shape)) for gi, g in enumerate(optimizer.param_groups)
+               for pi, p in enumerate(g["params"]) if id(p) not in mine]
+    if foreign:
+        listed = ", ".join(f"group {g} param {i} shape {s}" for g, i, s in foreign[:5])
+        raise ValueError(f"{len(foreign)} optimizer parameter(s) are not parameters of the model ({listed}); build "
+                         "the optimizer from this model's parameters, e.g. AdamW(model.parameters()), after any "
+                         "wrapping or moving of the model")
+    model_device(model)
+    if config.params == "offload" and is_fsdp2(model):
+        # FSDP2 all-gathers from a padded buffer of its own (FSDPParam._sharded_param_data) of which the parameter's
+        # shard is a view: moving the shard would free nothing, and the optimizer would update a copy FSDP never
+        # reads again.
+        raise ValueError("SwapConfig(params='offload') with a model sharded by FSDP2 (fully_shard): its parameter "
+                         "shards live in buffers FSDP2 owns, which swaprl cannot move. Use params='keep' (the "
+                         "shards are 1/world of the model), or have FSDP2 keep them in host memory for good: "
+                         "fully_shard(module, offload_policy=CPUOffloadPolicy())")
+    if config.optimizer_states == "host":
+        _check_streamable(model, optimizer)
+
+
+def check_engine(engine: Engine, config: SwapConfig) -> None:
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a swaprl.Engine, not {type(engine).__name__}")
+    if engine.shares_trainer_weights and config.params == "offload":
+        raise ValueError(f"SwapConfig(params='offload') with {type(engine).__name__}, which generates with the "
+                         "trainer's own parameters: they must stay on the device. Use params='keep', or an engine "
+                         "with its own weights (vLLM).")
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The one device the model's parameters (or their local shards) are on."""
+    devices = {local_tensor(p).device for p in model.parameters()}
+    if not devices:
+        raise ValueError("the model has no parameters; attach the module you train")
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; swaprl drives one "
+                         "device per process: move the model to one device (or shard it with FSDP2)")
+    return devices.pop()
+
+
+def _check_streamable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what `SwapConfig(optimizer_states="host")` cannot step a chunk of parameters at a time."""
+    if is_fsdp2(model) or any(local_tensor(p) is not p for p in model.parameters()):
+        # A DTensor's optimizer update goes through DTensor dispatch over its shards, whose states swaprl moves as
+        # their local tensors; stepping a chunk of them that way has not been made to work.
+        raise ValueError("SwapConfig(optimizer_states='host') with DTensor parameters (a model sharded by FSDP2's "
+                         "fully_shard, or tensor parallelism): the streamed optimizer step handles plain tensors "
+                         "only. Use optimizer_states='swap' (the shards' states are 1/world of the model), or have "
+                         "FSDP2 keep the shards and their optimizer step on the host: "
+                         "fully_shard(module, offload_policy=CPUOffloadPolicy())")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError("SwapConfig(optimizer_states='host') with LBFGS: its state (the search directions) spans "
+                        "all parameters together, so it cannot be stepped a chunk of parameters at a time. Use "
+                        "optimizer_states='swap'")

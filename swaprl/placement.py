@@ -1,0 +1,298 @@
+"""Where the trainer's memory lives, and the moves that change it: one `Placement` per runtime.
+
+The trainer's memory is three resources: "optimizer" (the optimizer's state tensors), "grads" and "params". Each is
+on the device, in its host buffer, or released (gradients only: dropped, re-made by the next backward). The
+phase machine (`swaprl.runtime`) decides when to move what; this module moves it, keeps the host memory it uses
+within the budget, and says where everything is.
+
+With `SwapConfig(optimizer_states="host")` the optimizer states stay in their host buffer for good and a
+`StateStreamer` (`swaprl.streaming`) brings them through the device inside `optimizer.step()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from . import distributed, memory
+from .config import SwapConfig
+from .errors import HostBufferError, PhaseError
+from .residency import HostBuffer, Moved, Mover, PendingOffload, layout_bytes, local_tensor, nbytes
+from .streaming import StateStreamer
+
+logger = logging.getLogger(__name__)
+
+Resource = Literal["optimizer", "grads", "params"]
+Location = Literal["device", "host", "released"]
+EngineRoom = Literal["free now", "after release"]
+"""Where the engine's weights fit while the optimizer is still on the device: in memory the driver has free now,
+or once torch's cache (and freed gradients) are handed back."""
+
+RESOURCES: tuple[Resource, ...] = ("optimizer", "grads", "params")
+
+
+@dataclass(slots=True)
+class _Resource:
+    name: Resource
+    buffer: HostBuffer
+    location: Location = "device"
+    moved: list[Moved] = field(default_factory=list)
+    dropped: list[tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    pending: PendingOffload | None = None
+
+
+class Placement:
+    """The trainer's resources for one model and optimizer on one device, and their host buffers."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 config: SwapConfig, *, on_streamed_step: Callable[[dict], None] | None = None) -> None:
+        self.model, self.optimizer, self.device, self.config = model, optimizer, device, config
+        self._mover = Mover(device)
+        pin = config.pin_memory and device.type == "cuda"
+        self._res = {name: _Resource(name, HostBuffer(name, pin=pin)) for name in RESOURCES}
+        self._pending_reload: torch.cuda.Event | None = None
+        self.streamer: StateStreamer | None = None
+        if config.optimizer_states == "host":
+            self.streamer = StateStreamer(optimizer, device, self._res["optimizer"].buffer,
+                                          chunk_bytes=config.stream_chunk_bytes,
+                                          check_budget=self.check_budget_for_states, on_step=on_streamed_step)
+            self._res["optimizer"].location = "host"
+
+    # ---------------------------------------------------------------- where things are
+    def location(self, name: Resource) -> Location:
+        return self._res[name].location
+
+    def tensors(self, name: Resource) -> list[torch.Tensor]:
+        """The distinct tensors of a resource that live on the device now."""
+        if name == "optimizer":
+            candidates = (v for state in self.optimizer.state.values() for v in state.values())
+        elif name == "grads":
+            candidates = (p.grad for p in self.model.parameters())
+        else:
+            candidates = self.model.parameters()
+        seen: set[int] = set()
+        out = []
+        for t in candidates:
+            if not isinstance(t, torch.Tensor):
+                continue
+            lt = local_tensor(t)
+            if lt.device != self.device or lt.numel() == 0 or id(lt) in seen:
+                continue
+            seen.add(id(lt))
+            out.append(lt)
+        return out
+
+    def status(self) -> dict:
+        """Per resource: where it is, its device bytes and its host bytes; and the host buffers' total."""
+        out: dict = {}
+        for name, res in self._res.items():
+            moved = self.streamer.moved() if name == "optimizer" and self.streamer is not None else res.moved
+            on_host = {id(m.tensor) for m in moved}  # on a CPU-only machine host and device look alike
+            on_device = sum(nbytes(t) for t in self.tensors(name) if id(t) not in on_host)
+            out[name] = {"location": res.location, "bytes": on_device,
+                         "host_bytes": sum(nbytes(m.tensor) for m in moved)}
+        out["host_buffers"] = {"bytes": self._held(), "pinned": any(r.buffer.pin for r in self._res.values())}
+        return out
+
+    def _held(self) -> int:
+        return sum(r.buffer.capacity for r in self._res.values())
+
+    # ---------------------------------------------------------------- moves
+    def offload(self, name: Resource) -> int:
+        self.start_offload(name)
+        return self.finish_offload(name)
+
+    def start_offload(self, name: Resource) -> int:
+        """Queue the copies of `name` to its host buffer; the tensors stay on the device until `finish_offload`."""
+        self.wait_reload()
+        res = self._res[name]
+        res.pending = self._mover.start_offload(self.tensors(name), res.buffer)
+        return 0  # counted when it finishes
+
+    def finish_offload(self, name: Resource) -> int:
+        res = self._res[name]
+        pending, res.pending = res.pending, None
+        res.moved = self._mover.finish(pending)
+        res.location = "host"
+        return pending.bytes
+
+    def cancel_offload(self, name: Resource) -> None:
+        res = self._res[name]
+        if res.pending is not None:
+            self._mover.cancel(res.pending)
+            res.pending = None
+
+    def reload(self, name: Resource, *, defer: bool = False) -> int:
+        """Bring `name` back to the device. `defer`: the compute stream waits for the copies only at
+        `wait_reload()` (the optimizer's step and state_dict call it), so they run under the forward and backward."""
+        res = self._res[name]
+        moved = sum(nbytes(m.tensor) for m in res.moved)
+        try:
+            event = self._mover.reload(res.moved, wait=not defer, buffer=res.buffer)
+            if defer:
+                self._pending_reload = event
+        except torch.OutOfMemoryError as exc:
+            raise torch.OutOfMemoryError(
+                f"swaprl could not bring the {name} back to {self.device}: {memory.gib(moved):.2f} GiB needed, "
+                f"{memory.gib(self._device_free()):.2f} GiB free. Something allocated during 'generate' is still "
+                f"alive (rollout tensors, a cache): delete it before leaving the phase. ({exc})") from exc
+        res.moved = []
+        res.location = "device"
+        return moved
+
+    def check_step(self, phase: str) -> None:
+        """Refuse an `optimizer.step()` that would not find the optimizer states where it needs them (a pre-hook);
+        with a reload still in flight, make the step wait for it."""
+        if self.streamer is not None:
+            if not self.streamer.stepping:
+                raise PhaseError(
+                    "optimizer.step() reached torch's own step, not swaprl's streamed one, while the optimizer "
+                    "states are in host memory (SwapConfig(optimizer_states='host')): it was called through a "
+                    "reference to the step method taken before swaprl.attach() (or something replaced the method "
+                    "since). Call optimizer.step() itself, and build what keeps a reference to it (accelerate's "
+                    "prepare() with a GradScaler) after attach()")
+            if phase != "train":
+                raise PhaseError(f"optimizer.step() was called in phase {phase!r}; call it inside "
+                                 "`with phase('train')`")
+            return
+        if self.location("optimizer") != "device":
+            raise PhaseError("optimizer.step() was called while its states are in host memory (phase "
+                             f"{phase!r}); call it inside `with phase('train')`")
+        self.wait_reload()
+
+    def wait_reload(self) -> None:
+        """Make the compute stream wait for an optimizer reload still in flight."""
+        if self._pending_reload is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._pending_reload)
+            self._pending_reload = None
+
+    def free_grads(self) -> int:
+        """Drop the gradients (kept aside until `keep_grads_freed` or `restore_grads`); returns the bytes freed."""
+        res = self._res["grads"]
+        freed = 0
+        for p in self.model.parameters():
+            if p.grad is not None and local_tensor(p.grad).device == self.device:
+                res.dropped.append((p, p.grad))
+                freed += nbytes(local_tensor(p.grad))
+                p.grad = None
+        res.location = "released"
+        return freed
+
+    def restore_grads(self) -> None:
+        res = self._res["grads"]
+        for p, g in res.dropped:
+            p.grad = g
+        res.dropped = []
+        res.location = "device"
+
+    def keep_grads_freed(self) -> None:
+        self._res["grads"].dropped = []  # the transition stands: let the gradients go
+
+    def set_location(self, name: Resource, location: Location) -> None:
+        self._res[name].location = location
+
+    def release_cache(self) -> None:
+        # One call per transition, not per tensor: hands the blocks just freed back to the driver, so an engine
+        # with its own memory pool (vLLM) can map them and NVML shows the drop.
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def engine_room(self, engine_bytes: int) -> EngineRoom | None:
+        """Whether `engine_bytes` (the engine's weights and a sync bucket) fit while the optimizer is still on the
+        device, and how (see `EngineRoom`); None if not at all."""
+        if self.device.type != "cuda":
+            return "after release"
+        need = engine_bytes + 512 * 2**20
+        free = self._device_free()
+        if free >= need:
+            return "free now"
+        grads = sum(nbytes(t) for t in self.tensors("grads")) if self.config.grads == "free" else 0
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return "after release" if free + cached + grads >= need else None
+
+    def states_to_host(self) -> int:
+        """Move the optimizer states into their host buffer for good (optimizer_states='host')."""
+        return self.streamer.move_into_buffer("Nothing was moved.")
+
+    def states_to_device(self) -> int:
+        """Bring the host-resident optimizer states back to the device for plain torch (detach, undoing attach)."""
+        moved = self.streamer.moved()
+        total = sum(nbytes(m.tensor) for m in moved)
+        try:
+            self._mover.reload(moved, buffer=self._res["optimizer"].buffer)
+        except torch.OutOfMemoryError as exc:
+            free = self._device_free()
+            # Without the gradients (and the engine, asleep in "train") would they fit? Say which fix applies.
+            grads = sum(nbytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+            fix = ("free device memory (drop the gradients: optimizer.zero_grad(set_to_none=True)) before "
+                   "detach()" if total <= free + grads else
+                   "they do not fit next to the parameters: keep the runtime attached to the end of training "
+                   "(optimizer.state_dict() taken now is a complete checkpoint of host tensors)")
+            raise torch.OutOfMemoryError(
+                f"swaprl could not bring the host-resident optimizer states back to {self.device} for plain torch "
+                f"to step them: {memory.gib(total):.2f} GiB needed, {memory.gib(free):.2f} GiB free. They stay in "
+                f"host memory and the runtime stays attached; {fix}. ({exc})") from exc
+        self.streamer.forget()
+        self._res["optimizer"].location = "device"
+        return total
+
+    def release(self) -> None:
+        """Drop the host buffers (detach: everything is back on the device)."""
+        for res in self._res.values():
+            res.buffer.release()
+
+    def _device_free(self) -> int:
+        return memory.device_free_bytes(self.device) if self.device.type == "cuda" else 0
+
+    # ---------------------------------------------------------------- the host budget
+    def check_host_budget(self) -> None:
+        """Refuse before moving a byte if the offloads for 'generate' would grow the host buffers past the budget."""
+        wanted = {}
+        if self.streamer is None:  # host-resident states are in their buffer already
+            wanted["optimizer"] = layout_bytes(self.tensors("optimizer"))
+        if self.config.grads == "offload":
+            wanted["grads"] = layout_bytes(self.tensors("grads"))
+        if self.config.params == "offload":
+            wanted["params"] = layout_bytes(self.tensors("params"))
+        growth = sum(max(0, n - self._res[k].buffer.capacity) for k, n in wanted.items())
+        parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in wanted.items())
+        self._check_budget(growth, 0, f"offloading for 'generate' ({parts})",
+                           "Nothing was moved. Free host memory, raise host_budget_bytes, or move less: "
+                           "grads='free' or 'keep', params='keep'.")
+
+    def check_budget_for_states(self, growth: int, releasing: int, context: str) -> None:
+        """Refuse to grow the host-resident optimizer states' buffer by `growth` bytes past the budget; `releasing`
+        bytes of ordinary host memory (states waiting to move into the buffer) are freed as it fills."""
+        self._check_budget(max(growth, 0), releasing,
+                           "keeping the optimizer states in host memory (SwapConfig(optimizer_states='host'))",
+                           f"{context} Free host memory or raise host_budget_bytes.")
+
+    def _check_budget(self, growth: int, releasing: int, what: str, fix: str) -> None:
+        """Raise `HostBufferError` if growing the host buffers by `growth` bytes overshoots the budget on this rank
+        or another. Collective under torchrun: the ranks reach it at the same switch or step, and every rank
+        refuses or none does (see `swaprl.distributed`)."""
+        if growth == 0 and not distributed.is_distributed():
+            return
+        if self.config.host_budget_bytes is not None:
+            available = self.config.host_budget_bytes - self._held()
+            source = f"SwapConfig.host_budget_bytes={self.config.host_budget_bytes}"
+        else:
+            # The ranks of a node share its host memory and size their buffers at the same moment.
+            ranks = distributed.local_world_size()
+            available = (memory.host_available_bytes() - self.config.host_margin_bytes) // ranks + releasing
+            source = (f"available host memory less SwapConfig.host_margin_bytes "
+                      f"({memory.gib(self.config.host_margin_bytes):.1f} GiB)"
+                      + (f", shared by the {ranks} ranks of this node" if ranks > 1 else ""))
+        over = growth - available if growth else 0
+        (worst,) = distributed.all_reduce([over], "max")
+        if worst <= 0:
+            return
+        elsewhere = "" if over > 0 else f" (this rank fits; another is {memory.gib(worst):.2f} GiB over)"
+        raise HostBufferError(
+            f"{what} needs {growth} more bytes ({memory.gib(growth):.2f} GiB) of host memory but only "
+            f"{max(available, 0)} bytes ({memory.gib(max(available, 0)):.2f} GiB) are allowed ({source}){elsewhere}. "
+            f"{fix}")

@@ -1,0 +1,59 @@
+"""`Undo`: changes recorded as they are made, so that a failure puts back everything done so far, in reverse.
+
+Every multi-part change in swaprl (a phase transition's steps, attaching, patching an optimizer, wrapping a
+trainer) records how to revert each part right after making it. Reverting keeps going when one part fails to
+revert (the rest still hold tensors or methods to put back) and logs that failure, so the error a caller sees is
+the one that started the rollback.
+
+    undo = Undo("attach")
+    with undo.on_error():          # an exception in the block reverts what was recorded, then re-raises
+        hook = optimizer.register_step_pre_hook(check)
+        undo.push(hook.remove)
+    ...
+    undo.run()                     # later (detach): revert it all
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+logger = logging.getLogger(__name__)
+
+
+class Undo:
+    """A stack of functions that revert changes; `run()` calls them newest first, once."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._stack: list[tuple[Callable[[], object], str]] = []
+
+    def push(self, fn: Callable[[], object], name: str = "") -> None:
+        """Record `fn` as the way to revert the change just made (`name` labels it in logs)."""
+        self._stack.append((fn, name or getattr(fn, "__name__", "")))
+
+    def __len__(self) -> int:
+        return len(self._stack)
+
+    def run(self) -> None:
+        """Revert every recorded change, newest first; a revert that raises is logged and the rest still run."""
+        while self._stack:
+            fn, name = self._stack.pop()
+            try:
+                fn()
+            except Exception:  # keep going: the remaining changes still have tensors or methods to put back
+                logger.exception("undoing %r of %s failed", name, self.what)
+
+    def clear(self) -> None:
+        """Keep the changes: forget how to revert them."""
+        self._stack.clear()
+
+    @contextlib.contextmanager
+    def on_error(self) -> Iterator[Undo]:
+        """Revert what was recorded if the block raises (any exception, KeyboardInterrupt included), then re-raise."""
+        try:
+            yield self
+        except BaseException:
+            self.run()
+            raise

@@ -1,0 +1,100 @@
+"""What swaprl assumes about torch and vLLM beyond their documented APIs: the supported-version gates, the
+environment a started engine leaves behind, the checkpoint directory an engine is started from; and `Undo`, which
+every multi-part change relies on to put things back."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import swaprl
+from swaprl.checkpoints import checkpoint_dir_of, hf_config
+from swaprl.compat import torch as torch_compat
+from swaprl.compat import vllm as vllm_compat
+from swaprl.undo import Undo
+
+STARTUP_VARIABLES = ("VLLM_ENABLE_V1_MULTIPROCESSING", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.mark.vllm
+def test_the_installed_vllm_is_supported():
+    vllm_compat.check_version()
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.32.0", "0.32.0+cpu", "0.32.1.dev7+g0123abc"])
+def test_versions_in_the_range_are_accepted(version):
+    vllm_compat.check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.25.2", "0.33.0", "0.33.0.dev1", "1.0.0", "unknown"])
+def test_versions_outside_the_range_are_refused_with_the_fix(version):
+    with pytest.raises(RuntimeError) as raised:
+        vllm_compat.check_version(version)
+    message = str(raised.value)
+    assert f"found vllm {version}." in message
+    assert f"supports vllm{vllm_compat.SUPPORTED}" in message
+    assert f"pip install 'vllm{vllm_compat.SUPPORTED}'" in message
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="builds a second engine beside the session's; vLLM's "
+                    "sleep-mode allocator is one per process")
+def test_starting_an_engine_leaves_the_environment_as_it_was(tiny_checkpoint, monkeypatch):
+    from swaprl.engines.vllm import VLLMEngine
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    before = {name: os.environ.get(name) for name in STARTUP_VARIABLES}
+    engine = VLLMEngine(tiny_checkpoint, max_model_len=64, enforce_eager=True, seed=0)
+    try:
+        assert {name: os.environ.get(name) for name in STARTUP_VARIABLES} == before
+        # Still in this process and working once the start-up settings are gone.
+        assert len(engine.generate([[1, 2, 3]], swaprl.Sampling(max_tokens=2))) == 1
+    finally:
+        engine.close()
+
+
+def test_checkpoint_dir_of_finds_the_directory_a_model_was_loaded_from(tiny_checkpoint, monkeypatch):
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    assert checkpoint_dir_of(loaded) == Path(tiny_checkpoint)
+
+    built = AutoModelForCausalLM.from_config(hf_config("tiny"))
+    monkeypatch.chdir(tiny_checkpoint)  # a config.json in the working directory is not the model's checkpoint
+    assert checkpoint_dir_of(built) is None
+    built.config._name_or_path = "Qwen/Qwen2.5-0.5B"  # a hub name: no local directory
+    assert checkpoint_dir_of(built) is None
+    assert checkpoint_dir_of(torch.nn.Linear(2, 2)) is None
+
+
+def test_the_installed_torch_is_supported():
+    torch_compat.check_version()
+
+
+@pytest.mark.parametrize("version", ["2.10.0", "2.14.0", "unknown"])
+def test_a_torch_outside_the_range_is_refused_with_the_fix(version):
+    with pytest.raises(RuntimeError, match=rf"found torch {version}\..*pip install 'torch{torch_compat.SUPPORTED}'"):
+        torch_compat.check_version(version)
+
+
+def test_undo_runs_newest_first_past_a_failure_and_only_once(caplog):
+    done, undo = [], Undo("a test change")
+    undo.push(lambda: done.append(1))
+    undo.push(lambda: 1 / 0, "the broken one")
+    undo.push(lambda: done.append(3))
+    undo.run()
+    assert done == [3, 1] and "the broken one" in caplog.text
+    undo.run()
+    assert done == [3, 1]
+
+
+def test_undo_on_error_reverts_and_reraises_the_original_error():
+    done, undo = [], Undo("a test change")
+    with pytest.raises(KeyError, match="original"):
+        with undo.on_error():
+            undo.push(lambda: done.append("reverted"))
+            undo.push(lambda: 1 / 0)
+            raise KeyError("original")
+    assert done == ["reverted"] and len(undo) == 0
