@@ -1,6 +1,6 @@
 """Memory profiling: record where device and host memory go across phases, then report on it.
 
-    prof = swaprl.profile.attach_profiler(rt, "run.jsonl")   # or SwapConfig(profile=...), or rt.profile(...)
+    prof = swaprl.profile.attach_profiler(rt, "run.jsonl")   # or SwapConfig(profile=...)
     ...                                                       # train / generate as usual
     prof.close()                                              # or swaprl.detach()
     python -m swaprl report run.jsonl -o report/

@@ -1,6 +1,6 @@
 """Recording a memory profile: a sampling thread plus the runtime's step and phase events, as JSON Lines.
 
-    rt.profile("run.jsonl")            # or swaprl.attach(..., config=SwapConfig(profile="run.jsonl"))
+    attach_profiler(rt, "run.jsonl")   # or swaprl.attach(..., config=SwapConfig(profile="run.jsonl"))
     swaprl report run.jsonl -o rep/    # HTML and Markdown report with figures (swaprl.profile.report)
 
 One file per rank (`run.rank3.jsonl` when torch.distributed runs more than one rank). Schema version 1, one JSON
@@ -63,7 +63,7 @@ _COPY_REPEATS = 5
 class Profiler:
     """Writes a memory profile of `runtime` to `path` until `close()`, the runtime's `detach()` or the process's exit.
 
-    Build it with `attach_profiler` (or `Runtime.profile`); it is also a context manager. `path` is where the file
+    Build it with `attach_profiler` (or `SwapConfig(profile=...)`); it is also a context manager. `path` is where the file
     actually goes (with the rank suffix under torch.distributed).
     """
 

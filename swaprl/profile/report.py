@@ -83,7 +83,7 @@ def load_run(path: str | Path) -> Run:
     """Read a profile; a cut-off last line becomes a warning, anything that is not a v1 profile an error."""
     path = Path(path)
     data = path.read_bytes()
-    fix = "pass the JSON Lines file written by SwapConfig(profile=PATH) or Runtime.profile(PATH)"
+    fix = "pass the JSON Lines file written by SwapConfig(profile=PATH) or swaprl.profile.attach_profiler(rt, PATH)"
     if not data.strip():
         raise ProfileFormatError(f"{path} is empty, not a swaprl memory profile (the profiler writes its header "
                                  f"first, so profiling never started); {fix}")
@@ -660,7 +660,7 @@ def write_report(runs: list[Run], out_dir: str | Path) -> dict[str, Path]:
 # ---------------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN.jsonl",
-                        help="memory profile(s) written by SwapConfig(profile=...) or Runtime.profile(...), one per "
+                        help="memory profile(s) written by SwapConfig(profile=...) or attach_profiler(...), one per "
                              "rank")
     parser.add_argument("-o", "--output", type=Path, default=None, metavar="DIR",
                         help="directory for report.html, report.md and the figures (default: RUN-report beside "
