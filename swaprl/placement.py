@@ -21,7 +21,7 @@ import torch
 from . import distributed, memory
 from .config import SwapConfig
 from .errors import HostBufferError, PhaseError
-from .residency import HostBuffer, Moved, Mover, PendingOffload, layout_bytes, local_tensor, nbytes
+from .residency import HostBuffer, Moved, Mover, PendingOffload, align, layout_bytes, local_tensor, nbytes
 from .streaming import StateStreamer
 
 logger = logging.getLogger(__name__)
@@ -95,11 +95,42 @@ class Placement:
             on_device = sum(nbytes(t) for t in self.tensors(name) if id(t) not in on_host)
             out[name] = {"location": res.location, "bytes": on_device,
                          "host_bytes": sum(nbytes(m.tensor) for m in moved)}
-        out["host_buffers"] = {"bytes": self._held(), "pinned": any(r.buffer.pin for r in self._res.values())}
+        buffers = [r.buffer for r in self._res.values()]
+        out["host_buffers"] = {"bytes": self._held(), "pinned": any(b.pin for b in buffers),
+                               "locked_bytes": sum(b.locked_bytes for b in buffers),
+                               "lock_seconds": sum(b.lock_seconds or 0.0 for b in buffers),
+                               "waited_seconds": sum(b.waited_seconds for b in buffers)}
         return out
 
     def _held(self) -> int:
         return sum(r.buffer.capacity for r in self._res.values())
+
+    # ---------------------------------------------------------------- host memory ahead of the first switch
+    def prepare_host(self) -> dict[str, int]:
+        """Check the host budget for the buffers the first switches will need, then allocate and page-lock them in
+        the background (`HostBuffer.prepare`), so that locking runs under the engine's start and the first steps
+        instead of inside the first switch. Returns the bytes started per resource."""
+        sizes = self.expected_host_bytes()
+        parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in sizes.items())
+        self._check_budget(sum(sizes.values()), 0, f"locking host buffers at attach for the first switch ({parts or 'none'})",
+                           "Nothing was allocated. Free host memory, raise host_budget_bytes, or move less: "
+                           "optimizer_states='swap' with grads='free', params='keep'.")
+        for name, n in sizes.items():
+            self._res[name].buffer.prepare(n)
+        return sizes
+
+    def expected_host_bytes(self) -> dict[str, int]:
+        """What the host buffers will hold: the optimizer states (those that exist, else what the optimizer will
+        create, for the optimizers whose states are known), and the parameters with params='offload'. Gradients
+        are left out: a loop that zeroes them with set_to_none before generating moves none."""
+        out = {}
+        states = (layout_bytes(self.tensors("optimizer")) if self.optimizer.state
+                  else _expected_state_bytes(self.optimizer))
+        if states:
+            out["optimizer"] = states
+        if self.config.params == "offload":
+            out["params"] = layout_bytes(self.tensors("params"))
+        return out
 
     # ---------------------------------------------------------------- moves
     def offload(self, name: Resource) -> int:
@@ -296,3 +327,21 @@ class Placement:
             f"{what} needs {growth} more bytes ({memory.gib(growth):.2f} GiB) of host memory but only "
             f"{max(available, 0)} bytes ({memory.gib(max(available, 0)):.2f} GiB) are allowed ({source}){elsewhere}. "
             f"{fix}")
+
+
+_STATES_PER_PARAM = {torch.optim.Adam: 2, torch.optim.AdamW: 2}  # exp_avg, exp_avg_sq, each the parameter's size
+
+
+def _expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Device bytes of the states `optimizer` will create at its first step (0 when not known), laid out as the
+    host buffer lays them. SGD's momentum and the other optimizers' states are sized when they appear."""
+    per = _STATES_PER_PARAM.get(type(optimizer), 0)
+    if not per:
+        return 0
+    total = 0
+    for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")  # the step counter is a device tensor too
+        for p in group["params"]:
+            if p.requires_grad:
+                total += per * align(nbytes(local_tensor(p))) + (align(4) if on_device else 0)
+    return total

@@ -90,6 +90,8 @@ class Runtime:
         self._synced: tuple[float, int] | None = None  # the last sync's seconds and bytes, for its report
         self._restore = Undo("attach")  # what detach() reverts (and a failed attach, at once)
         with self._restore.on_error():
+            self._restore.push(placement.release)  # a failed attach leaves no host memory behind
+            placement.prepare_host()
             engine.bind(model)
             self._restore.push(optimizer.register_step_pre_hook(lambda *_: placement.check_step(self._phase)).remove)
             self._restore.push(optimizer.register_state_dict_pre_hook(lambda opt: self.wait_reload()).remove)
@@ -194,11 +196,10 @@ class Runtime:
         self.wait_reload()
         if self._placement.streamer is not None:  # plain torch steps the states on the device again
             back += self._placement.states_to_device()
-        self._restore.run()
+        released = self._placement.status()["host_buffers"]["bytes"]
+        self._restore.run()  # the hooks, the streamed step, the host buffers
         self._detach_callbacks.run()
         self._listeners.clear()
-        released = self._placement.status()["host_buffers"]["bytes"]
-        self._placement.release()
         self._closed = True
         if _attached is self:
             _attached = None

@@ -193,9 +193,27 @@ def test_config_validation_names_the_fix(kwargs, match):
         swaprl.SwapConfig(**kwargs)
 
 
-def test_host_budget_refuses_before_moving_a_byte(tiny_checkpoint):
+def test_host_budget_refuses_at_attach_before_allocating(tiny_checkpoint):
     model = load(tiny_checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # AdamW's states are known before they exist: two of each parameter's size, each slice 512-byte aligned.
+    expected = sum(2 * ((p.numel() * p.element_size() + 511) // 512 * 512) for p in model.parameters())
+    with pytest.raises(swaprl.HostBufferError, match=rf"locking host buffers at attach .* needs {expected} more bytes "
+                                                     r".* only 4096 bytes .*Nothing was allocated"):
+        swaprl.attach(model, opt, config=swaprl.SwapConfig(host_budget_bytes=4096))
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()  # nothing attached
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(host_budget_bytes=expected + 2**20))
+    assert rt.status()["host_buffers"]["bytes"] == expected  # prepared in the background at attach
+    grpo.run(model, opt, rt.engine, steps=2, runtime=rt)
+    with swaprl.phase("generate"):  # the states went into the buffer prepared for them, not a new one
+        assert rt.status()["optimizer"]["host_bytes"] > 0
+        assert rt.status()["host_buffers"]["bytes"] - expected < 2**20  # only the gradients' buffer came on top
+
+
+def test_host_budget_refuses_a_switch_before_moving_a_byte(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)  # states not known ahead: sized at the first switch
     rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(host_budget_bytes=4096))
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)  # first generate: no state yet, nothing to offload
     before = [t.clone() for t in optimizer_tensors(opt)]
@@ -258,6 +276,34 @@ def test_detach_says_what_it_brought_back_and_runs_on_detach_newest_first(tiny_c
     assert done["brought_back_bytes"] >= states and done["host_released_bytes"] >= states
     assert rt.detach() == {}  # a second detach does nothing
     opt.step()  # plain torch again
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attach_interrupted_while_host_memory_is_prepared_leaves_nothing_behind(tiny_checkpoint, device):
+    import threading
+
+    from swaprl.checkpoints import random_model
+
+    class InterruptedEngine(grpo.ReplicaEngine):
+        def sleep(self, level):  # attach's last step; the host buffers are being prepared in the background
+            raise KeyboardInterrupt
+
+    model = load(tiny_checkpoint, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grpo.run(model, opt, HFEngine(model), steps=1)  # states exist: they must survive the interrupted attach
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    states = [t.detach().clone() for t in optimizer_tensors(opt)]
+    with pytest.raises(KeyboardInterrupt):
+        swaprl.attach(model, opt, InterruptedEngine(random_model("tiny", device="cpu")))
+    assert not [t for t in threading.enumerate() if t.name.startswith("swaprl-host")]  # joined and released
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()
+    assert_bitwise_equal({n: p.detach() for n, p in model.named_parameters()}, before)
+    for t, b in zip(optimizer_tensors(opt), states):
+        assert t.device == b.device
+        torch.testing.assert_close(t, b, rtol=0, atol=0)
+    rt = swaprl.attach(model, opt)  # attachable again, and the runtime works
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
 
 
 # ---------------------------------------------------------------- faults
