@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gib", type=float, default=16.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", default="1,4,8,16", help="touch thread counts to try")
+    ap.add_argument("--methods", default=None, help="comma-separated subset of the methods (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     threads = [int(t) for t in args.threads.split(",")]
     methods = (["pin_memory", "register"] + [f"touch{t}+register" for t in threads]
                + [f"thp+touch{t}+register" for t in threads[-2:]] + [f"touch{threads[-1]}+register{k}" for k in (4, 8)])
+    if args.methods:
+        methods = [m for m in methods if m in args.methods.split(",")]
     dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     floor = write_floor_GBps(nbytes, args.repeats)
     rows = {}
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
             if registered:
                 _unregister(buf, method)
             del buf
+            if method == "pin_memory":  # its caching allocator would hand the same block back: measure a new one
+                torch._C._host_emptyCache()
             if size == nbytes:
                 runs.append((parts, speed))
         total = statistics.median(p["total"] for p, _ in runs)

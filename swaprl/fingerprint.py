@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -126,6 +127,28 @@ def _programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_warm_ups: dict[torch.device, threading.Thread] = {}
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile the CUDA kernel (for 2- and 4-byte elements: bf16/fp16 and fp32 weights) in a background thread, on a
+    stream of its own, so the first weight check does not wait for Triton: 4.0 s of 7B's first check on the H100
+    against 0.03 s later. Started at attach, after the engine is built; the first check joins it."""
+    if device.type != "cuda" or device in _warm_ups:
+        return
+
+    def compile_kernel() -> None:
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+                fold_into([torch.ones(8, dtype=d, device=device) for d in (torch.int16, torch.int32)])
+        except Exception:  # the check compiles it then, on its own thread
+            logger.warning("compiling the fingerprint kernel ahead failed", exc_info=True)
+
+    _warm_ups[device] = thread = threading.Thread(target=compile_kernel, name="swaprl-fingerprint-warm-up",
+                                                  daemon=True)
+    thread.start()
+
+
 def fold_into(tensors: Sequence[torch.Tensor | None], *, cast: Sequence[torch.dtype | None] | None = None,
               device: torch.device | None = None) -> list[int]:
     """The fingerprint of each tensor (None counts as empty), each cast first to `cast[i]` where given.
@@ -136,8 +159,11 @@ def fold_into(tensors: Sequence[torch.Tensor | None], *, cast: Sequence[torch.dt
     if len(devices) > 1:
         raise ValueError(f"fold_into() takes tensors of one device, got {sorted(map(str, devices))}")
     where = devices.pop() if devices else (device or torch.device("cpu"))
-    out = torch.zeros(len(tensors), dtype=torch.int64, device=where)
     use_triton = where.type == "cuda"
+    warming = _warm_ups.get(where) if use_triton else None
+    if warming is not None and warming is not threading.current_thread():
+        warming.join()  # one compilation of the kernel, not two racing
+    out = torch.zeros(len(tensors), dtype=torch.int64, device=where)
     with torch.no_grad():
         for i, t in enumerate(tensors):
             if t is None or t.numel() == 0:

@@ -22,7 +22,7 @@ from typing import Literal, get_args
 
 import torch
 
-from . import checks, memory
+from . import checks, fingerprint, memory
 from .config import SwapConfig
 from .engines.base import Engine
 from .errors import PhaseError
@@ -99,6 +99,8 @@ class Runtime:
             if placement.streamer is not None:
                 self._restore.push(install_step(placement.streamer, detached=lambda: self._closed))
                 steps.append(_Step("optimizer states to host", placement.states_to_host, placement.states_to_device))
+            if self._verifier is not None and config.verify_sync:
+                fingerprint.warm_up(self.device)
             if not engine.shares_trainer_weights:
                 steps.append(_Step("engine sleep", self._engine_sleep, lambda: self._engine_wake(None)))
             self._run_steps("attach", steps)
