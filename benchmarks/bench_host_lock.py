@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
                 _unregister(buf, method)
             del buf
             if method == "pin_memory":  # its caching allocator would hand the same block back: measure a new one
-                torch._C._host_emptyCache()
+                empty = getattr(torch._C, "_host_emptyCache", None) or torch._C._accelerator_emptyHostCache
+                empty()
             if size == nbytes:
                 runs.append((parts, speed))
         total = statistics.median(p["total"] for p, _ in runs)
