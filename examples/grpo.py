@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
     ap.add_argument("--warmup", type=int, default=2,
-                    help="steps left out of the medians (the first offload pins the host buffers once)")
+                    help="steps left out of the medians (first-time costs: kernel compilations, buffers not prepared at attach)")
     ap.add_argument("--out", default=None, help="directory for metrics.json, profile.jsonl and the report")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-dir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"),

@@ -11,8 +11,9 @@ Why `.data` and not `untyped_storage().resize_(0)` (what FSDP and torch_memory_s
 was resized to zero crashes the process on its next access (a segmentation fault on CPU), while a tensor whose data
 sits on the host stays safe to read, save and even modify.
 
-Host buffers are allocated once per resource and reused: first-touch page-locking costs about 1 s per GiB, while
-copies into locked pages run at PCIe speed. Copies run on a side CUDA stream; the offload waits for its copies once
+Host buffers are allocated once per resource and reused, and locked ahead where their size is known (`prepare`, in
+a background thread from attach): locking fresh memory costs faulting its pages in, 18-22 GB/s the way it is done
+here against 1.7-2.3 GB/s through torch's pinned allocator, while copies into locked pages run at PCIe speed. Copies run on a side CUDA stream; the offload waits for its copies once
 (the device memory is released only when the bytes are safe) and can be started early and finished later, so
 that its copies run under other work; the reload does not block the host at all.
 """
