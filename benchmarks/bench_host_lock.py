@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import mmap
 import platform
 import statistics
 import time
 
 import torch
+
+from bench_offload import emit
 
 MADV_HUGEPAGE = 14
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -174,11 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
               "thp": open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()}
     print(f"write floor {floor:.2f} GB/s")
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,15 @@ from swaprl.presets import get_preset
 from swaprl.residency import HostBuffer
 
 
+def emit(result: dict, out: str | None) -> dict:
+    """End a benchmark: its result as one JSON line on stdout, and in `out` (indented) when given."""
+    print(json.dumps(result))
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
 def copy_floor(nbytes: int, repeats: int = 5) -> dict[str, float]:
     """Median GB/s of one `nbytes` copy each way between the GPU and a pinned host buffer."""
     torch.zeros(1, device="cuda")  # a live context first: the copies below must not pay for creating it
@@ -115,11 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{result['round_trip_ratio']:>7.2f}")
     print(f"first cycle (allocates and pins the host buffer): {first_cycle:.2f} s; "
           f"full cycle median {result['cycle_median_s']:.3f} s")
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":
