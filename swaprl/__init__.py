@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from . import checks
-from ._version import __version__
+from ._version import __version__ as __version__
 from .config import SwapConfig
 from .engines import make_engine
 from .engines.base import Engine, EngineStateError, Sampling

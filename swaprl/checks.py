@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from .compat import torch as torch_compat
+from .compat.torch import local_tensor
 from .config import SwapConfig
 from .distributed import is_fsdp2
 from .engines.base import Engine
-from .residency import local_tensor
 
 
 def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SwapConfig) -> None:

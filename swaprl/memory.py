@@ -73,7 +73,8 @@ def device_total_bytes(device: torch.device) -> int:
 def device_figures(device: torch.device) -> dict[str, int]:
     """The device's used and total bytes (NVML where it reads) and torch's allocated and reserved counters."""
     return {"used": device_used_bytes(device), "total": device_total_bytes(device),
-            "torch_allocated": torch.cuda.memory_allocated(device), "torch_reserved": torch.cuda.memory_reserved(device)}
+            "torch_allocated": torch.cuda.memory_allocated(device),
+            "torch_reserved": torch.cuda.memory_reserved(device)}
 
 
 def host_available_bytes() -> int:

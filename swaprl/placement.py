@@ -21,7 +21,8 @@ import torch
 from . import distributed, memory
 from .config import SwapConfig
 from .errors import HostBufferError, PhaseError
-from .residency import HostBuffer, Moved, Mover, PendingOffload, align, layout_bytes, local_tensor, nbytes
+from .compat.torch import local_tensor
+from .residency import HostBuffer, Moved, Mover, PendingOffload, align, layout_bytes, nbytes
 from .streaming import StateStreamer
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,11 @@ class Placement:
         instead of inside the first switch. Returns the bytes started per resource."""
         sizes = self.expected_host_bytes()
         parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in sizes.items())
-        self._check_budget(sum(sizes.values()), 0, f"locking host buffers at attach for the first switch ({parts or 'none'})",
-                           "Nothing was allocated. Free host memory, raise host_budget_bytes, or move less: "
-                           "optimizer_states='swap' with grads='free', params='keep'.")
+        self._check_budget(sum(sizes.values()), 0,
+                           f"locking host buffers at attach for the first switch ({parts or 'none'})",
+                           "Nothing was allocated. Free host memory or raise host_budget_bytes (the optimizer states "
+                           "live in host memory while the engine generates), or keep the parameters on the device "
+                           "(params='keep').")
         for name, n in sizes.items():
             self._res[name].buffer.prepare(n)
         return sizes
@@ -122,10 +125,17 @@ class Placement:
     def expected_host_bytes(self) -> dict[str, int]:
         """What the host buffers will hold: the optimizer states (those that exist, else what the optimizer will
         create, for the optimizers whose states are known), and the parameters with params='offload'. Gradients
-        are left out: a loop that zeroes them with set_to_none before generating moves none."""
+        are left out: a loop that zeroes them with set_to_none before generating moves none.
+
+        Host-resident states (optimizer_states='host') are left out too: their first step makes them in ordinary
+        host memory and moves them into a buffer that is filled, and so committed, as those copies free them (then
+        locked, already touched). A buffer locked ahead would hold all of its pages beside those copies: twice the
+        states' bytes of host memory at once."""
         out = {}
-        states = (layout_bytes(self.tensors("optimizer")) if self.optimizer.state
-                  else _expected_state_bytes(self.optimizer))
+        states = 0
+        if self.streamer is None:
+            states = (layout_bytes(self.tensors("optimizer")) if self.optimizer.state
+                      else _expected_state_bytes(self.optimizer))
         if states:
             out["optimizer"] = states
         if self.config.params == "offload":

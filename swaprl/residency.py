@@ -13,7 +13,8 @@ sits on the host stays safe to read, save and even modify.
 
 Host buffers are allocated once per resource and reused, and locked ahead where their size is known (`prepare`, in
 a background thread from attach): locking fresh memory costs faulting its pages in, 18-22 GB/s the way it is done
-here against 1.7-2.3 GB/s through torch's pinned allocator, while copies into locked pages run at PCIe speed. Copies run on a side CUDA stream; the offload waits for its copies once
+here against 1.7-2.3 GB/s through torch's pinned allocator, while copies into locked pages run at PCIe speed.
+Copies run on a side CUDA stream; the offload waits for its copies once
 (the device memory is released only when the bytes are safe) and can be started early and finished later, so
 that its copies run under other work; the reload does not block the host at all.
 """
@@ -29,8 +30,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from .compat.torch import local_tensor
 
 logger = logging.getLogger(__name__)
 

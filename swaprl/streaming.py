@@ -163,8 +163,8 @@ class StateStreamer:
         finally:
             for p, g in grads.items():  # after an error too: a hidden gradient must come back
                 p.grad = g
-        self.move_into_buffer("This optimizer.step() itself completed; the states it created are intact in ordinary host "
-                    "memory.")
+        self.move_into_buffer("This optimizer.step() itself completed; the states it created are intact in ordinary "
+                              "host memory.")
         seconds = time.perf_counter() - start
         info = {"bytes": figures["h2d_bytes"] + figures["d2h_bytes"], "seconds": seconds, "chunks": len(chunks),
                 **figures}
@@ -402,8 +402,8 @@ class StateStreamer:
 # ---------------------------------------------------------------- the optimizer's methods
 def install_step(streamer: StateStreamer, *, detached: Callable[[], bool]) -> Callable[[], None]:
     """Make `optimizer.step()` the streamed step, and `optimizer.load_state_dict()` load into host memory (then into
-    the buffer), for `streamer`'s optimizer object only; returns what restores them. Once `detached()` is True, a method still
-    reached through a wrapper made meanwhile passes straight through to what it replaced.
+    the buffer), for `streamer`'s optimizer object only; returns what restores them. Once `detached()` is True, a
+    method still reached through a wrapper made meanwhile passes straight through to what it replaced.
 
     Instance attributes take precedence over the class's methods, so every caller (user code, accelerate's
     AcceleratedOptimizer, an LR scheduler's wrapper made after attach) reaches them.

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the swaprl un
 
 import swaprl
 from swaprl.engines.base import Sampling, sequence_logprobs
-from swaprl.residency import local_tensor, nbytes
+from swaprl.compat.torch import local_tensor
+from swaprl.residency import nbytes
 from tests.grpo import ReplicaEngine
 
 N = 4  # completions per prompt

@@ -296,8 +296,7 @@ def test_a_step_method_taken_before_attach_is_refused(tiny_checkpoint):
 
 def test_host_budget_refuses_states_that_do_not_fit(tiny_checkpoint):
     model = load(tiny_checkpoint)
-    # Adafactor's states are not sized ahead (AdamW's would be refused at attach already): the step meets the budget.
-    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rt = swaprl.attach(model, opt, config=host_config(host_budget_bytes=4096))
     grpo.policy_loss(model, [[1, 2, 3]], [[4, 6], [5, 7]], n=2).backward()
     with pytest.raises(swaprl.HostBufferError, match=r"optimizer_states='host'.* only 4096 bytes .*step\(\) itself "

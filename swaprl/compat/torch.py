@@ -15,7 +15,8 @@ import torch
 from . import in_range
 
 SUPPORTED = ">=2.11,<2.14"
-"""torch versions swaprl was checked against (PEP 440 specifier; local builds such as 2.13.0+cpu count as their base)."""
+"""torch versions swaprl was checked against (PEP 440 specifier; local builds such as 2.13.0+cpu count as their
+base release)."""
 
 
 def check_version(version: str | None = None) -> None:

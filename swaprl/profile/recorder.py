@@ -63,7 +63,8 @@ _COPY_REPEATS = 5
 class Profiler:
     """Writes a memory profile of `runtime` to `path` until `close()`, the runtime's `detach()` or the process's exit.
 
-    Build it with `attach_profiler` (or `SwapConfig(profile=...)`); it is also a context manager. `path` is where the file
+    Build it with `attach_profiler` (or `SwapConfig(profile=...)`); it is also a context manager. `path` is where the
+    file
     actually goes (with the rank suffix under torch.distributed).
     """
 
