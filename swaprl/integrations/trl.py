@@ -219,6 +219,10 @@ def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
     """Route the trainer's generation through `rt`; record how to undo each change, undone at `rt.detach()`."""
     undo = Undo("wrapping the GRPOTrainer")
     with undo.on_error():
+        if trainer.use_vllm:
+            # First: attach put TRL's engine to sleep behind its back, and this change's undo is what tells TRL so
+            # (and makes it re-sync before generating), should anything after it fail.
+            undo.push(_take_over_vllm(trainer, rt), "vLLM sleep, wake-up and sync")
         generate = trainer._generate
 
         @functools.wraps(generate)
@@ -229,10 +233,8 @@ def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
         trainer._generate = _generate
         undo.push(lambda: vars(trainer).pop("_generate", None), "_generate")
         undo.push(_log_figures(trainer, rt), "log")
-        if trainer.use_vllm:
-            undo.push(_take_over_vllm(trainer, rt), "vLLM sleep, wake-up and sync")
-            if lean_rollouts:
-                undo.push(_lean_rollouts(trainer), "lean rollouts")
+        if trainer.use_vllm and lean_rollouts:
+            undo.push(_lean_rollouts(trainer), "lean rollouts")
         setattr(trainer, _RUNTIME_ATTR, rt)
         undo.push(lambda: vars(trainer).pop(_RUNTIME_ATTR, None), "runtime_of")
 
