@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -10,11 +12,13 @@ GradPolicy = Literal["free", "offload", "keep"]
 ParamPolicy = Literal["keep", "offload"]
 SleepLevel = Literal[1, 2, "auto"]
 OptimizerStates = Literal["swap", "host"]
+StateHome = Literal["device", "swap", "host"]
 
 GRAD_POLICIES: tuple[str, ...] = get_args(GradPolicy)
 PARAM_POLICIES: tuple[str, ...] = get_args(ParamPolicy)
 SLEEP_LEVELS: tuple[int | str, ...] = get_args(SleepLevel)
 OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerStates)  # "swap" first: the planner tries it first
+STATE_HOMES: tuple[str, ...] = get_args(StateHome)  # the order a split assigns parameters in
 
 # Who holds device memory, in the order tables list them: the categories the profiler splits a measured device figure
 # into (swaprl.profile.attribution) and the planner predicts (swaprl.plan). "unattributed" is what the measured
@@ -32,12 +36,18 @@ class SwapConfig:
     chunk at a time, inside `optimizer.step()`.
     """
 
-    optimizer_states: OptimizerStates = "swap"
-    """Where the optimizer states live. "swap": in host memory during `generate`, on the GPU during `train`.
+    optimizer_states: OptimizerStates | Mapping[str, float] = "swap"
+    """Where the optimizer states live: each parameter's states have one home.
+    "swap": in host memory during `generate`, on the GPU during `train`.
     "host": in host memory in both phases; `optimizer.step()` copies them to the GPU `stream_chunk_bytes` at a
-    time, updates that chunk's parameters and copies the states back, the copies overlapping the update. Costs
-    twice the states' bytes over PCIe per step, as "swap" does per cycle, but saves their whole size on the GPU
-    in `train`: use it when parameters, gradients and optimizer states together do not fit on the device."""
+    time, updates that chunk's parameters and copies the states back, the copies overlapping the update. Saves
+    their whole size on the GPU in `train`: use it when parameters, gradients and states together do not fit.
+    A split, e.g. {"device": 0.2, "swap": 0.5, "host": 0.3}: fractions of the states' bytes (per rank) by home,
+    "device" meaning on the GPU in both phases. Parameters take their homes in the optimizer's order, the first
+    ones "device", then "swap", then "host", each home taking whole parameters until it holds its fraction of the
+    bytes. Every home's byte moves twice per step ("swap": out for `generate` and back; "host": in and out of the
+    step), "device" never: `swaprl plan` picks the split that fits both phases and the host with the most on the
+    device. `state_split()` gives the fractions in every case."""
 
     stream_chunk_bytes: int = 2**30
     """With `optimizer_states="host"`: optimizer-state bytes per chunk of the streamed `optimizer.step()`. The GPU
@@ -111,20 +121,24 @@ class SwapConfig:
             raise ValueError(f"SwapConfig.grads={self.grads!r}; use one of {GRAD_POLICIES}")
         if self.params not in PARAM_POLICIES:
             raise ValueError(f"SwapConfig.params={self.params!r}; use one of {PARAM_POLICIES}")
-        if self.optimizer_states not in OPTIMIZER_STATES:
+        if isinstance(self.optimizer_states, Mapping):
+            self.optimizer_states = _check_split(self.optimizer_states)
+        elif self.optimizer_states not in OPTIMIZER_STATES:
             raise ValueError(f"SwapConfig.optimizer_states={self.optimizer_states!r}; use 'swap' (states on the device "
-                             "for 'train', in host memory for 'generate') or 'host' (always in host memory, streamed "
-                             "through the device by optimizer.step())")
+                             "for 'train', in host memory for 'generate'), 'host' (always in host memory, streamed "
+                             "through the device by optimizer.step()) or a split such as {'device': 0.2, 'swap': 0.5, "
+                             "'host': 0.3}")
         if isinstance(self.stream_chunk_bytes, bool) or not isinstance(self.stream_chunk_bytes, int):
             raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes!r}; give a byte count as an int, "
                              "e.g. 2**30")
         if self.stream_chunk_bytes < 2**20:
             raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes} is under 1 MiB; chunks that "
                              "small make the streamed step launch-bound: use 256 MiB or more")
-        if self.optimizer_states == "host" and self.overlap_optimizer_reload:
-            raise ValueError("SwapConfig(optimizer_states='host', overlap_optimizer_reload=True): with 'host' the "
-                             "states never come back to the device for 'train', so there is no reload to overlap "
-                             "(the streamed optimizer.step() overlaps its own copies); drop overlap_optimizer_reload")
+        if self.state_split()["swap"] == 0 and self.overlap_optimizer_reload:
+            raise ValueError(f"SwapConfig(optimizer_states={self.optimizer_states!r}, overlap_optimizer_reload=True): "
+                             "no state is swapped, so there is no reload to overlap (host-resident states never "
+                             "come back for 'train': the streamed optimizer.step() overlaps its own copies); drop "
+                             "overlap_optimizer_reload")
         if self.sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"SwapConfig.sleep_level={self.sleep_level!r}; use 1, 2 or 'auto'")
         if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
@@ -143,3 +157,29 @@ class SwapConfig:
                                  "numbers, e.g. (0.5, 0.12), or None for the defaults")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"SwapConfig.gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]")
+
+    def state_split(self) -> dict[str, float]:
+        """The optimizer states' fractions by home, {"device": d, "swap": s, "host": h}; "swap" is {"swap": 1.0}."""
+        if isinstance(self.optimizer_states, str):
+            return {home: float(home == self.optimizer_states) for home in STATE_HOMES}
+        return dict(self.optimizer_states)
+
+
+def _check_split(split: Mapping[str, float]) -> dict[str, float]:
+    """A split's fractions for every home, or a ValueError that shows a valid one."""
+    example = "e.g. {'device': 0.2, 'swap': 0.5, 'host': 0.3}"
+    unknown = sorted(map(str, set(split) - set(STATE_HOMES)))
+    if unknown:
+        raise ValueError(f"SwapConfig.optimizer_states: unknown home(s) {unknown}; the homes are {STATE_HOMES}, "
+                         f"{example}")
+    out = {}
+    for home in STATE_HOMES:
+        value = split.get(home, 0.0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"SwapConfig.optimizer_states[{home!r}]={value!r}; give a fraction in [0, 1] of the "
+                             f"states' bytes, {example}")
+        out[home] = float(value)
+    if not math.isclose(sum(out.values()), 1.0, abs_tol=1e-6):
+        raise ValueError(f"SwapConfig.optimizer_states={dict(split)!r} sums to {sum(out.values()):.6g}; the fractions "
+                         f"share all of the states' bytes and must sum to 1, {example}")
+    return out
