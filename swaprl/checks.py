@@ -37,8 +37,10 @@ def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, conf
                          "shards live in buffers FSDP2 owns, which swaprl cannot move. Use params='keep' (the "
                          "shards are 1/world of the model), or have FSDP2 keep them in host memory for good: "
                          "fully_shard(module, offload_policy=CPUOffloadPolicy())")
-    if config.optimizer_states == "host":
-        _check_streamable(model, optimizer)
+    if config.state_split()["host"] > 0 and isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(f"SwapConfig(optimizer_states={config.optimizer_states!r}) with LBFGS: its state (the search "
+                        "directions) spans all parameters together, so it cannot be stepped a chunk of parameters at "
+                        "a time from host memory. Use optimizer_states='swap'")
 
 
 def check_engine(engine: Engine, config: SwapConfig) -> None:
@@ -59,19 +61,3 @@ def model_device(model: torch.nn.Module) -> torch.device:
         raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; swaprl drives one "
                          "device per process: move the model to one device (or shard it with FSDP2)")
     return devices.pop()
-
-
-def _check_streamable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse what `SwapConfig(optimizer_states="host")` cannot step a chunk of parameters at a time."""
-    if is_fsdp2(model) or any(local_tensor(p) is not p for p in model.parameters()):
-        # A DTensor's optimizer update goes through DTensor dispatch over its shards, whose states swaprl moves as
-        # their local tensors; stepping a chunk of them that way has not been made to work.
-        raise ValueError("SwapConfig(optimizer_states='host') with DTensor parameters (a model sharded by FSDP2's "
-                         "fully_shard, or tensor parallelism): the streamed optimizer step handles plain tensors "
-                         "only. Use optimizer_states='swap' (the shards' states are 1/world of the model), or have "
-                         "FSDP2 keep the shards and their optimizer step on the host: "
-                         "fully_shard(module, offload_policy=CPUOffloadPolicy())")
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise TypeError("SwapConfig(optimizer_states='host') with LBFGS: its state (the search directions) spans "
-                        "all parameters together, so it cannot be stepped a chunk of parameters at a time. Use "
-                        "optimizer_states='swap'")

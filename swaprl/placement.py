@@ -5,8 +5,10 @@ on the device, in its host buffer, or released (gradients only: dropped, re-made
 phase machine (`swaprl.runtime`) decides when to move what; this module moves it, keeps the host memory it uses
 within the budget, and says where everything is.
 
-With `SwapConfig(optimizer_states="host")` the optimizer states stay in their host buffer for good and a
-`StateStreamer` (`swaprl.streaming`) brings them through the device inside `optimizer.step()`.
+Each parameter's optimizer states have a home (`SwapConfig.optimizer_states`, `assign_homes`): "device" (they never
+move), "swap" (the "optimizer" resource: moved to its host buffer for 'generate' and back for 'train') or "host" (a
+`StateStreamer`, `swaprl.streaming`, keeps them in a host buffer of their own for good and brings them through the
+device inside `optimizer.step()`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Literal
 import torch
 
 from . import distributed, memory
-from .config import SwapConfig
+from .config import STATE_HOMES, StateHome, SwapConfig
 from .errors import HostBufferError, PhaseError
 from .compat.torch import local_tensor
 from .residency import HostBuffer, Moved, Mover, PendingOffload, align, layout_bytes, nbytes
@@ -56,21 +58,33 @@ class Placement:
         pin = config.pin_memory and device.type == "cuda"
         self._res = {name: _Resource(name, HostBuffer(name, pin=pin)) for name in RESOURCES}
         self._pending_reload: torch.cuda.Event | None = None
+        self._homes = assign_homes(optimizer, config.state_split())
+        self.swaps_states = "swap" in self._homes.values()
+        """Some states move at each switch (the "optimizer" resource is not empty)."""
         self.streamer: StateStreamer | None = None
-        if config.optimizer_states == "host":
-            self.streamer = StateStreamer(optimizer, device, self._res["optimizer"].buffer,
+        if "host" in self._homes.values():
+            self.streamer = StateStreamer(optimizer, device, HostBuffer("streamed optimizer", pin=pin),
+                                          owns=lambda p: self.home(p) == "host",
                                           chunk_bytes=config.stream_chunk_bytes,
                                           check_budget=self.check_budget_for_states, on_step=on_streamed_step)
-            self._res["optimizer"].location = "host"
+            if not self.swaps_states:
+                self._res["optimizer"].location = "host"
+
+    def home(self, p: torch.Tensor) -> StateHome:
+        """Where `p`'s optimizer states live; a parameter added to the optimizer after attach takes the last
+        parameter's home (so "swap" and "host" stay whole)."""
+        return self._homes.get(id(p)) or next(reversed(self._homes.values()), "swap")
 
     # ---------------------------------------------------------------- where things are
     def location(self, name: Resource) -> Location:
         return self._res[name].location
 
-    def tensors(self, name: Resource) -> list[torch.Tensor]:
-        """The distinct tensors of a resource that live on the device now."""
+    def tensors(self, name: Resource, homes: tuple[str, ...] = ("swap",)) -> list[torch.Tensor]:
+        """The distinct tensors of a resource that live on the device now; for "optimizer", the states of the
+        parameters with one of `homes` (by default those that move at a switch)."""
         if name == "optimizer":
-            candidates = (v for state in self.optimizer.state.values() for v in state.values())
+            candidates = (v for p, state in self.optimizer.state.items() if self.home(p) in homes
+                          for v in state.values())
         elif name == "grads":
             candidates = (p.grad for p in self.model.parameters())
         else:
@@ -88,23 +102,37 @@ class Placement:
         return out
 
     def status(self) -> dict:
-        """Per resource: where it is, its device bytes and its host bytes; and the host buffers' total."""
+        """Per resource: where it is, its device bytes and its host bytes ("optimizer": the states of every home;
+        its location is that of the swapped ones); the states' bytes by home; and the host buffers' total."""
         out: dict = {}
         for name, res in self._res.items():
-            moved = self.streamer.moved() if name == "optimizer" and self.streamer is not None else res.moved
+            moved = list(res.moved)
+            if name == "optimizer" and self.streamer is not None:
+                moved += self.streamer.moved()
             on_host = {id(m.tensor) for m in moved}  # on a CPU-only machine host and device look alike
-            on_device = sum(nbytes(t) for t in self.tensors(name) if id(t) not in on_host)
+            on_device = sum(nbytes(t) for t in self.tensors(name, STATE_HOMES) if id(t) not in on_host)
             out[name] = {"location": res.location, "bytes": on_device,
                          "host_bytes": sum(nbytes(m.tensor) for m in moved)}
-        buffers = [r.buffer for r in self._res.values()]
+        out["optimizer_homes"] = self.home_bytes()
+        buffers = self._buffers()
         out["host_buffers"] = {"bytes": self._held(), "pinned": any(b.pin for b in buffers),
                                "locked_bytes": sum(b.locked_bytes for b in buffers),
                                "lock_seconds": sum(b.lock_seconds or 0.0 for b in buffers),
                                "waited_seconds": sum(b.waited_seconds for b in buffers)}
         return out
 
+    def home_bytes(self) -> dict[str, int]:
+        """The optimizer states' bytes by home, wherever they are now."""
+        out = dict.fromkeys(STATE_HOMES, 0)
+        for p, state in self.optimizer.state.items():
+            out[self.home(p)] += sum(nbytes(local_tensor(v)) for v in state.values() if isinstance(v, torch.Tensor))
+        return out
+
+    def _buffers(self) -> list[HostBuffer]:
+        return [r.buffer for r in self._res.values()] + ([self.streamer.buffer] if self.streamer else [])
+
     def _held(self) -> int:
-        return sum(r.buffer.capacity for r in self._res.values())
+        return sum(b.capacity for b in self._buffers())
 
     # ---------------------------------------------------------------- host memory ahead of the first switch
     def prepare_host(self) -> dict[str, int]:
@@ -127,15 +155,15 @@ class Placement:
         create, for the optimizers whose states are known), and the parameters with params='offload'. Gradients
         are left out: a loop that zeroes them with set_to_none before generating moves none.
 
-        Host-resident states (optimizer_states='host') are left out too: their first step makes them in ordinary
+        Host-resident states (the "host" home) are left out too: their first step makes them in ordinary
         host memory and moves them into a buffer that is filled, and so committed, as those copies free them (then
         locked, already touched). A buffer locked ahead would hold all of its pages beside those copies: twice the
         states' bytes of host memory at once."""
         out = {}
         states = 0
-        if self.streamer is None:
+        if self.swaps_states:
             states = (layout_bytes(self.tensors("optimizer")) if self.optimizer.state
-                      else _expected_state_bytes(self.optimizer))
+                      else _expected_state_bytes(self.optimizer, lambda p: self.home(p) == "swap"))
         if states:
             out["optimizer"] = states
         if self.config.params == "offload":
@@ -191,16 +219,15 @@ class Placement:
         if self.streamer is not None:
             if not self.streamer.stepping:
                 raise PhaseError(
-                    "optimizer.step() reached torch's own step, not swaprl's streamed one, while the optimizer "
-                    "states are in host memory (SwapConfig(optimizer_states='host')): it was called through a "
+                    "optimizer.step() reached torch's own step, not swaprl's streamed one, while optimizer states "
+                    "are in host memory (the 'host' home of SwapConfig.optimizer_states): it was called through a "
                     "reference to the step method taken before swaprl.attach() (or something replaced the method "
                     "since). Call optimizer.step() itself, and build what keeps a reference to it (accelerate's "
                     "prepare() with a GradScaler) after attach()")
             if phase != "train":
                 raise PhaseError(f"optimizer.step() was called in phase {phase!r}; call it inside "
                                  "`with phase('train')`")
-            return
-        if self.location("optimizer") != "device":
+        if self.swaps_states and self.location("optimizer") != "device":
             raise PhaseError("optimizer.step() was called while its states are in host memory (phase "
                              f"{phase!r}); call it inside `with phase('train')`")
         self.wait_reload()
@@ -264,7 +291,7 @@ class Placement:
         moved = self.streamer.moved()
         total = sum(nbytes(m.tensor) for m in moved)
         try:
-            self._mover.reload(moved, buffer=self._res["optimizer"].buffer)
+            self._mover.reload(moved, buffer=self.streamer.buffer)
         except torch.OutOfMemoryError as exc:
             free = self._device_free()
             # Without the gradients (and the engine, asleep in "train") would they fit? Say which fix applies.
@@ -278,13 +305,14 @@ class Placement:
                 f"to step them: {memory.gib(total):.2f} GiB needed, {memory.gib(free):.2f} GiB free. They stay in "
                 f"host memory and the runtime stays attached; {fix}. ({exc})") from exc
         self.streamer.forget()
-        self._res["optimizer"].location = "device"
+        if not self.swaps_states:
+            self._res["optimizer"].location = "device"
         return total
 
     def release(self) -> None:
         """Drop the host buffers (detach: everything is back on the device)."""
-        for res in self._res.values():
-            res.buffer.release()
+        for buffer in self._buffers():
+            buffer.release()
 
     def _device_free(self) -> int:
         return memory.device_free_bytes(self.device) if self.device.type == "cuda" else 0
@@ -293,7 +321,7 @@ class Placement:
     def check_host_budget(self) -> None:
         """Refuse before moving a byte if the offloads for 'generate' would grow the host buffers past the budget."""
         wanted = {}
-        if self.streamer is None:  # host-resident states are in their buffer already
+        if self.swaps_states:  # host-resident states are in their buffer already
             wanted["optimizer"] = layout_bytes(self.tensors("optimizer"))
         if self.config.grads == "offload":
             wanted["grads"] = layout_bytes(self.tensors("grads"))
@@ -309,7 +337,7 @@ class Placement:
         """Refuse to grow the host-resident optimizer states' buffer by `growth` bytes past the budget; `releasing`
         bytes of ordinary host memory (states waiting to move into the buffer) are freed as it fills."""
         self._check_budget(max(growth, 0), releasing,
-                           "keeping the optimizer states in host memory (SwapConfig(optimizer_states='host'))",
+                           "keeping optimizer states in host memory (their 'host' home in SwapConfig.optimizer_states)",
                            f"{context} Free host memory or raise host_budget_bytes.")
 
     def _check_budget(self, growth: int, releasing: int, what: str, fix: str) -> None:
@@ -339,12 +367,35 @@ class Placement:
             f"{fix}")
 
 
+def assign_homes(optimizer: torch.optim.Optimizer, split: dict[str, float]) -> dict[int, StateHome]:
+    """id(parameter) -> the home of its optimizer states under `split` (fractions of the states' bytes by home).
+
+    Whole parameters, in the optimizer's order, weighted by their (local) bytes, which the states of every torch
+    optimizer are proportional to: a parameter goes to the home whose share of the running total its middle byte
+    falls in, so each home ends within half a parameter of its fraction. "device" takes the first parameters: the
+    streamed step then starts with them, and their update runs under the first host chunk's copy in."""
+    params = list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))
+    sizes = [nbytes(local_tensor(p)) for p in params]
+    total = sum(sizes)
+    bounds, edge = [], 0.0
+    for home in STATE_HOMES:
+        edge += split[home] * total
+        bounds.append((edge, home))
+    homes, before = {}, 0
+    for p, size in zip(params, sizes):
+        middle = before + size / 2
+        homes[id(p)] = next((home for edge, home in bounds if middle < edge), bounds[-1][1] if total else "swap")
+        before += size
+    return homes
+
+
 _STATES_PER_PARAM = {torch.optim.Adam: 2, torch.optim.AdamW: 2}  # exp_avg, exp_avg_sq, each the parameter's size
 
 
-def _expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Device bytes of the states `optimizer` will create at its first step (0 when not known), laid out as the
-    host buffer lays them. SGD's momentum and the other optimizers' states are sized when they appear."""
+def _expected_state_bytes(optimizer: torch.optim.Optimizer, counted: Callable[[torch.Tensor], bool]) -> int:
+    """Device bytes of the states `optimizer` will create at its first step for the parameters `counted` (0 when not
+    known), laid out as the host buffer lays them. SGD's momentum and the other optimizers' states are sized when
+    they appear."""
     per = _STATES_PER_PARAM.get(type(optimizer), 0)
     if not per:
         return 0
@@ -352,6 +403,6 @@ def _expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for group in optimizer.param_groups:
         on_device = group.get("fused") or group.get("capturable")  # the step counter is a device tensor too
         for p in group["params"]:
-            if p.requires_grad:
+            if p.requires_grad and counted(p):
                 total += per * align(nbytes(local_tensor(p))) + (align(4) if on_device else 0)
     return total

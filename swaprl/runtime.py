@@ -7,8 +7,9 @@ dropped after its host copy is complete, and its host copy is only reused after 
 
 The runtime decides the order (`_to_generate`, `_to_train`; docs/architecture.md walks through both);
 `swaprl.placement` moves the trainer's memory and keeps the host budget, `swaprl.verify` checks the engine after
-each sync, the engine moves its own memory, and with `SwapConfig(optimizer_states="host")` the optimizer states
-never move at a switch: `optimizer.step()` streams them through the device (`swaprl.streaming`).
+each sync, the engine moves its own memory. Optimizer states with the "host" home (`SwapConfig.optimizer_states`)
+never move at a switch: `optimizer.step()` streams them through the device (`swaprl.streaming`); those with the
+"device" home never move at all.
 """
 
 from __future__ import annotations
@@ -271,7 +272,7 @@ class Runtime:
         # memory is released before the KV cache is mapped either way.
         room = place.engine_room(engine.weights_bytes + cfg.sync_bucket_bytes) \
             if separate and cfg.overlap_offload else None
-        offloads = (["optimizer"] if place.streamer is None else []) + (["grads"] if cfg.grads == "offload" else [])
+        offloads = (["optimizer"] if place.swaps_states else []) + (["grads"] if cfg.grads == "offload" else [])
         steps = []
         for name in offloads:
             if room:
@@ -311,8 +312,8 @@ class Runtime:
             steps.append(_Step("engine sleep", self._engine_sleep, self._engine_rewake))
         for name in ("params", "grads", "optimizer"):
             location = place.location(name)
-            if name == "optimizer" and place.streamer is not None:
-                continue  # host-resident for good: the streamed step brings them through the device
+            if name == "optimizer" and not place.swaps_states:
+                continue  # no state is swapped: those in host memory stay, the streamed step brings them through
             if location == "host":
                 overlap = name == "optimizer" and self.config.overlap_optimizer_reload
                 steps.append(_Step(f"reload {name}", lambda n=name, o=overlap: place.reload(n, defer=o),

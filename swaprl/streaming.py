@@ -1,7 +1,9 @@
-"""`optimizer.step()` with the optimizer states in host memory (`SwapConfig(optimizer_states="host")`).
+"""`optimizer.step()` with optimizer states in host memory (the "host" home of `SwapConfig.optimizer_states`).
 
-The states live in the runtime's "optimizer" host buffer in both phases and pass through the device only inside
-the step, a chunk of parameters at a time (about `stream_chunk_bytes` of states). With two device staging buffers
+The states of the parameters the streamer owns live in its host buffer in both phases and pass through the device
+only inside the step, a chunk of parameters at a time (about `stream_chunk_bytes` of states). The other parameters
+(states homed on the device, or swapped and so on the device in 'train') are stepped first, in one call, where
+their states are: their update runs under the first chunk's copy in. With two device staging buffers
 and a side stream for each direction, chunk i's update overlaps the copies on both sides of it:
 
     H2D stream:      chunk i+1: host -> staging[(i+1) % 2]     (once chunk i-1's D2H has emptied that buffer)
@@ -21,6 +23,9 @@ foreach and fused implementations only batch the parameters they are given, so a
 what the whole step computes for those parameters. This needs an optimizer whose update of a parameter reads only
 that parameter's gradient and state: all of `torch.optim` except LBFGS (which `swaprl.attach` refuses).
 
+Sharded parameters (FSDP2's DTensors) stream the same way: each rank moves its own shards' states, as their local
+tensors, and the optimizer's update goes through DTensor as it does without streaming.
+
 Without CUDA the same code runs with plain copies and no streams, so the CPU tests exercise every path.
 """
 
@@ -35,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .compat import torch as compat
+from .compat.torch import local_tensor
 from .residency import HostBuffer, Moved, align, check_dense, host_view, layout_bytes, nbytes
 from .undo import Undo
 
@@ -67,10 +73,13 @@ class _Chunk:
     """(home, staging offset) for homes outside the buffer, copied one by one."""
     bytes: int = 0
     """Staging bytes."""
+    slot: int = 0
+    """Which of the two staging buffers its states pass through."""
 
 
 class StateStreamer:
-    """Keeps one optimizer's states in a host buffer and runs its step a chunk at a time through `device`.
+    """Keeps the states of one optimizer's parameters that `owns(p)` in a host buffer and runs its step a chunk at a
+    time through `device`.
 
     `check_budget(growth, releasing, context)` is asked before the buffer grows by `growth` bytes while `releasing`
     bytes of ordinary host memory are about to be freed; it raises `HostBufferError` to refuse (the placement's
@@ -80,8 +89,9 @@ class StateStreamer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, buffer: HostBuffer, *,
                  chunk_bytes: int, check_budget: Callable[[int, int, str], None],
+                 owns: Callable[[torch.Tensor], bool] = lambda p: True,
                  on_step: Callable[[dict], None] | None = None) -> None:
-        self.optimizer, self.device, self.buffer = optimizer, device, buffer
+        self.optimizer, self.device, self.buffer, self.owns = optimizer, device, buffer, owns
         self.chunk_bytes = chunk_bytes
         self.stepping = False
         self._check_budget, self._on_step = check_budget, on_step
@@ -108,6 +118,10 @@ class StateStreamer:
         """Drop every record (the states went back to the device for good)."""
         self._homes.clear()
 
+    def owned(self) -> list[tuple[torch.nn.Parameter, dict]]:
+        """The parameters whose states this streamer keeps, in order, each with its group."""
+        return [(p, g) for p, g in self.params() if self.owns(p)]
+
     def params(self) -> list[tuple[torch.nn.Parameter, dict]]:
         """The optimizer's parameters in order, each with its group."""
         seen: set[int] = set()
@@ -127,13 +141,18 @@ class StateStreamer:
         return h.offset is not None and self.buffer.holds(Moved(h.tensor, h.offset, self.device, h.view.data_ptr()))
 
     def _states(self, p: torch.Tensor, group: dict) -> list[torch.Tensor]:
-        """`p`'s state tensors that belong on the device: at their host home, on the device now (created by a step,
-        or loaded there), or in other host memory where torch would have put them on the device (loaded while
-        the parameters were on the host): those are taken as at home where they are. On CUDA the CPU `step`
-        counters of non-fused optimizers are none of these, and stay where torch keeps them."""
+        """The (local) state tensors of an owned `p` that belong on the device: at their host home, on the device now
+        (created by a step, or loaded there), or in other host memory where torch would have put them on the device
+        (loaded while the parameters were on the host): those are taken as at home where they are. On CUDA the CPU
+        `step` counters of non-fused optimizers are none of these, and stay where torch keeps them."""
+        if not self.owns(p):
+            return []
         out = []
         for key, v in self.optimizer.state.get(p, {}).items():
-            if not isinstance(v, torch.Tensor) or v.numel() == 0:
+            if not isinstance(v, torch.Tensor):
+                continue
+            v = local_tensor(v)  # a shard's states move as its local tensors
+            if v.numel() == 0:
                 continue
             if not (self._at_home(v) or v.device == self.device):
                 # torch's placement rule for loaded states (Optimizer._process_value_according_to_param_policy)
@@ -175,14 +194,19 @@ class StateStreamer:
         return loss
 
     def _plan(self, stepping: list[tuple[torch.nn.Parameter, dict]]) -> list[_Chunk]:
-        """Consecutive parameters in chunks of about `chunk_bytes` of states, and each chunk's copies."""
-        chunks: list[_Chunk] = []
+        """The parameters not owned first, in one chunk without copies; then the owned ones, consecutive, in chunks of
+        about `chunk_bytes` of states, and each chunk's copies."""
+        others = [(p, g) for p, g in stepping if not self.owns(p)]
+        chunks: list[_Chunk] = [_Chunk(others)] if others else []
+        first = len(chunks)
         size = 0
         for p, group in stepping:
+            if not self.owns(p):
+                continue
             states = self._states(p, group)
             # No state yet (the first step): the step creates it on the device; AdamW makes two of p's size.
-            b = layout_bytes(states) if states else 2 * align(nbytes(p))
-            if not chunks or size + b > self.chunk_bytes:
+            b = layout_bytes(states) if states else 2 * align(nbytes(local_tensor(p)))
+            if len(chunks) == first or size + b > self.chunk_bytes:
                 chunks.append(_Chunk([]))
                 size = 0
             chunks[-1].params.append((p, group))
@@ -197,11 +221,14 @@ class StateStreamer:
                         continue  # on the device already: the step uses it where it is
                     if id(t) in seen:
                         raise ValueError(f"an optimizer state tensor of shape {tuple(t.shape)} is shared between "
-                                         "parameters; SwapConfig(optimizer_states='host') streams each parameter's "
-                                         "states on their own: use optimizer_states='swap'")
-                    check_dense([t], "stream an optimizer state", "use SwapConfig(optimizer_states='swap')")
+                                         "parameters; host-resident states are streamed parameter by parameter: "
+                                         "give these parameters the 'swap' home (SwapConfig.optimizer_states)")
+                    check_dense([t], "stream an optimizer state", "give it the 'swap' home "
+                                "(SwapConfig.optimizer_states='swap')")
                     seen.add(id(t))
                     self._add_copy(chunk, t)
+        for k, chunk in enumerate(c for c in chunks if c.bytes):  # alternate the staging buffers
+            chunk.slot = k % 2
         return chunks
 
     def _add_copy(self, chunk: _Chunk, t: torch.Tensor) -> None:
@@ -224,7 +251,7 @@ class StateStreamer:
         compute = torch.cuda.current_stream(self.device) if cuda else None
         size = max((c.bytes for c in chunks), default=0)
         staging = [torch.empty(size, dtype=torch.uint8, device=self.device)
-                   for _ in range(min(len(chunks), 2))] if size else []
+                   for _ in range(min(sum(1 for c in chunks if c.bytes), 2))]
         copied_in: list[torch.cuda.Event | None] = [None] * len(chunks)
         emptied: list[torch.cuda.Event | None] = [None, None]  # per staging buffer: its last copy out is done
         if cuda:  # the staging memory may have been freed by work still queued on the compute stream
@@ -232,13 +259,13 @@ class StateStreamer:
             self._d2h.wait_stream(compute)
         try:
             if chunks:
-                copied_in[0] = self._copy_in(chunks[0], staging, 0, emptied)
+                copied_in[0] = self._copy_in(chunks[0], staging, emptied)
             for i, chunk in enumerate(chunks):
                 if i + 1 < len(chunks):  # the next chunk's copy runs under this chunk's update
-                    copied_in[i + 1] = self._copy_in(chunks[i + 1], staging, i + 1, emptied)
+                    copied_in[i + 1] = self._copy_in(chunks[i + 1], staging, emptied)
                 if copied_in[i] is not None:
                     compute.wait_event(copied_in[i])
-                buf = staging[i % 2] if chunk.bytes else None
+                buf = staging[chunk.slot] if chunk.bytes else None
                 for t, _, offset in chunk.staged:
                     t.data = host_view(buf, offset, t)
                 for p, _ in chunk.params:
@@ -251,7 +278,7 @@ class StateStreamer:
                     for p, _ in chunk.params:
                         p.grad = None
                 figures["h2d_bytes"] += sum(nbytes(t) for t, _, _ in chunk.staged)
-                figures["d2h_bytes"] += self._copy_out(chunk, buf, i, emptied)
+                figures["d2h_bytes"] += self._copy_out(chunk, buf, emptied)
                 figures["d2h_bytes"] += sum(self._send_home(t) for p, g in chunk.params for t in self._states(p, g)
                                             if not self._at_home(t))  # states this step created
             if cuda:  # the states are complete host tensors when step() returns
@@ -260,23 +287,22 @@ class StateStreamer:
             self._rescue([pg for c in chunks for pg in c.params])
             raise
 
-    def _copy_in(self, chunk: _Chunk, staging: list[torch.Tensor], i: int,
-                 emptied: list) -> torch.cuda.Event | None:
+    def _copy_in(self, chunk: _Chunk, staging: list[torch.Tensor], emptied: list) -> torch.cuda.Event | None:
         if not chunk.bytes:
             return None
-        buf = staging[i % 2]
+        buf = staging[chunk.slot]
         if self._h2d is None:
             self._copy(chunk, buf, inward=True)
             return None
-        if emptied[i % 2] is not None:  # chunk i-2's states have left this staging buffer
-            self._h2d.wait_event(emptied[i % 2])
+        if emptied[chunk.slot] is not None:  # the states of the chunk before last have left this staging buffer
+            self._h2d.wait_event(emptied[chunk.slot])
         with torch.cuda.stream(self._h2d):
             self._copy(chunk, buf, inward=True)
         done = torch.cuda.Event()
         done.record(self._h2d)
         return done
 
-    def _copy_out(self, chunk: _Chunk, buf: torch.Tensor | None, i: int, emptied: list) -> int:
+    def _copy_out(self, chunk: _Chunk, buf: torch.Tensor | None, emptied: list) -> int:
         if chunk.bytes:
             if self._d2h is None:
                 self._copy(chunk, buf, inward=False)
@@ -286,8 +312,8 @@ class StateStreamer:
                 self._d2h.wait_event(updated)
                 with torch.cuda.stream(self._d2h):
                     self._copy(chunk, buf, inward=False)
-                emptied[i % 2] = torch.cuda.Event()
-                emptied[i % 2].record(self._d2h)
+                emptied[chunk.slot] = torch.cuda.Event()
+                emptied[chunk.slot].record(self._d2h)
         # Pointed home before the copy lands: nothing reads them until step() has waited for the copies.
         for t, home, _ in chunk.staged:
             t.data = home
@@ -340,7 +366,7 @@ class StateStreamer:
         New states go after those already in the buffer when they fit; otherwise the buffer is laid out afresh,
         in parameter order, so that each chunk's states are one run of it.
         """
-        managed = [t for p, g in self.params() for t in self._states(p, g)]
+        managed = [t for p, g in self.owned() for t in self._states(p, g)]
         live = {id(t) for t in managed}
         for key in [k for k in self._homes if k not in live]:  # replaced or dropped by the optimizer: let them go
             del self._homes[key]
@@ -351,7 +377,8 @@ class StateStreamer:
         outside = [t for t in managed if not in_buffer(t)]
         if not outside:
             return 0
-        check_dense(outside, "keep an optimizer state in host memory", "use SwapConfig(optimizer_states='swap')")
+        check_dense(outside, "keep an optimizer state in host memory", "give it the 'swap' home "
+                    "(SwapConfig.optimizer_states='swap')")
         start = time.perf_counter()
         end = max((h.offset + align(nbytes(h.tensor)) for h in self._homes.values()
                    if self._at_home(h.tensor) and self._in_buffer(h)), default=0)
@@ -426,9 +453,10 @@ def install_step(streamer: StateStreamer, *, detached: Callable[[], bool]) -> Ca
 
     def load_state_dict(plain, state_dict):
         # torch casts each loaded state to its parameter's device, all at once: the very memory this mode saves.
-        # For the length of the load each parameter's data is an empty host tensor of its dtype, so the states
-        # land in host memory, and the load's post-hook moves them into the buffer from there.
-        params = [p for p, _ in streamer.params()]
+        # For the length of the load each owned parameter's data is an empty host tensor of its dtype, so the
+        # states land in host memory, and the load's post-hook moves them into the buffer from there. A DTensor
+        # shard's device is the DTensor's own: its states load onto the device (a shard's worth) and move from there.
+        params = [p for p, _ in streamer.owned() if local_tensor(p) is p]
         data = [p.data for p in params]
         try:
             for p in params:

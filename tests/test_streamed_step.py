@@ -299,7 +299,7 @@ def test_host_budget_refuses_states_that_do_not_fit(tiny_checkpoint):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rt = swaprl.attach(model, opt, config=host_config(host_budget_bytes=4096))
     grpo.policy_loss(model, [[1, 2, 3]], [[4, 6], [5, 7]], n=2).backward()
-    with pytest.raises(swaprl.HostBufferError, match=r"optimizer_states='host'.* only 4096 bytes .*step\(\) itself "
+    with pytest.raises(swaprl.HostBufferError, match=r"'host' home.* only 4096 bytes .*step\(\) itself "
                                                      r"completed.*raise host_budget_bytes"):
         opt.step()
     st = rt.status()["optimizer"]  # the states it made are in ordinary host memory, counted
@@ -429,7 +429,12 @@ def test_profile_and_report_show_the_streamed_step(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(optimizer_states="gpu"), r"optimizer_states='gpu'; use 'swap' .* or 'host'"),
+    (dict(optimizer_states="gpu"), r"optimizer_states='gpu'; use 'swap' .*, 'host' .* or a split such as"),
+    (dict(optimizer_states={"gpu": 1.0}), r"unknown home\(s\) \['gpu'\]; the homes are \('device', 'swap', 'host'\)"),
+    (dict(optimizer_states={"device": 0.5, "host": 0.4}), r"sums to 0.9; .* must sum to 1"),
+    (dict(optimizer_states={"device": 1.5, "host": -0.5}), r"\['device'\]=1.5; give a fraction in \[0, 1\]"),
+    (dict(optimizer_states={"device": 0.5, "host": 0.5}, overlap_optimizer_reload=True),
+     r"no state is swapped.*drop overlap_optimizer_reload"),
     (dict(optimizer_states="host", stream_chunk_bytes=4096), r"stream_chunk_bytes=4096 .*use 256 MiB or more"),
     (dict(stream_chunk_bytes=1.5 * 2**30), r"stream_chunk_bytes=1610612736.0; give a byte count as an int"),
     (dict(optimizer_states="host", overlap_optimizer_reload=True), r"drop overlap_optimizer_reload"),
