@@ -21,9 +21,9 @@ from typing import Literal
 import torch
 
 from . import distributed, memory
+from .compat.torch import local_tensor
 from .config import STATE_HOMES, StateHome, SwapConfig
 from .errors import HostBufferError, PhaseError
-from .compat.torch import local_tensor
 from .residency import HostBuffer, Moved, Mover, PendingOffload, align, layout_bytes, nbytes
 from .streaming import StateStreamer
 
