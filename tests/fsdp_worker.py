@@ -31,12 +31,14 @@ from tests.grpo import ReplicaEngine
 N = 4  # completions per prompt
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
+def shard(model: torch.nn.Module, mixed: bool = False) -> torch.nn.Module:
+    """FSDP2 over the layers and the whole; `mixed`: bf16 compute over the fp32 shards (MixedPrecisionPolicy)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
@@ -91,17 +93,18 @@ def fsdp(args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {"rank": rank, "world": world}
 
-    def build():
+    def build(mixed: bool = False):
         torch.manual_seed(0)
         model = random_model("tiny", device="cpu")
         full = {n: p.detach().clone() for n, p in model.named_parameters()}
-        return shard(model), full
+        return shard(model, mixed), full
 
-    def train(swap: bool, grads: str, steps: int = 3) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
-        model, _ = build()
+    def train(config: swaprl.SwapConfig | None, tag: str = "", steps: int = 3,
+              mixed: bool = False) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
+        model, _ = build(mixed)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         engine = HFEngine(model)
-        rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(grads=grads)) if swap else None
+        rt = swaprl.attach(model, opt, engine, config=config) if config else None
         phase = rt.phase if rt else (lambda name: __import__("contextlib").nullcontext())
         losses = []
         for step in range(steps):
@@ -109,7 +112,7 @@ def fsdp(args) -> dict:
             with phase("generate"):
                 completions = engine.generate(prompts, Sampling(max_tokens=6, n=N, seed=step))
                 if rt and step == steps - 1:
-                    out[f"status_generate_{grads}"] = rt.status()
+                    out[f"status_generate_{tag}"] = rt.status()
             with phase("train"):
                 loss = policy_loss(model, prompts, completions)
                 loss.backward()
@@ -118,18 +121,31 @@ def fsdp(args) -> dict:
                 opt.zero_grad(set_to_none=False)
                 losses.append(loss.item())
         if rt:
-            out[f"status_train_{grads}"] = rt.status()
-            out[f"verify_{grads}"] = rt.verify_sync().ok
+            out[f"status_train_{tag}"] = rt.status()
+            out[f"verify_{tag}"] = rt.verify_sync().ok
         swaprl.detach()
         return losses, shards(model.parameters()), shards(optimizer_states(opt))
 
-    l0, p0, s0 = train(swap=False, grads="keep")
+    def compare(reference, run) -> dict:
+        (l0, p0, s0), (l1, p1, s1) = reference, run
+        return {"losses": l0 == l1, "params": bitwise_equal(p0, p1), "optimizer": bitwise_equal(s0, s1),
+                "losses_seen": [l0, l1]}
+
+    plain = train(None)
     for grads in ("offload", "free"):
-        l1, p1, s1 = train(swap=True, grads=grads)
-        out[f"bitwise_{grads}"] = {"losses": l0 == l1, "params": bitwise_equal(p0, p1),
-                                   "optimizer": bitwise_equal(s0, s1), "losses_seen": [l0, l1]}
-    out["local_state_bytes"] = sum(nbytes(t) for t in s0)
+        out[f"bitwise_{grads}"] = compare(plain, train(swaprl.SwapConfig(grads=grads), grads))
+    out["local_state_bytes"] = sum(nbytes(t) for t in plain[2])
     out["full_state_bytes"] = 2 * sum(p.numel() * 4 for p in build()[1].values())
+    # Each rank streams its own shards' states; "mixed" also keeps some on the device and swaps some.
+    splits = {"host": "host", "device": {"device": 1.0}, "mixed": {"device": 0.3, "swap": 0.3, "host": 0.4}}
+    for name, split in splits.items():
+        config = swaprl.SwapConfig(optimizer_states=split, stream_chunk_bytes=2**20, grads="free")
+        out[f"bitwise_split_{name}"] = compare(plain, train(config, f"split_{name}"))
+    # bf16 compute over fp32 shards (FSDP2's MixedPrecisionPolicy): fp32 AdamW states, swapped and streamed.
+    mixed_plain = train(None, mixed=True)
+    config = swaprl.SwapConfig(optimizer_states=splits["mixed"], stream_chunk_bytes=2**20, grads="free")
+    out["bitwise_mixed_precision"] = compare(mixed_plain, train(config, "mixed_precision", mixed=True))
+    out["mixed_precision_state_dtypes"] = sorted({str(t.dtype) for t in mixed_plain[2] if t.numel() > 1})
 
     # Refused: an FSDP2 parameter's shard is a view into FSDP2's own buffer.
     model, full = build()
@@ -139,12 +155,6 @@ def fsdp(args) -> dict:
         out["params_offload_error"] = None
     except ValueError as exc:
         out["params_offload_error"] = str(exc)
-    swaprl.detach()
-    try:  # the streamed optimizer step handles plain tensors only
-        swaprl.attach(model, opt, "hf", config=swaprl.SwapConfig(optimizer_states="host"))
-        out["host_states_error"] = None
-    except ValueError as exc:
-        out["host_states_error"] = str(exc)
     swaprl.detach()
 
     # The weight sync gathers each parameter's shards into full tensors; the on-policy check spans the ranks.

@@ -57,10 +57,28 @@ def test_params_offload_is_refused_with_the_fix(ranks):
         assert "params='keep'" in r["params_offload_error"] and "CPUOffloadPolicy" in r["params_offload_error"]
 
 
-def test_host_resident_optimizer_states_are_refused_with_the_fix(ranks):
+@pytest.mark.parametrize("split", ["host", "device", "mixed"])
+def test_fsdp2_training_with_every_split_is_bitwise_identical(ranks, split):
+    """Each rank streams its own shards' states through the optimizer step (and keeps or swaps the others)."""
     for r in ranks:
-        err = r["host_states_error"]
-        assert "optimizer_states='swap'" in err and "CPUOffloadPolicy" in err, err
+        same = r[f"bitwise_split_{split}"]
+        assert same["losses"] and same["params"] and same["optimizer"], (r["rank"], same)
+        homes = r[f"status_train_split_{split}"]["optimizer_homes"]
+        assert sum(homes.values()) == r["local_state_bytes"]  # every state has a home
+        assert r[f"status_train_split_{split}"]["optimizer"]["host_bytes"] == homes["host"]
+        assert homes["host" if split == "host" else "device"] > 0
+        if split == "mixed":
+            assert all(homes[h] > 0 for h in ("device", "swap", "host")), homes
+            gen = r[f"status_generate_split_{split}"]["optimizer"]
+            assert gen["host_bytes"] == homes["swap"] + homes["host"] and gen["bytes"] == homes["device"]
+
+
+def test_fsdp2_mixed_precision_over_fp32_shards_streams_fp32_states(ranks):
+    """bf16 compute over fp32 shards (MixedPrecisionPolicy): fp32 AdamW states, split, bit for bit."""
+    for r in ranks:
+        same = r["bitwise_mixed_precision"]
+        assert same["losses"] and same["params"] and same["optimizer"], (r["rank"], same)
+        assert r["mixed_precision_state_dtypes"] == ["torch.float32"]
 
 
 def test_weight_sync_gathers_full_tensors_and_the_check_spans_ranks(ranks):
