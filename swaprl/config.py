@@ -183,3 +183,22 @@ def _check_split(split: Mapping[str, float]) -> dict[str, float]:
         raise ValueError(f"SwapConfig.optimizer_states={dict(split)!r} sums to {sum(out.values()):.6g}; the fractions "
                          f"share all of the states' bytes and must sum to 1, {example}")
     return out
+
+
+def parse_optimizer_states(text: str) -> str | dict[str, float]:
+    """A command line's `SwapConfig.optimizer_states`: "swap", "host", or a split "device=0.2,swap=0.5,host=0.3"
+    (homes left out get 0). Raises ValueError naming the form."""
+    text = text.strip()
+    if text in OPTIMIZER_STATES:
+        return text
+    split = {}
+    for part in filter(None, text.split(",")):
+        home, sep, value = part.partition("=")
+        try:
+            split[home.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"optimizer states {text!r}: give 'swap', 'host' or a split of the states' bytes such as "
+                             "'device=0.2,swap=0.5,host=0.3'")
+    return _check_split(split)
