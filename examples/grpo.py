@@ -17,6 +17,7 @@ and its report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 import swaprl
 from swaprl import memory
+from swaprl.config import parse_optimizer_states
 
 log = logging.getLogger("grpo")
 
@@ -67,6 +69,13 @@ def grpo_loss(model, prompts, completions, n, *, micro_batch: int, pad_id: int) 
     return total, tokens
 
 
+def optimizer_states(text: str) -> str | dict[str, float]:
+    try:
+        return parse_optimizer_states(text)
+    except ValueError as exc:  # argparse shows the message of this type only
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a local checkpoint directory (default: write a random one)")
@@ -88,9 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
                     help="stop when the mismatch exceeds these |dlogp| bounds (SwapConfig.verify_tolerance); "
                          "default: report it only")
-    ap.add_argument("--optimizer-states", default="swap", choices=["swap", "host"],
-                    help="'host': keep the AdamW states in host memory and stream them through optimizer.step() "
-                         "(for models whose parameters + gradients + states do not fit the GPU)")
+    ap.add_argument("--optimizer-states", default="swap", type=optimizer_states,
+                    help="where the AdamW states live (SwapConfig.optimizer_states): 'swap' (host memory while "
+                         "generating), 'host' (host memory always, streamed through optimizer.step()), or a split "
+                         "of their bytes such as device=0.3,swap=0.3,host=0.4 (what `swaprl plan` prints)")
+    ap.add_argument("--master-weights", action="store_true",
+                    help="fp32 parameters, and so fp32 AdamW states, with bf16 compute: FSDP2's MixedPrecisionPolicy "
+                         "under torchrun, autocast on one device (--dtype is then the compute dtype)")
+    ap.add_argument("--host-budget-gib", type=float, default=None,
+                    help="host memory this rank's runtime may hold (SwapConfig.host_budget_bytes); default: what "
+                         "the OS reports available, shared by the node's ranks")
     ap.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size under torchrun")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
@@ -131,24 +147,27 @@ def init_distributed() -> tuple[int, int, str]:
     return dist.get_rank(), world, f"cuda:{local}" if cuda else "cpu"
 
 
-def load_sharded(path: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    """The checkpoint at `path` as an FSDP2 model over all ranks, each rank reading only its rows of each tensor.
+def load_sharded(path: Path, dtype: torch.dtype, device: str, compute: torch.dtype | None = None) -> torch.nn.Module:
+    """The checkpoint at `path` as an FSDP2 model over all ranks, each rank reading only its rows of each tensor;
+    with `compute`, FSDP2 gathers the `dtype` shards in that dtype for the forward and backward (MixedPrecisionPolicy)
+    and reduces the gradients in `dtype`.
 
     The model is built without parameter storage (buffers such as the rotary frequencies are real), sharded, given
     storage on `device`, and filled from the safetensors files: a 72B model never exists whole on any rank.
     """
     from accelerate import init_empty_weights
     from safetensors import safe_open
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=dtype)} if compute else {}
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     model.tie_weights()  # accelerate's empty init re-creates the parameters after transformers tied them
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)
     model.to_empty(device=device)
     files = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -186,10 +205,15 @@ def main(argv: list[str] | None = None) -> dict:
     if world > 1:
         dist.barrier()  # the checkpoint and the output directory exist
     torch.manual_seed(args.seed)
+    compute = getattr(torch, args.dtype)
+    dtype = torch.float32 if args.master_weights else compute
     if world > 1:
-        model = load_sharded(path, getattr(torch, args.dtype), device)
+        model = load_sharded(path, dtype, device, compute=compute if args.master_weights else None)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    # One device with master weights: fp32 parameters, the forward and backward in the compute dtype.
+    autocast = (torch.autocast(device.split(":")[0], dtype=compute) if args.master_weights and world == 1
+                else contextlib.nullcontext())
     model.gradient_checkpointing_enable()  # only active in training mode, and from_pretrained returns eval mode
     model.config.use_cache = False
     model.train()
@@ -197,16 +221,21 @@ def main(argv: list[str] | None = None) -> dict:
     level = args.sleep_level if args.sleep_level == "auto" else int(args.sleep_level)
     # This loop never reads the optimizer states itself, so their reload may overlap the forward pass (host-resident
     # states have no reload).
+    states = args.optimizer_states
+    swapped = states == "swap" or isinstance(states, dict) and states["swap"] > 0
     config = swaprl.SwapConfig(sleep_level=level, verify_sync=args.verify, grads="free",
                                optimizer_states=args.optimizer_states,
                                verify_tolerance=(tuple(float(x) for x in args.verify_tolerance.split(","))
                                                  if args.verify_tolerance else None),
-                               overlap_optimizer_reload=args.optimizer_states == "swap",
+                               overlap_optimizer_reload=swapped,
+                               host_budget_bytes=(int(args.host_budget_gib * 2**30) if args.host_budget_gib
+                                                  else None),
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                profile=(out / "profile.jsonl") if out else None)
     engine = make_engine(args, path, config)
     rt = swaprl.attach(model, optimizer, engine, config=config)
-    log.info("engine %s, trainer %s on %s", type(engine).__name__, args.dtype, device)
+    log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__, str(dtype).removeprefix("torch."),
+             f" computing in {args.dtype}" if args.master_weights else "", device, args.optimizer_states)
 
     switch = {"s": 0.0}
     rt.add_listener(lambda e: switch.__setitem__("s", switch["s"] + e["seconds"]) if e["type"] == "phase" else None)
@@ -231,8 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
             used_generate = device_used()
         with swaprl.phase("train"):
             tt = time.perf_counter()
-            loss, train_tokens = grpo_loss(model, prompts, completions, args.completions,
-                                           micro_batch=args.micro_batch, pad_id=pad_id)
+            with autocast:
+                loss, train_tokens = grpo_loss(model, prompts, completions, args.completions,
+                                               micro_batch=args.micro_batch, pad_id=pad_id)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if cuda:
@@ -259,10 +289,10 @@ def main(argv: list[str] | None = None) -> dict:
                  "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
                  rollout_tokens, mean_reward, f", weights {sync['weights']}, mismatch max|dlogp| {check:.3g}"
                  if check is not None else "")
-    if args.optimizer_states == "swap":
+    if rt.config.state_split()["host"] == 0:
         swaprl.detach()
-    # else: detach() would bring the states back to the GPU for plain torch, and they were put on the host because
-    # they do not fit there; the process ends here, which releases everything.
+    # else: detach() would bring the host-resident states back to the GPU for plain torch, and they were put on the
+    # host because they do not fit there; the process ends here, which releases everything.
     engine.close()
 
     timed = steps[args.warmup:] or steps
