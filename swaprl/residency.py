@@ -27,6 +27,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,18 +102,26 @@ class HostBuffer:
         if size <= 0 or self.capacity >= size:
             return
         self.release()
-        self._pending, self._made = size, None
-        self._thread = threading.Thread(target=self._make, args=(size,), name=f"swaprl-host-{self.name}",
-                                        daemon=True)
-        self._thread.start()
+        self._in_background(lambda: _host_empty(size, pin=self.pin), size)
 
-    def _make(self, size: int) -> None:
-        start = time.perf_counter()
-        try:
-            self._made = _host_empty(size, pin=self.pin)
-        except BaseException as exc:  # handed to the thread that waits for the buffer
-            self._made = exc
-        self.lock_seconds = time.perf_counter() - start
+    def _in_background(self, make: Callable[[], tuple[torch.Tensor, bool]], size: int) -> None:
+        """Run `make` (which returns the buffer and whether it registered it) in a thread on this process's current
+        device; `_settle` takes its result."""
+        self._pending, self._made = size, None
+        device = torch.cuda.current_device() if self.pin else None
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)  # a new thread starts on device 0
+                self._made = make()
+            except BaseException as exc:  # handed to the thread that waits for the buffer
+                self._made = exc
+            self.lock_seconds = time.perf_counter() - start
+
+        self._thread = threading.Thread(target=run, name=f"swaprl-host-{self.name}", daemon=True)
+        self._thread.start()
 
     def _settle(self) -> None:
         """Wait for a background preparation and take its buffer."""
@@ -151,22 +160,18 @@ class HostBuffer:
                     " pinned" if self.pin and lock else "", self.lock_seconds)
         return self._buf
 
-    def lock(self) -> None:
-        """Page-lock a buffer that `ensure(..., lock=False)` allocated; nothing to do if it is locked already."""
+    def lock(self, *, background: bool = False) -> None:
+        """Page-lock a buffer that `ensure(..., lock=False)` allocated; nothing to do if it is locked already.
+        `background`: in a thread, so the caller goes on at once; whatever needs the buffer next waits for it."""
         self._settle()
         if not self.pin or self._buf is None or self._registered or self._buf.is_pinned():
             return
-        start = time.perf_counter()
-        torch.cuda.init()
-        err = torch.cuda.cudart().cudaHostRegister(self._buf.data_ptr(), self._buf.numel(), 0)
-        if int(err) != 0:
-            # Copying into torch's pinned allocator instead would take twice the memory for a moment; stay pageable.
-            logger.warning("cudaHostRegister of host buffer %r failed (%s); its copies run at pageable speed",
-                           self.name, err)
+        buf = self._buf
+        if background:
+            self._buf = None  # held by the thread until `_settle`
+            self._in_background(lambda: (buf, _register(buf, self.name)), buf.numel())
             return
-        self._registered = True
-        logger.info("host buffer %r: page-locked %.2f GiB in %.2f s", self.name, self._buf.numel() / 2**30,
-                    time.perf_counter() - start)
+        self._registered = _register(buf, self.name)
 
     def holds(self, m: Moved) -> bool:
         """Whether `m` still sits at its own offset of this buffer."""
@@ -234,12 +239,30 @@ def _host_empty(size: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
         return buf, False
     _advise_huge_pages(buf)
     buf.zero_()
-    torch.cuda.init()  # register with the context torch's copies will use, not one the runtime creates implicitly
-    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-    if int(err) == 0 and buf.is_pinned():
+    if _register(buf, "new", quiet=True) and buf.is_pinned():
         return buf, True
-    logger.warning("cudaHostRegister failed (%s); falling back to torch's pinned allocator", err)
+    logger.warning("cudaHostRegister failed; falling back to torch's pinned allocator")
     return torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True), False
+
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context, whichever device registered it
+
+
+def _register(buf: torch.Tensor, name: str, *, quiet: bool = False) -> bool:
+    """Page-lock `buf` where it is (`cudaHostRegister`, one range: a copy straddling two registrations is refused)."""
+    start = time.perf_counter()
+    torch.cuda.init()  # register with the context torch's copies will use, not one the runtime creates implicitly
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), _HOST_REGISTER_PORTABLE)
+    if int(err) != 0:
+        if not quiet:
+            # Copying into torch's pinned allocator instead would take twice the memory for a moment; stay pageable.
+            logger.warning("cudaHostRegister of host buffer %r failed (%s); its copies run at pageable speed",
+                           name, err)
+        return False
+    if not quiet:
+        logger.info("host buffer %r: page-locked %.2f GiB in %.2f s", name, buf.numel() / 2**30,
+                    time.perf_counter() - start)
+    return True
 
 
 @dataclass(slots=True)

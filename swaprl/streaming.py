@@ -392,7 +392,7 @@ class StateStreamer:
             self.buffer.release()
             self.buffer.ensure(total, lock=False)
             moved = self._place(managed, 0)
-            self.buffer.lock()
+            self.buffer.lock(background=True)  # the next step waits for it, if it comes that soon
         logger.info("optimizer states: %.2f GiB moved into host buffer %r (%d tensors, %.2f GiB held) in %.2f s",
                     moved / 2**30, self.buffer.name, len(outside), self.buffer.capacity / 2**30,
                     time.perf_counter() - start)
