@@ -1,15 +1,17 @@
 """Memory planner: does an online-RL step of a model fit a cluster, under which swap settings, with how much KV cache?
 
-    python -m swaprl.plan qwen2.5-72b --cluster 8xH100 --tp 4 --prompts 64 --completions 8 \\
+    python -m swaprl.plan qwen2.5-72b --cluster 8xH200 --tp 4 --prompts 64 --completions 8 \\
         --prompt-tokens 512 --completion-tokens 1024 [--json]
 
 `plan(...)` computes the bytes of every memory category, per GPU and per host, in the two phases of a step:
-`train` (the engine asleep, optimizer states on the GPU) and `generate` (optimizer states in pinned host memory,
-the engine awake with weights and KV cache). It tries the swap settings from the one that moves the fewest bytes
-between host and GPU to the most aggressive and picks the first under which both phases and the host fit; when
-none does, it tries them again with the optimizer states in host memory in `train` too (`optimizer_states="host"`,
-unsharded trainers only), and when still none does, the verdict names the phase that overflows, by how much, and
-the single changes that would make it fit.
+`train` (the engine asleep) and `generate` (the engine awake with weights and KV cache). The optimizer states are
+split over three homes: "device" (on the GPU in both phases), "swap" (in pinned host memory for `generate` only)
+and "host" (in pinned host memory in both phases, streamed through the GPU by the optimizer step). For every point
+of the search (gradients, parameters, sleep level, checkpointing) the planner picks the split: on the device only
+what the host cannot hold, swapped as much of the rest as `train` holds, the remainder streamed. It tries the
+points from the one that moves the fewest bytes between host and GPU to the most aggressive, those that stream
+nothing first, and picks the first under which both phases and the host fit; when none does, the verdict names the
+phase that overflows, by how much, and the single changes that would make it fit.
 
 Every formula and constant is written out once, in docs/plan.md; the functions below cite its sections (§).
 """
@@ -20,14 +22,25 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from .config import MEMORY_CATEGORIES as CATEGORIES
-from .config import OPTIMIZER_STATES, PARAM_POLICIES, GradPolicy, OptimizerStates, ParamPolicy
+from .config import (
+    OPTIMIZER_STATES,
+    PARAM_POLICIES,
+    STATE_HOMES,
+    GradPolicy,
+    OptimizerStates,
+    ParamPolicy,
+    SwapConfig,
+    parse_optimizer_states,
+)
 from .memory import default_reserve_bytes
 from .presets import PRESETS, Preset, get_preset
 
@@ -87,6 +100,14 @@ def _check_positive_ints(obj, names: tuple[str, ...]) -> None:
             raise ValueError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
 
 
+# Pinned copy rates per GPU and direction (§Clusters). Several GPUs: 36 GB/s measured with both GPUs of a 2 x H200
+# host copying both ways at once, standing in for 8-GPU nodes of H200s and H100s (not measured with 8). One GPU:
+# 55 GB/s each way, measured on one H100 (benchmarks/results/transitions_qwen2.5-7b_h100.md: 55.4 device-to-host,
+# 55.1 host-to-device), assumed for one H200 too (the same PCIe generation).
+_NODE_COPY_RATE = 36e9
+_ONE_GPU_COPY_RATE = 55e9
+
+
 @dataclass(kw_only=True, slots=True)
 class Cluster:
     """The machines: identical nodes of identical GPUs."""
@@ -99,9 +120,16 @@ class Cluster:
     """Host memory of one node (`free -b` total); pinned buffers for swapped tensors come out of it."""
     nodes: int = 1
     """Number of nodes."""
+    copy_bytes_per_s: float = _NODE_COPY_RATE
+    """Pinned host <-> GPU copy rate of one GPU, per direction, while every GPU of the node copies both ways at once
+    (the default is the slowest measured, §Clusters); it prices the bytes a step moves, not whether it fits."""
 
     def __post_init__(self) -> None:
         _check_positive_ints(self, ("gpus_per_node", "gpu_memory_bytes", "host_memory_bytes", "nodes"))
+        rate = self.copy_bytes_per_s
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < math.inf:
+            raise ValueError(f"Cluster.copy_bytes_per_s must be a positive number of bytes per second, e.g. 36e9, "
+                             f"got {rate!r}")
 
     @property
     def gpus(self) -> int:
@@ -112,10 +140,14 @@ class Cluster:
 _H100_BYTES = 85_017_493_504  # measured: 81559 MiB - 480 MiB
 _H200_BYTES = 150_251_503_616  # 143771 MiB - 480 MiB (the H100's driver reserve, assumed)
 CLUSTERS: dict[str, Cluster] = {
-    "8xH200": Cluster(gpus_per_node=8, gpu_memory_bytes=_H200_BYTES, host_memory_bytes=560 * GiB),
-    "8xH100": Cluster(gpus_per_node=8, gpu_memory_bytes=_H100_BYTES, host_memory_bytes=1024 * GiB),
-    "1xH200": Cluster(gpus_per_node=1, gpu_memory_bytes=_H200_BYTES, host_memory_bytes=128 * GiB),
-    "1xH100": Cluster(gpus_per_node=1, gpu_memory_bytes=_H100_BYTES, host_memory_bytes=128 * GiB),
+    "8xH200": Cluster(gpus_per_node=8, gpu_memory_bytes=_H200_BYTES, host_memory_bytes=560 * GiB,
+                      copy_bytes_per_s=_NODE_COPY_RATE),
+    "8xH100": Cluster(gpus_per_node=8, gpu_memory_bytes=_H100_BYTES, host_memory_bytes=1024 * GiB,
+                      copy_bytes_per_s=_NODE_COPY_RATE),
+    "1xH200": Cluster(gpus_per_node=1, gpu_memory_bytes=_H200_BYTES, host_memory_bytes=128 * GiB,
+                      copy_bytes_per_s=_ONE_GPU_COPY_RATE),
+    "1xH100": Cluster(gpus_per_node=1, gpu_memory_bytes=_H100_BYTES, host_memory_bytes=128 * GiB,
+                      copy_bytes_per_s=_ONE_GPU_COPY_RATE),
 }
 
 
@@ -155,15 +187,13 @@ class Rollout:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Settings:
-    """One point of the swap search space; the names are those of `swaprl.SwapConfig`.
+    """One point of the swap search space; the names are those of `swaprl.SwapConfig` (`swap_config()`)."""
 
-    The optimizer states always go to pinned host memory in `generate`; `optimizer_states` says whether they also
-    stay there in `train`.
-    """
-
-    optimizer_states: OptimizerStates = "swap"
-    """In `train`: the states back on the GPU ("swap"), or in host memory, streamed through the GPU by the
-    optimizer step a chunk at a time ("host")."""
+    optimizer_states: OptimizerStates | Mapping[str, float] = "swap"
+    """The optimizer states' split over their homes, as `SwapConfig.optimizer_states` takes it; stored as the
+    fractions of every home, {"device": d, "swap": s, "host": h} ("swap" is {"device": 0, "swap": 1, "host": 0}).
+    "device": on the GPU in both phases; "swap": in host memory for `generate`, back on the GPU for `train`; "host":
+    in host memory in both phases, streamed through the GPU by the optimizer step a chunk at a time."""
     grads: GradPolicy = "free"
     """In `generate`: drop the gradients (they are rebuilt by the next backward), copy them to host, or keep them."""
     params: ParamPolicy = "keep"
@@ -174,9 +204,9 @@ class Settings:
     """Recompute each decoder layer in backward instead of keeping its activations."""
 
     def __post_init__(self) -> None:
-        if self.optimizer_states not in OPTIMIZER_STATES:
-            raise ValueError(f"optimizer_states={self.optimizer_states!r}; use one of "
-                             f"{', '.join(OPTIMIZER_STATES)}")
+        # SwapConfig's own rules and messages for the three forms (a name, or fractions summing to 1)
+        split = SwapConfig(optimizer_states=self.optimizer_states).state_split()
+        object.__setattr__(self, "optimizer_states", split)
         if self.grads not in _GRADS:
             raise ValueError(f"grads={self.grads!r}; use one of {', '.join(_GRADS)}")
         if self.params not in PARAM_POLICIES:
@@ -186,15 +216,34 @@ class Settings:
         if not isinstance(self.activation_checkpointing, bool):
             raise TypeError(f"activation_checkpointing={self.activation_checkpointing!r}; use True or False")
 
+    def states(self) -> str | dict[str, float]:
+        """`optimizer_states` in SwapConfig's shortest form: "swap" or "host" when one home holds them all, else the
+        split."""
+        return next((home for home in OPTIMIZER_STATES if self.optimizer_states[home] == 1.0),
+                    dict(self.optimizer_states))
+
     def describe(self) -> str:
         ckpt = "on" if self.activation_checkpointing else "off"
-        host = " optimizer_states=host" if self.optimizer_states == "host" else ""
-        return f"grads={self.grads} params={self.params} sleep_level={self.sleep_level} checkpointing={ckpt}{host}"
+        states = self.states()
+        if states == "swap":
+            states = ""  # the default: said by label()
+        elif not isinstance(states, str):  # the form --optimizer-states takes, homes holding nothing left out
+            states = ",".join(f"{home}={value:g}" for home, value in states.items() if value)
+        return (f"grads={self.grads} params={self.params} sleep_level={self.sleep_level} checkpointing={ckpt}"
+                + (f" optimizer_states={states}" if states else ""))
 
     def label(self) -> str:
         """How the optimizer states move, then `describe()`."""
-        moves = "optimizer offload" if self.optimizer_states == "swap" else "optimizer states in host memory"
+        states = self.states()
+        moves = ("optimizer offload" if states == "swap" else "optimizer states in host memory" if states == "host"
+                 else "optimizer states on the device" if states["device"] == 1 else "optimizer states split")
         return f"{moves}, {self.describe()}"
+
+    def swap_config(self) -> dict:
+        """The keyword arguments of `swaprl.SwapConfig` for these settings. Activation checkpointing is the model's
+        to switch on (`model.gradient_checkpointing_enable()`); every other SwapConfig field keeps its default."""
+        return {"optimizer_states": self.states(), "grads": self.grads, "params": self.params,
+                "sleep_level": self.sleep_level}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -244,13 +293,30 @@ class Plan:
     sequences_per_engine: int
     waves: int | None
     """Rounds of generation one engine needs for its share of the rollout; None when no sequence fits."""
+    state_bytes: dict[str, int]
+    """The optimizer states of one GPU by home ("device", "swap", "host"), under the shown settings (§Split)."""
+    moved_bytes: int
+    """Bytes one GPU copies between host and device per step, both directions together (§Copies)."""
+    copy_seconds: float
+    """The time of those copies at the cluster's copy rate, a floor: the swapped bytes' copies overlap the engine's
+    wake and sleep, the streamed ones add to the optimizer step (§Copies)."""
     candidates: list[Candidate]
     verdict: str
     suggestions: list[str] = field(default_factory=list)
+    full_precision: str | None = None
+    """The verdict of the same step with fp32 master weights (fp32 parameters and gradients, FSDP2's
+    MixedPrecisionPolicy computing in bf16: 16 bytes per parameter with AdamW), when the trainer's parameters are
+    below fp32 and it keeps no master copy; None otherwise (§Trainer state)."""
 
     @property
     def ok(self) -> bool:
         return self.settings is not None
+
+    def swap_config(self) -> dict:
+        """The keyword arguments of `swaprl.SwapConfig` for the chosen settings (`Settings.swap_config`)."""
+        if self.settings is None:
+            raise ValueError(f"no setting fits, so there is no SwapConfig to give: {self.verdict}")
+        return self.settings.swap_config()
 
     def total(self, phase: str) -> int:
         return sum(self.gpu[phase].values())
@@ -281,7 +347,8 @@ class Plan:
         lines = [
             f"model     {self.model}: {self.parameters / 1e9:.2f} B parameters, {self.layers} layers",
             (f"cluster   {c['nodes']} x {c['gpus_per_node']} GPUs of {_gib(c['gpu_memory_bytes'])} GiB, "
-             f"host {_gib(c['host_memory_bytes'])} GiB per node"),
+             f"host {_gib(c['host_memory_bytes'])} GiB per node, copies at {c['copy_bytes_per_s'] / 1e9:.0f} GB/s "
+             "per GPU and direction"),
             (f"trainer   shard degree {i['shard_degree']}, params {i['param_dtype']}, grads {i['grad_dtype']}, "
              f"{i['optimizer']} states {i['optimizer_dtype']}{' + fp32 master' if i['master_weights'] else ''}, "
              f"compute {i['compute_dtype']}, micro batch {i['micro_batch_tokens']} tokens"),
@@ -292,6 +359,9 @@ class Plan:
              f"{r['prompts'] * r['completions_per_prompt']} sequences of {r['prompt_tokens']}+"
              f"{r['completion_tokens']} tokens (global), {self.sequences_per_engine} per engine"),
             f"settings  {self.settings.label() if self.settings else 'none fits'}",
+            "states    per GPU " + ", ".join(
+                f"{home} {_gib(self.state_bytes[home])} GiB ({self.shown.optimizer_states[home]:.2f})"
+                for home in STATE_HOMES) + f" of {_gib(sum(self.state_bytes.values()))} GiB",
             "",
             f"{'per GPU (GiB)':<24}{'train':>10}{'generate':>10}",
         ]
@@ -310,25 +380,33 @@ class Plan:
                      f"{'fits' if self.fits['host'] else 'DOES NOT FIT'}")
         waves = "no sequence fits" if self.waves is None else (
             "one wave" if self.waves == 1 else f"{self.waves} waves")
+        streamed = 2 * self.state_bytes["host"]
         lines += ["", (f"KV cache  {_gib(self.kv_cache_bytes)} GiB per GPU, {self.kv_bytes_per_token / 1024:.1f} "
                        f"KiB per token: {self.concurrent_sequences} sequences of "
                        f"{r['prompt_tokens'] + r['completion_tokens']} tokens at once per engine; "
-                       f"{self.sequences_per_engine} per engine -> {waves}"), "",
-                  "candidates, least moving first (* = shown above)                moved GiB/GPU/step  verdict"]
+                       f"{self.sequences_per_engine} per engine -> {waves}"),
+                  (f"copies    {_gib(self.moved_bytes)} GiB per GPU per step, both ways ({_gib(streamed)} of it "
+                   f"streamed by the optimizer step): {self.copy_seconds:.2f} s at "
+                   f"{c['copy_bytes_per_s'] / 1e9:.0f} GB/s"), ""]
         chosen = next((k for k, cand in enumerate(self.candidates) if cand.settings == self.settings), None)
         if chosen is not None:
             shown = self.candidates[:chosen + 1]
         else:  # the first few and the closest miss
             shown = self.candidates[:_TABLE_CANDIDATES]
             shown += [c for c in self.candidates if c.settings == self.shown and c not in shown]
+        header = "candidates: streaming nothing first, then least moving (* = shown above)"
+        width = max(max(len(cand.settings.describe()) for cand in shown) + 2, len(header) - 1)
+        lines.append(f"{header:<{width + 3}}moved GiB/GPU/step  verdict")
         for cand in shown:
             mark = "*" if cand.settings in (self.settings, self.shown) else " "
-            lines.append(f" {mark} {cand.settings.describe():<58}{_gib(cand.moved_bytes):>8}  {cand.verdict}")
+            lines.append(f" {mark} {cand.settings.describe():<{width}}{_gib(cand.moved_bytes):>8}  {cand.verdict}")
         if len(shown) < len(self.candidates):
             rest = "more aggressive, not needed" if chosen is not None else "more, none fits; see --json"
             lines.append(f"   ({len(self.candidates) - len(shown)} {rest})")
         lines += ["", f"verdict   {self.verdict}"]
         lines += [f"  - {s}" for s in self.suggestions]
+        if self.full_precision:
+            lines.append(f"fp32 master weights: {self.full_precision}")
         return "\n".join(lines)
 
 
@@ -538,140 +616,196 @@ def _cuda_context_bytes(s: _Spec) -> int:
     return s.processes_per_gpu * _CUDA_CONTEXT_BYTES + groups * _NCCL_BYTES_PER_GROUP
 
 
+def _state_bytes_per_param(s: _Spec) -> int:
+    """§Trainer state: optimizer-state bytes of one parameter (its states, and the fp32 master copy if kept)."""
+    return _STATES_PER_PARAM[s.optimizer] * dtype_bytes(s.optimizer_dtype)[1] + (4 if s.master_weights else 0)
+
+
 def _trainer_state(s: _Spec) -> dict[str, int]:
     """§Trainer state: per-GPU shards of parameters, gradients and optimizer states."""
     n = s.model.num_parameters()
-    b_p, b_g, b_o = (dtype_bytes(d)[1] for d in (s.param_dtype, s.grad_dtype, s.optimizer_dtype))
-    per_param_opt = _STATES_PER_PARAM[s.optimizer] * b_o + (4 if s.master_weights else 0)
+    b_p, b_g = (dtype_bytes(d)[1] for d in (s.param_dtype, s.grad_dtype))
     return {"params": -(-n * b_p // s.shard_degree), "grads": -(-n * b_g // s.shard_degree),
-            "optimizer": -(-n * per_param_opt // s.shard_degree)}
+            "optimizer": -(-n * _state_bytes_per_param(s) // s.shard_degree)}
 
 
-def _streamed_optimizer_bytes(s: _Spec) -> int:
-    """§Phases: the optimizer states on one GPU during a streamed step: two staging chunks, each at least the largest
-    parameter's states (the embedding, or an MLP matrix); one when a single chunk holds them all."""
-    b_o = dtype_bytes(s.optimizer_dtype)[1]
-    per_param_opt = _STATES_PER_PARAM[s.optimizer] * b_o + (4 if s.master_weights else 0)
-    largest = max(s.model.vocab_size, s.model.intermediate_size) * s.model.hidden_size * per_param_opt
+def _largest_state_bytes(s: _Spec) -> int:
+    """§Phases: the states of the largest parameter (the embedding, or an MLP matrix) on one GPU: FSDP2 shards
+    every parameter, and each rank streams its own shard's states."""
+    m = s.model
+    return -(-max(m.vocab_size, m.intermediate_size) * m.hidden_size * _state_bytes_per_param(s) // s.shard_degree)
+
+
+def _staging_bytes(s: _Spec, streamed: int) -> int:
+    """§Phases: the streamed states' bytes on one GPU during the optimizer step: two staging chunks, each at least
+    the largest parameter's states; all of them when a single chunk holds them; none when nothing streams."""
+    chunk = max(_STREAM_CHUNK_BYTES, _largest_state_bytes(s))
+    return streamed if chunk >= streamed else 2 * chunk
+
+
+def _home_bytes(s: _Spec, split: Mapping[str, float]) -> dict[str, int]:
+    """§Split: the optimizer states of one GPU by home; the homes' bytes add up to the states' exactly."""
     total = _trainer_state(s)["optimizer"]
-    chunk = max(_STREAM_CHUNK_BYTES, largest)
-    return total if chunk >= total else 2 * chunk
+    device = round(split["device"] * total)
+    host = total - device if split["swap"] == 0 else min(round(split["host"] * total), total - device)
+    return {"device": device, "swap": total - device - host, "host": host}
 
 
 def _engine_weight_bytes(s: _Spec) -> int:
     return _engine_params_per_rank(s.model, s.tp) * dtype_bytes(s.engine_dtype)[1]
 
 
-def _moved_bytes(s: _Spec, st: Settings) -> int:
-    """§Search: bytes one GPU copies to host and back per step under `st`."""
-    state = _trainer_state(s)
-    return 2 * (state["optimizer"] + (state["grads"] if st.grads == "offload" else 0)
-                + (state["params"] if st.params == "offload" else 0)
-                + (_engine_weight_bytes(s) if st.sleep_level == 1 else 0))
+def _budgets(s: _Spec) -> dict[str, int]:
+    """§Phases, §Host, §KV cache: what each check allows, and the KV cache `generate` must keep at least."""
+    seq_tokens = -(-s.rollout.sequence_tokens // _KV_BLOCK_TOKENS) * _KV_BLOCK_TOKENS
+    return {"train": int(s.cluster.gpu_memory_bytes * s.gpu_utilization_cap),
+            # a self-sized VLLMEngine fills the GPU up to its reserve, whatever the cap says
+            "generate": s.cluster.gpu_memory_bytes - s.engine_reserve_bytes,
+            "host": s.cluster.host_memory_bytes - s.host_margin_bytes,
+            "one_sequence": _kv_bytes_per_token(s.model, s.tp, dtype_bytes(s.kv_dtype)[1]) * seq_tokens}
 
 
-def _evaluate(s: _Spec, st: Settings) -> dict:
-    """Both phases' bytes under one setting, and whether each check passes (§Phases, §Host, §KV cache)."""
+def _phase_bytes(s: _Spec, st: Settings) -> dict[str, dict[str, int]]:
+    """§Phases, §Host: both phases' bytes under `st` on one GPU and one node's host, but for the optimizer states
+    and the KV cache (0 here): they are what the split and the engine share out."""
     state = _trainer_state(s)
     engine_weights = _engine_weight_bytes(s)
     graphs = _CUDA_GRAPH_BYTES if s.cuda_graphs else 0
     ctx = _cuda_context_bytes(s)
     zero = dict.fromkeys(CATEGORIES, 0)
-    train = {**zero, **state, "engine_other": _ENGINE_RESIDENT_BYTES + graphs,
-             "activations": _train_activation_bytes(s, st.activation_checkpointing), "cuda_context": ctx}
-    if st.optimizer_states == "host":
-        train["optimizer"] = _streamed_optimizer_bytes(s)
-    generate = {**zero, "params": state["params"] if st.params == "keep" else 0,
-                "grads": state["grads"] if st.grads == "keep" else 0, "engine_weights": engine_weights,
-                "engine_other": _ENGINE_RESIDENT_BYTES + graphs + _engine_profile_peak(s), "cuda_context": ctx}
-    budget = int(s.cluster.gpu_memory_bytes * s.gpu_utilization_cap)
-    # A self-sized VLLMEngine fills the GPU up to its reserve, whatever the cap says (§Phases, §KV cache).
-    gen_budget = s.cluster.gpu_memory_bytes - s.engine_reserve_bytes
-    kv_room = gen_budget - sum(generate.values())
-    generate["kv_cache"] = max(kv_room, 0)
-
-    kv_token = _kv_bytes_per_token(s.model, s.tp, dtype_bytes(s.kv_dtype)[1])
-    seq_tokens = -(-s.rollout.sequence_tokens // _KV_BLOCK_TOKENS) * _KV_BLOCK_TOKENS
-    concurrent = max(kv_room, 0) // (kv_token * seq_tokens)
-
     gpn = s.cluster.gpus_per_node
-    host_gen = dict.fromkeys(HOST_CATEGORIES, 0)
-    host_gen["optimizer"] = state["optimizer"] * gpn
-    if st.grads == "offload":
-        host_gen["grads"] = state["grads"] * gpn
-    if st.params == "offload":
-        host_gen["params"] = state["params"] * gpn
-    host_train = dict.fromkeys(HOST_CATEGORIES, 0)
-    if st.sleep_level == 1:
-        host_train["engine_weights"] = engine_weights * gpn
-    if st.optimizer_states == "host":
-        host_train["optimizer"] = host_gen["optimizer"]
-    pinned = sum(max(host_gen[c], host_train[c]) for c in HOST_CATEGORIES)  # one buffer per category, kept
-    host_budget = s.cluster.host_memory_bytes - s.host_margin_bytes
+    return {
+        "train": {**zero, "params": state["params"], "grads": state["grads"],
+                  "engine_other": _ENGINE_RESIDENT_BYTES + graphs,
+                  "activations": _train_activation_bytes(s, st.activation_checkpointing), "cuda_context": ctx},
+        "generate": {**zero, "params": state["params"] if st.params == "keep" else 0,
+                     "grads": state["grads"] if st.grads == "keep" else 0, "engine_weights": engine_weights,
+                     "engine_other": _ENGINE_RESIDENT_BYTES + graphs + _engine_profile_peak(s), "cuda_context": ctx},
+        "host_train": {**dict.fromkeys(HOST_CATEGORIES, 0),
+                       "engine_weights": engine_weights * gpn if st.sleep_level == 1 else 0},
+        "host_generate": {**dict.fromkeys(HOST_CATEGORIES, 0),
+                          "grads": state["grads"] * gpn if st.grads == "offload" else 0,
+                          "params": state["params"] * gpn if st.params == "offload" else 0},
+    }
 
-    moved = _moved_bytes(s, st)
-    one_seq = kv_token * seq_tokens
-    overflow = {"train": max(sum(train.values()) - budget, 0),
+
+def _pinned_bytes(phases: dict[str, dict[str, int]]) -> int:
+    """§Host: one buffer per category, allocated once and kept: the larger phase's bytes of each."""
+    return sum(max(phases["host_train"][c], phases["host_generate"][c]) for c in HOST_CATEGORIES)
+
+
+def _choose_split(s: _Spec, st: Settings) -> dict[str, float]:
+    """§Split: on the device the least share that leaves the host part within the host's room, swapped as much of
+    the rest as `train` holds, the remainder streamed ("host"); whole percents, rounded towards fitting. Where a
+    home's edge falls inside the states, half the largest parameter's states are kept free on both sides of it:
+    the runtime gives each parameter one home, whichever its middle byte falls in (`placement.assign_homes`)."""
+    phases, budget = _phase_bytes(s, st), _budgets(s)
+    total = _trainer_state(s)["optimizer"]
+    edge = -(-_largest_state_bytes(s) // 2)
+
+    def percent_within(room: int) -> int:  # the whole percents of the states that fit `room`
+        return 100 if total <= room else max((room - edge) * 100 // total, 0)
+
+    host_room = (budget["host"] - _pinned_bytes(phases)) // s.cluster.gpus_per_node
+    # train holds the device and swap homes, and two staging chunks whenever any state streams
+    train_room = budget["train"] - sum(phases["train"].values())
+    resident = 100 if total <= train_room else percent_within(train_room - _staging_bytes(s, total))
+    generate_room = budget["generate"] - sum(phases["generate"].values()) - budget["one_sequence"]
+    device = 0 if total <= host_room else -(-(total - host_room + edge) * 100 // total)
+    # more than the GPU holds in either phase stays over the host's budget, where the verdict reports it
+    device = min(device, resident, percent_within(generate_room))
+    swap = resident - device
+    return {"device": device / 100, "swap": swap / 100, "host": (100 - resident) / 100}
+
+
+def _copies(s: _Spec, st: Settings, homes: dict[str, int]) -> tuple[int, float]:
+    """§Copies: bytes one GPU copies to and from host per step under `st`, and their time at the cluster's rate
+    (the switches' copies one direction at a time, the streamed step's both ways at once)."""
+    state = _trainer_state(s)
+    switches = 2 * (homes["swap"] + (state["grads"] if st.grads == "offload" else 0)
+                    + (state["params"] if st.params == "offload" else 0)
+                    + (_engine_weight_bytes(s) if st.sleep_level == 1 else 0))
+    rate = s.cluster.copy_bytes_per_s
+    return switches + 2 * homes["host"], switches / rate + homes["host"] / rate
+
+
+def _evaluate(s: _Spec, st: Settings) -> dict:
+    """Both phases' bytes under one setting, and whether each check passes (§Phases, §Host, §KV cache)."""
+    phases, budget = _phase_bytes(s, st), _budgets(s)
+    train, generate = phases["train"], phases["generate"]
+    homes = _home_bytes(s, st.optimizer_states)
+    train["optimizer"] = homes["device"] + homes["swap"] + _staging_bytes(s, homes["host"])
+    generate["optimizer"] = homes["device"]
+    gpn = s.cluster.gpus_per_node
+    phases["host_generate"]["optimizer"] = (homes["swap"] + homes["host"]) * gpn
+    phases["host_train"]["optimizer"] = homes["host"] * gpn
+    kv_room = budget["generate"] - sum(generate.values())
+    generate["kv_cache"] = max(kv_room, 0)
+    kv_token = _kv_bytes_per_token(s.model, s.tp, dtype_bytes(s.kv_dtype)[1])
+    one_seq = budget["one_sequence"]
+    concurrent = max(kv_room, 0) // one_seq
+    pinned = _pinned_bytes(phases)
+    moved, seconds = _copies(s, st, homes)
+    overflow = {"train": max(sum(train.values()) - budget["train"], 0),
                 "generate": max(one_seq - kv_room, 0),
-                "host": max(pinned - host_budget, 0)}
+                "host": max(pinned - budget["host"], 0)}
     fits = {k: v == 0 for k, v in overflow.items()}
     problems = []
     if not fits["train"]:
-        problems.append(f"train needs {_gib(sum(train.values()))} of {_gib(budget)} GiB "
+        problems.append(f"train needs {_gib(sum(train.values()))} of {_gib(budget['train'])} GiB "
                         f"(over by {_gib(overflow['train'])})")
     if not fits["generate"]:
         if kv_room < 0:
-            problems.append(f"generate needs {_gib(gen_budget - kv_room)} of {_gib(gen_budget)} GiB before any "
-                            f"KV cache "
-                            f"(over by {_gib(overflow['generate'])} with one sequence)")
+            problems.append(f"generate needs {_gib(budget['generate'] - kv_room)} of {_gib(budget['generate'])} GiB "
+                            f"before any KV cache (over by {_gib(overflow['generate'])} with one sequence)")
         else:
             problems.append(f"generate leaves {_gib(kv_room)} GiB for KV, less than one sequence "
                             f"({_gib(one_seq)} GiB; over by {_gib(overflow['generate'])})")
     if not fits["host"]:
-        problems.append(f"host needs {_gib(pinned)} of {_gib(host_budget)} GiB pinned per node "
+        problems.append(f"host needs {_gib(pinned)} of {_gib(budget['host'])} GiB pinned per node "
                         f"(over by {_gib(overflow['host'])})")
     verdict = "fits" if not problems else "; ".join(problems)
-    return {"gpu": {"train": train, "generate": generate}, "host": {"train": host_train, "generate": host_gen},
-            "pinned": pinned, "budget": {"train": budget, "generate": gen_budget}, "host_budget": host_budget,
-            "kv_room": max(kv_room, 0), "kv_token": kv_token, "concurrent": concurrent, "moved": moved, "fits": fits, "overflow": overflow,
-            "verdict": verdict}
+    return {"gpu": {"train": train, "generate": generate},
+            "host": {"train": phases["host_train"], "generate": phases["host_generate"]},
+            "pinned": pinned, "budget": {"train": budget["train"], "generate": budget["generate"]},
+            "host_budget": budget["host"], "kv_room": max(kv_room, 0), "kv_token": kv_token,
+            "concurrent": concurrent, "homes": homes, "moved": moved, "seconds": seconds, "fits": fits,
+            "overflow": overflow, "verdict": verdict}
 
 
-def _candidates(s: _Spec, optimizer_states: str) -> list[Settings]:
-    """§Search: every allowed point with `optimizer_states`, ordered by bytes moved, then by the per-axis order of
-    least moving first."""
+def _candidates(s: _Spec) -> list[Settings]:
+    """§Search: every allowed point, each with the split `_choose_split` gives it unless the split is pinned."""
     pinned = dict(s.pinned)
-    if pinned.get("optimizer_states", optimizer_states) != optimizer_states:
-        return []
-    if optimizer_states == "host" and s.shard_degree > 1:
-        return []  # swaprl streams plain tensors only: refused under FSDP2
     axes = {"grads": _GRADS, "params": PARAM_POLICIES, "sleep_level": _SLEEP_LEVELS,
             "activation_checkpointing": _CHECKPOINTING}
     values = [(pinned[k],) if k in pinned else v for k, v in axes.items()]
-    points = [Settings(optimizer_states=optimizer_states, grads=g, params=p, sleep_level=lvl,
-                       activation_checkpointing=ac)
+    points = [Settings(grads=g, params=p, sleep_level=lvl, activation_checkpointing=ac)
               for g, p, lvl, ac in itertools.product(*values)]
-    def key(st: Settings) -> tuple:
-        return (_moved_bytes(s, st), _CHECKPOINTING.index(st.activation_checkpointing), _GRADS.index(st.grads),
-                PARAM_POLICIES.index(st.params), _SLEEP_LEVELS.index(st.sleep_level))
-
-    return sorted(points, key=key)
+    return [dataclasses.replace(st, optimizer_states=pinned.get("optimizer_states") or _choose_split(s, st))
+            for st in points]
 
 
 def _search(s: _Spec) -> tuple[Settings | None, Settings, dict, list[Candidate]]:
+    """§Search: the candidates in order (streaming nothing first, then by bytes moved, then per axis, least moving
+    first); the first that fits, or None and the closest miss."""
     results = []
-    for mode in OPTIMIZER_STATES:  # states in host memory in train too only when swapping them fits nowhere
-        for st in _candidates(s, mode):
-            ev = _evaluate(s, st)
-            results.append((st, ev, Candidate(settings=st, moved_bytes=ev["moved"], fits=ev["fits"],
-                                              overflow_bytes=ev["overflow"], verdict=ev["verdict"])))
-        if any(all(ev["fits"].values()) for _, ev, _ in results):
-            break
+    for st in _candidates(s):
+        ev = _evaluate(s, st)
+        results.append((st, ev, Candidate(settings=st, moved_bytes=ev["moved"], fits=ev["fits"],
+                                          overflow_bytes=ev["overflow"], verdict=ev["verdict"])))
+
+    def key(result: tuple) -> tuple:
+        st, ev, _ = result
+        return (st.optimizer_states["host"] > 0, ev["moved"], _CHECKPOINTING.index(st.activation_checkpointing),
+                _GRADS.index(st.grads), PARAM_POLICIES.index(st.params), _SLEEP_LEVELS.index(st.sleep_level))
+
+    results.sort(key=key)
+    candidates = [c for *_, c in results]
     chosen = next(((st, ev) for st, ev, _ in results if all(ev["fits"].values())), None)
     if chosen is None:
         st, ev, _ = min(results, key=lambda r: sum(r[1]["overflow"].values()))
-        return None, st, ev, [c for *_, c in results]
-    return chosen[0], chosen[0], chosen[1], [c for *_, c in results]
+        return None, st, ev, candidates
+    return chosen[0], chosen[0], chosen[1], candidates
 
 
 def _suggestions(s: _Spec) -> list[str]:
@@ -755,7 +889,9 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     engine_reserve_bytes: what the engine leaves free in `generate` (VLLMEngine's `reserve_bytes`; default its own
         rule, 2 GiB or 3% of the GPU): the engine sizes its KV cache to fill the rest (§Phases).
     host_margin_bytes: host memory per node not available to pinned buffers (default: 10% + 6 GiB per GPU).
-    settings: pin some swap settings, e.g. {"grads": "offload", "sleep_level": 1}; the rest are searched.
+    settings: pin some swap settings, e.g. {"grads": "offload", "sleep_level": 1} or a split of the optimizer
+        states, {"optimizer_states": {"device": 0.2, "swap": 0.8}} ("swap" and "host" are splits too); the rest are
+        searched, the split chosen for each candidate (§Split).
     """
     if isinstance(cluster, str):
         cluster = get_cluster(cluster)
@@ -777,12 +913,9 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     if settings.pop("optimizer", "offload") != "offload":
         raise ValueError("settings['optimizer'] can only be 'offload': the optimizer states always leave the GPU "
                          "in generate")
-    Settings(**settings)  # validates the pinned values
-    degree = cluster.gpus if shard_degree is None else shard_degree
-    if settings.get("optimizer_states") == "host" and degree > 1:
-        raise ValueError(f"settings['optimizer_states']='host' with shard_degree={degree}: swaprl refuses host-resident "
-                         "optimizer states under FSDP2 (the streamed step moves plain tensors); use shard_degree=1 "
-                         "or optimizer_states='swap'")
+    pinned = Settings(**settings)  # validates the pinned values
+    if "optimizer_states" in settings:
+        settings["optimizer_states"] = pinned.optimizer_states  # the fractions of every home
     if not isinstance(processes_per_gpu, int) or processes_per_gpu not in (1, 2):
         raise ValueError(f"processes_per_gpu={processes_per_gpu!r}; use 1 (the engine inside the trainer's process) "
                          "or 2 (an engine process beside each trainer process)")
@@ -807,19 +940,46 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     return _build(s)
 
 
+def _waves(s: _Spec, concurrent: int) -> tuple[int, int | None]:
+    """§KV cache: sequences per engine at once (vLLM's max_num_seqs caps them), and the rounds of generation one
+    engine needs for its share of the rollout (None when no sequence fits)."""
+    per_engine = -(-s.rollout.sequences // (s.cluster.gpus // s.tp))
+    per_wave = min(concurrent, s.engine_max_seqs)
+    return per_wave, (-(-per_engine // per_wave) if per_wave else None)
+
+
+def _fit_summary(s: _Spec, chosen: Settings, ev: dict) -> str:
+    """What a fitting plan gives: the KV cache, the rollout's waves and the bytes moved per step."""
+    per_wave, waves = _waves(s, ev["concurrent"])
+    rollout = "the rollout runs in one wave" if waves == 1 else (
+        f"the rollout needs {waves} waves of at most {per_wave} sequences per engine")
+    return (f"fits with {chosen.label()}; {_gib(ev['kv_room'])} GiB of KV cache per GPU, {rollout}; "
+            f"{_gib(ev['moved'])} GiB per GPU over PCIe per step, {ev['seconds']:.2f} s at "
+            f"{s.cluster.copy_bytes_per_s / 1e9:.0f} GB/s")
+
+
+def _full_precision(s: _Spec) -> str | None:
+    """§Trainer state: the verdict of the same step with fp32 master weights (param_dtype = grad_dtype = float32
+    under bf16 compute), when the trainer's parameters are below fp32 and it keeps no master copy."""
+    if dtype_bytes(s.param_dtype)[1] >= 4 or s.master_weights:
+        return None
+    alt = dataclasses.replace(s, param_dtype="float32", grad_dtype="float32")
+    chosen, shown, ev, _ = _search(alt)
+    head = (f"param_dtype=float32 ({8 + _state_bytes_per_param(alt)} B per parameter with the states, "
+            f"{s.compute_dtype} compute)")
+    if chosen is None:
+        return f"{head} fits nothing; closest: {shown.describe()}: {ev['verdict']}"
+    return f"{head} {_fit_summary(alt, chosen, ev)}"
+
+
 def _build(s: _Spec) -> Plan:
     chosen, shown, ev, candidates = _search(s)
     engines = s.cluster.gpus // s.tp
     per_engine = -(-s.rollout.sequences // engines)
-    concurrent = ev["concurrent"]
-    per_wave = min(concurrent, s.engine_max_seqs)
-    waves = -(-per_engine // per_wave) if per_wave else None
+    waves = _waves(s, ev["concurrent"])[1]
     if chosen is not None:
-        verdict = (f"fits with {chosen.label()}; "
-                   f"{_gib(ev['kv_room'])} GiB of KV cache per GPU, "
-                   + ("the rollout runs in one wave" if waves == 1 else
-                      f"the rollout needs {waves} waves of at most {per_wave} sequences per engine"))
-        if chosen.describe() != candidates[0].settings.describe():
+        verdict = _fit_summary(s, chosen, ev)
+        if chosen != candidates[0].settings:
             first = candidates[0]
             verdict += f" (the least moving candidate fails: {first.verdict})"
         suggestions = []
@@ -843,9 +1003,10 @@ def _build(s: _Spec) -> Plan:
                 settings=chosen, shown=shown, gpu=ev["gpu"], host=ev["host"], host_pinned_bytes=ev["pinned"],
                 gpu_budget_bytes=ev["budget"], host_budget_bytes=ev["host_budget"],
                 fits={"train": ev["fits"]["train"], "generate": ev["fits"]["generate"], "host": ev["fits"]["host"]},
-                kv_cache_bytes=ev["kv_room"], kv_bytes_per_token=ev["kv_token"], concurrent_sequences=concurrent,
-                sequences_per_engine=per_engine, waves=waves, candidates=candidates, verdict=verdict,
-                suggestions=suggestions)
+                kv_cache_bytes=ev["kv_room"], kv_bytes_per_token=ev["kv_token"], concurrent_sequences=ev["concurrent"],
+                sequences_per_engine=per_engine, waves=waves, state_bytes=ev["homes"], moved_bytes=ev["moved"],
+                copy_seconds=ev["seconds"], candidates=candidates, verdict=verdict, suggestions=suggestions,
+                full_precision=_full_precision(s))
 
 
 # --- command line (`swaprl plan`, or `python -m swaprl.plan`) ----------------------------------------------------
@@ -884,9 +1045,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-reserve-gib", type=float,
                         help="GPU memory the engine leaves free in generate (default: 2 GiB or 3%% of the GPU)")
     parser.add_argument("--host-margin-gib", type=float, help="host memory kept free (default 10%% + 6 GiB/GPU)")
-    parser.add_argument("--optimizer-states", choices=OPTIMIZER_STATES,
-                        help="pin where the optimizer states live in train (default: 'host' only if 'swap' fits "
-                        "nowhere)")
+    parser.add_argument("--copy-gb-per-s", type=float,
+                        help="pinned host<->GPU copy rate per GPU and direction, all GPUs copying (GB/s)")
+    parser.add_argument("--optimizer-states",
+                        help="pin the optimizer states' homes: swap, host, or a split of their bytes such as "
+                        "device=0.2,swap=0.5,host=0.3 (default: the least on the device that lets the host fit, "
+                        "then as much swapped as train holds)")
     parser.add_argument("--grads", choices=_GRADS, help="pin the gradients' setting")
     parser.add_argument("--params", choices=PARAM_POLICIES, help="pin the parameters' setting")
     parser.add_argument("--sleep-level", type=int, choices=_SLEEP_LEVELS, help="pin the engine's sleep level")
@@ -900,10 +1064,12 @@ def run(args: argparse.Namespace) -> int:
         cluster = get_cluster(args.cluster)
         overrides = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                      "gpu_memory_bytes": None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
-                     "host_memory_bytes": None if args.host_memory_gib is None else int(args.host_memory_gib * GiB)}
+                     "host_memory_bytes": None if args.host_memory_gib is None else int(args.host_memory_gib * GiB),
+                     "copy_bytes_per_s": None if args.copy_gb_per_s is None else args.copy_gb_per_s * 1e9}
         cluster = dataclasses.replace(cluster, **{k: v for k, v in overrides.items() if v is not None})
-        pinned = {k: getattr(args, k) for k in ("optimizer_states", "grads", "params", "sleep_level")
-                  if getattr(args, k) is not None}
+        pinned = {k: getattr(args, k) for k in ("grads", "params", "sleep_level") if getattr(args, k) is not None}
+        if args.optimizer_states is not None:
+            pinned["optimizer_states"] = parse_optimizer_states(args.optimizer_states)
         if args.activation_checkpointing is not None:
             pinned["activation_checkpointing"] = args.activation_checkpointing == "on"
         result = plan(

@@ -17,6 +17,36 @@ def close(actual: float, expected: float, rel: float = 0.01) -> bool:
     return abs(actual - expected) <= rel * abs(expected)
 
 
+def assert_split_fits(p: sp.Plan) -> dict[str, int]:
+    """The three checks of the chosen split, recomputed from the numbers the plan reports; the homes' bytes."""
+    homes, split = p.state_bytes, p.settings.optimizer_states
+    states, gpn = sum(homes.values()), p.inputs["cluster"]["gpus_per_node"]
+    assert set(homes) == set(split) == {"device", "swap", "host"} and abs(sum(split.values()) - 1) < 1e-9
+    assert all(abs(homes[h] - split[h] * states) <= 1 for h in homes) and all(b >= 0 for b in homes.values())
+    # generate: the device home stays on the GPU next to a KV cache of one whole sequence at least
+    r = p.inputs["rollout"]
+    assert p.gpu["generate"]["optimizer"] == homes["device"]
+    assert p.total("generate") == p.gpu_budget_bytes["generate"]  # the engine sizes its KV cache to the rest
+    assert p.kv_cache_bytes >= p.kv_bytes_per_token * -(-(r["prompt_tokens"] + r["completion_tokens"]) // 16) * 16
+    # train: the device and swap homes resident, the host home through its staging chunks only
+    staged = p.gpu["train"]["optimizer"] - homes["device"] - homes["swap"]
+    if homes["host"] == 0:
+        assert staged == 0
+    else:  # all of it when one chunk holds it, else two chunks of 1 GiB or more, less than the host home
+        assert staged == homes["host"] or (staged % 2 == 0 and 2**30 <= staged // 2 and staged < homes["host"])
+    assert p.total("train") <= p.gpu_budget_bytes["train"]
+    # host: every GPU of the node pins its swap and host homes, in one buffer kept over both phases
+    assert p.host["generate"]["optimizer"] == gpn * (homes["swap"] + homes["host"])
+    assert p.host["train"]["optimizer"] == gpn * homes["host"]
+    assert p.host_pinned_bytes == sum(max(p.host["train"][c], p.host["generate"][c]) for c in sp.HOST_CATEGORIES)
+    assert p.host_pinned_bytes <= p.host_budget_bytes
+    assert all(p.fits.values()) and p.ok
+    # copies: swapped and streamed bytes cross twice per step, device bytes never; the streamed ones both ways at once
+    assert p.moved_bytes >= 2 * (homes["swap"] + homes["host"])
+    assert p.copy_seconds == pytest.approx((p.moved_bytes - homes["host"]) / p.inputs["cluster"]["copy_bytes_per_s"])
+    return homes
+
+
 def test_72b_on_8xh200_fits_with_bf16_optimizer_states():
     p = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, optimizer_dtype="bfloat16", rollout=ROLLOUT)
     n = 72.7e9
@@ -43,15 +73,55 @@ def test_72b_on_8xh200_fits_with_bf16_optimizer_states():
     # the optimizer states of the 8 GPUs are pinned on the node in generate
     assert p.host["generate"]["optimizer"] == 8 * train["optimizer"] == p.host_pinned_bytes
     assert p.settings == sp.Settings(grads="free", params="keep", sleep_level=2, activation_checkpointing=True)
+    assert p.settings.optimizer_states == {"device": 0.0, "swap": 1.0, "host": 0.0}
+    assert p.swap_config() == {"optimizer_states": "swap", "grads": "free", "params": "keep", "sleep_level": 2}
+    assert assert_split_fits(p) == {"device": 0, "swap": train["optimizer"], "host": 0}
+    assert p.moved_bytes == 2 * train["optimizer"] and p.copy_seconds == pytest.approx(p.moved_bytes / 36e9)
     assert p.verdict.startswith("fits") and "checkpointing=on" in p.verdict
-    # the search went from the least moving candidate up to the chosen one
-    moved = [c.moved_bytes for c in p.candidates]
-    assert moved == sorted(moved) and len(p.candidates) == 24
-    assert not p.candidates[0].settings.activation_checkpointing and not all(p.candidates[0].fits.values())
+    # the search: the candidates that stream nothing first, each group from the least moving up; checkpointing off
+    # leaves too little of train for all the states, so those candidates stream and come last
+    assert len(p.candidates) == 24 and p.candidates[0].settings == p.settings
+    streams = [c.settings.optimizer_states["host"] > 0 for c in p.candidates]
+    assert streams == sorted(streams) and not streams[0]
+    for group in (False, True):
+        moved = [c.moved_bytes for c, s in zip(p.candidates, streams) if s == group]
+        assert moved == sorted(moved)
+    assert all(c.settings.optimizer_states["host"] > 0 for c in p.candidates if not c.settings.activation_checkpointing)
 
 
-def test_72b_with_fp32_states_overflows_one_8xh200_host_and_says_what_helps():
+def test_72b_with_fp32_states_fits_one_8xh200_node_with_a_sixth_of_the_states_on_the_device():
+    """8 bytes of AdamW states per parameter are 542 GiB on the node, over its 456 GiB budget for pinned memory: each
+    GPU keeps the least share on the device that lets the host hold the rest, and swaps the rest."""
     p = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT)
+    homes = assert_split_fits(p)
+    states = sum(homes.values())
+    assert close(states, 72.7e9 * 8 / 8)
+    assert p.host_budget_bytes == 560 * GiB - (56 * GiB + 8 * 6 * GiB)  # the margin: 10% + 6 GiB per GPU
+    assert close(8 * states - p.host_budget_bytes, 85.7 * GiB)  # what the node cannot pin
+    # the device keeps what the host cannot hold, within two percent of the states: not more
+    assert homes["host"] == 0 and 0 < p.host_budget_bytes - p.host_pinned_bytes < 8 * 0.02 * states
+    assert 10.7 * GiB < homes["device"] < 0.2 * states
+    assert p.settings.optimizer_states == {"device": 0.17, "swap": 0.83, "host": 0.0}
+    config = p.swap_config()
+    assert config["optimizer_states"] == {"device": 0.17, "swap": 0.83, "host": 0.0}
+    assert SwapConfig(**config).state_split() == config["optimizer_states"]
+    # the KV cache gives up the device share, and still holds the rollout in one wave
+    bf16 = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, settings={"optimizer_states": "swap"},
+                   optimizer_dtype="bfloat16")
+    assert p.kv_cache_bytes == bf16.kv_cache_bytes - homes["device"] and p.waves == 1
+    assert p.moved_bytes == 2 * homes["swap"]
+    # it says so: the split, the KV cache and the bytes per step
+    assert p.verdict.startswith("fits with optimizer states split") and "device=0.17,swap=0.83" in p.verdict
+    assert f"{p.kv_cache_bytes / GiB:.2f} GiB of KV cache per GPU" in p.verdict
+    assert f"{p.moved_bytes / GiB:.2f} GiB per GPU over PCIe per step" in p.verdict
+    table = p.table()
+    assert "states    per GPU device 11.51 GiB (0.17), swap 56.20 GiB (0.83), host 0.00 GiB (0.00)" in table
+    assert f"copies    {p.moved_bytes / GiB:.2f} GiB per GPU per step" in table and "DOES NOT FIT" not in table
+    assert sp.Plan.from_json(p.to_json()) == p
+
+
+def test_72b_with_fp32_states_all_swapped_overflows_one_8xh200_host_and_says_what_helps():
+    p = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, settings={"optimizer_states": "swap"})
     assert not p.ok and p.settings is None
     assert p.fits == {"train": True, "generate": True, "host": False}
     assert close(p.host_pinned_bytes, 72.7e9 * 8)  # two fp32 states per parameter, all on one node
@@ -115,10 +185,22 @@ def test_accumulating_micro_batches_counts_the_head_gradient_formed_before_it_is
     assert p.gpu["train"]["activations"] == 2 * layer + t * 2 * 4 * h + head
 
 
-def test_72b_on_8xh100_needs_more_than_one_node():
+def test_72b_on_8xh100_fits_one_node_by_streaming_most_states_each_rank_its_own_shard():
+    """On 80 GB GPUs 72B's bf16 parameters and gradients leave train no room for a fifth of the fp32 states: FSDP2
+    ranks stream the rest through the GPU, each its own shard's."""
     p = sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT)
-    assert not p.ok and not p.fits["train"]
-    assert any("nodes=2" in s for s in p.suggestions)
+    homes = assert_split_fits(p)
+    assert homes["device"] == 0 and 0 < homes["swap"] < homes["host"]
+    # the staging chunks hold one rank's shard of the embedding's states: 152064 x 8192 x 8 B / 8 ranks > 1 GiB
+    m = get_preset("qwen2.5-72b")
+    assert p.gpu["train"]["optimizer"] == homes["swap"] + 2 * (m.vocab_size * m.hidden_size * 8 // 8)
+    assert p.waves == 2 and "the rollout needs 2 waves" in p.verdict
+    assert p.moved_bytes == 2 * (homes["swap"] + homes["host"])
+    assert p.copy_seconds == pytest.approx((2 * homes["swap"] + homes["host"]) / 36e9)
+    # with every state swapped, train overflows; what helps is not to pin that
+    swapped = sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT, settings={"optimizer_states": "swap"})
+    assert not swapped.ok and not swapped.fits["train"]
+    assert swapped.suggestions == [f"would fit with no pinned settings ({p.settings.describe()})"]
 
 
 def test_pinned_settings_restrict_the_search_and_level_1_pins_engine_weights_on_host():
@@ -131,42 +213,146 @@ def test_pinned_settings_restrict_the_search_and_level_1_pins_engine_weights_on_
     assert free.settings.sleep_level == 2 and free.host_pinned_bytes < p.host_pinned_bytes
 
 
-def test_14b_on_one_h100_fits_only_with_the_optimizer_states_in_host_memory():
+def test_14b_on_one_h100_fits_only_with_most_optimizer_states_in_host_memory():
     """bf16 Qwen2.5-14B with AdamW: parameters, gradients and states (29.5 + 29.5 + 59 GB) overflow an 80 GB GPU in
-    train whatever is swapped; with the states in host memory for good, train holds two staging chunks instead."""
+    train whatever is swapped; the states train has no room for stay in host memory for good, and train holds two
+    staging chunks instead."""
     rollout = sp.Rollout(prompts=8, completions_per_prompt=8, prompt_tokens=256, completion_tokens=512)
     p = sp.plan("qwen2.5-14b", cluster="1xH100", optimizer_dtype="bfloat16", rollout=rollout)
-    assert p.ok and p.settings.optimizer_states == "host"
+    homes = assert_split_fits(p)
     m = get_preset("qwen2.5-14b")
     states = m.num_parameters() * 2 * 2
+    assert sum(homes.values()) == states and homes["device"] == 0 and 0 < homes["swap"] < 0.2 * states
+    assert p.settings.optimizer_states["host"] >= 0.8
     train = p.gpu["train"]
     # each staging chunk holds the largest parameter's states: the embedding, 152064 x 5120 x 2 states x 2 bytes
-    assert train["optimizer"] == 2 * m.vocab_size * m.hidden_size * 4
-    assert p.host["train"]["optimizer"] == p.host["generate"]["optimizer"] == states == p.host_pinned_bytes
-    swapped = [c for c in p.candidates if c.settings.optimizer_states == "swap"]
-    streamed = [c for c in p.candidates if c.settings.optimizer_states == "host"]
-    assert len(swapped) == 24 and not any(all(c.fits.values()) for c in swapped)  # tried first, all overflow train
-    assert p.candidates[:24] == swapped and len(streamed) == 24
-    assert next(c for c in streamed if all(c.fits.values())).settings == p.settings
-    assert streamed[0].moved_bytes == swapped[0].moved_bytes == 2 * states  # the same traffic as swapping
-    assert "fits with optimizer states in host memory" in p.verdict and "optimizer_states=host" in p.table()
+    assert train["optimizer"] == homes["swap"] + 2 * m.vocab_size * m.hidden_size * 4
+    # the swapped share takes what train has left beside them, to the percent
+    assert p.gpu_budget_bytes["train"] - p.total("train") < 0.01 * states + m.vocab_size * m.hidden_size * 2
+    assert p.host["train"]["optimizer"] == homes["host"]
+    assert p.host["generate"]["optimizer"] == states == p.host_pinned_bytes
+    # no candidate fits without streaming, and every one moves the states out and back once per step
+    assert len(p.candidates) == 24 and all(c.settings.optimizer_states["host"] > 0 for c in p.candidates)
+    assert p.candidates[0].moved_bytes == p.moved_bytes == 2 * states
+    assert "fits with optimizer states split" in p.verdict and "optimizer_states=swap=0." in p.table()
     assert sp.Plan.from_json(p.to_json()) == p
+    # all of them streamed, pinned: as before the split, two staging chunks on the GPU
+    host = sp.plan("qwen2.5-14b", cluster="1xH100", optimizer_dtype="bfloat16", rollout=rollout,
+                   settings={"optimizer_states": "host"})
+    assert host.ok and host.swap_config()["optimizer_states"] == "host"
+    assert host.gpu["train"]["optimizer"] == 2 * m.vocab_size * m.hidden_size * 4
+    assert host.host["train"]["optimizer"] == states and "fits with optimizer states in host memory" in host.verdict
+    assert "optimizer_states=host" in host.table()
 
 
-def test_host_resident_optimizer_states_are_not_planned_under_fsdp():
-    p = sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT)
-    assert all(c.settings.optimizer_states == "swap" for c in p.candidates)
-    with pytest.raises(ValueError, match=r"optimizer_states'\]='host' with shard_degree=8.*shard_degree=1"):
-        sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT, settings={"optimizer_states": "host"})
+def test_fsdp_trainers_may_stream_their_states_and_bad_homes_name_the_fix():
+    p = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, optimizer_dtype="bfloat16",
+                settings={"optimizer_states": "host"})
+    assert p.ok and p.inputs["shard_degree"] == 8
+    assert all(c.settings.optimizer_states == {"device": 0.0, "swap": 0.0, "host": 1.0} for c in p.candidates)
+    # each staging chunk holds 1 GiB: more than one rank's shard of the embedding's states (152064 x 8192 x 4 B / 8)
+    assert p.gpu["train"]["optimizer"] == 2 * GiB
+    fp32 = sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT, settings={"optimizer_states": "host"})
+    m = get_preset("qwen2.5-72b")
+    assert fp32.gpu["train"]["optimizer"] == 2 * (m.vocab_size * m.hidden_size * 8 // 8)  # over 1 GiB: the shard's
     with pytest.raises(ValueError, match="optimizer_states='gpu'"):
         sp.plan("qwen2.5-7b", cluster="1xH100", rollout=ROLLOUT, settings={"optimizer_states": "gpu"})
+
+
+def test_a_pinned_split_is_planned_as_given():
+    split = {"device": 0.25, "swap": 0.5, "host": 0.25}
+    p = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, settings={"optimizer_states": split})
+    homes = assert_split_fits(p)
+    assert p.settings.optimizer_states == split and p.swap_config()["optimizer_states"] == split
+    assert all(c.settings.optimizer_states == split for c in p.candidates)
+    assert p.inputs["pinned_settings"] == {"optimizer_states": split}
+    assert homes["device"] == round(0.25 * sum(homes.values())) and homes["host"] == round(0.25 * sum(homes.values()))
+    assert "optimizer_states=device=0.25,swap=0.5,host=0.25" in p.verdict
+
+
+def test_less_host_memory_keeps_more_states_on_the_device_until_none_fits(capsys):
+    def planned(host_gib: int, *extra: str) -> tuple[int, dict]:
+        rc = sp.main(["qwen2.5-72b", "--cluster", "8xH200", "--tp", "4", "--host-memory-gib", str(host_gib),
+                      *extra, "--json"])
+        return rc, json.loads(capsys.readouterr().out)
+
+    shares, kv = [], []
+    for host in (560, 300, 60):
+        rc, data = planned(host)
+        p = sp.Plan.from_dict(data)
+        assert rc == 0 and p.inputs["cluster"]["host_memory_bytes"] == host * GiB
+        assert_split_fits(p)
+        shares.append(p.settings.optimizer_states["device"])
+        kv.append(p.kv_cache_bytes)
+    assert shares[0] < shares[1] < shares[2] == 1.0 and kv[0] > kv[1] > kv[2]
+    assert p.moved_bytes == 0 and p.waves == 3 and "fits with optimizer states on the device" in p.verdict
+    # fp32 master weights leave train too little room for the share 200 GiB of host memory would need on the device
+    rc, data = planned(200, "--param-dtype", "float32")
+    p = sp.Plan.from_dict(data)
+    assert rc == 1 and p.fits == {"train": True, "generate": True, "host": False}
+    assert p.verdict.startswith("nothing fits") and "host needs" in p.verdict and "train needs" not in p.verdict
+    assert p.host_budget_bytes == 200 * GiB - (20 * GiB + 48 * GiB)
+
+
+def test_fp32_master_weights_are_planned_16_bytes_per_parameter():
+    """FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16) over fp32 shards: fp32 parameters, gradients and AdamW
+    states, 16 bytes per parameter sharded; bf16 unsharded parameters in forward and backward."""
+    n = get_preset("qwen2.5-72b").num_parameters()
+    fp32 = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, param_dtype="float32")
+    homes = assert_split_fits(fp32)
+    train = fp32.gpu["train"]
+    assert fp32.inputs["grad_dtype"] == "float32" and fp32.inputs["compute_dtype"] == "bfloat16"
+    assert train["params"] + train["grads"] + sum(homes.values()) == -(-n * 4 // 8) * 2 + n * 8 // 8
+    assert homes["device"] > 0 and homes["swap"] > 0 and homes["host"] > 0  # all three homes at once
+    # FSDP's unsharded parameters are in the compute dtype whatever the shards' dtype; only the unsharded gradients
+    # (one layer's and the root's) grow with the fp32 gradients
+    m = get_preset("qwen2.5-72b")
+    h, kv_dim = m.hidden_size, m.num_key_value_heads * m.head_dim
+    layer = 2 * h * h + h + 2 * (h * kv_dim + kv_dim) + 3 * h * m.intermediate_size + 2 * h
+    root = 2 * m.vocab_size * h + h
+    bf16 = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT)
+    assert train["activations"] - bf16.gpu["train"]["activations"] == (layer + root) * (4 - 2)
+    # the default plan (bf16 parameters, fp32 states) says what fits with fp32 master weights: this plan
+    assert bf16.full_precision.startswith("param_dtype=float32 (16 B per parameter with the states")
+    assert fp32.settings.describe() in bf16.full_precision and "fits with" in bf16.full_precision
+    assert f"{fp32.kv_cache_bytes / GiB:.2f} GiB of KV cache" in bf16.full_precision
+    assert f"fp32 master weights: {bf16.full_precision}" in bf16.table() and fp32.full_precision is None
+    # a separate fp32 master copy of bf16 parameters is 16 bytes per parameter too: 12 of them optimizer states
+    master = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, master_weights=True)
+    assert close(sum(master.state_bytes.values()), n * 12 / 8, 1e-6) and master.full_precision is None
+    assert_split_fits(master)
+
+
+def test_a_share_of_a_node_uses_all_three_homes_and_every_candidate_is_a_swapconfig():
+    """20 of 72B's layers on two GPUs of a node with 70 GiB of host memory each (`--gpus-per-node 2
+    --host-memory-gib 140 --layers 20 --tp 1`): the host holds too little, and train too little beside the
+    un-checkpointed activations: some states on the device, some swapped, the rest streamed."""
+    cluster = dataclasses.replace(sp.get_cluster("8xH200"), gpus_per_node=2, host_memory_bytes=140 * GiB)
+    p = sp.plan("qwen2.5-72b", cluster=cluster, layers=20, rollout=ROLLOUT)
+    homes = assert_split_fits(p)
+    assert all(homes.values()) and not p.settings.activation_checkpointing
+    assert p.host_budget_bytes == 140 * GiB - (14 * GiB + 2 * 6 * GiB)
+    for c in p.candidates:
+        config = SwapConfig(**c.settings.swap_config())
+        assert config.state_split() == c.settings.optimizer_states
+
+
+def test_small_models_still_swap_all_their_states():
+    for model, cluster, tp in (("qwen2.5-0.5b", "1xH100", 1), ("qwen2.5-1.5b", "1xH100", 1),
+                               ("qwen2.5-3b", "1xH100", 1), ("qwen2.5-7b", "1xH200", 1),
+                               ("qwen2.5-7b", "8xH100", 2), ("qwen2.5-32b", "8xH200", 4)):
+        p = sp.plan(model, cluster=cluster, tp=tp, rollout=ROLLOUT)
+        homes = assert_split_fits(p)
+        assert p.swap_config()["optimizer_states"] == "swap", (model, cluster, p.settings)
+        assert homes["device"] == homes["host"] == 0 and p.gpu["generate"]["optimizer"] == 0, model
+        assert "optimizer_states" not in p.settings.describe() and p.verdict.startswith("fits with optimizer offload")
 
 
 def test_every_searched_setting_is_a_swapconfig_and_the_search_covers_its_values():
     p = sp.plan("qwen2.5-1.5b", cluster="1xH100", rollout=ROLLOUT)
     for c in p.candidates:
-        st = c.settings
-        SwapConfig(optimizer_states=st.optimizer_states, grads=st.grads, params=st.params, sleep_level=st.sleep_level)
+        config = SwapConfig(**c.settings.swap_config())
+        assert config.state_split() == c.settings.optimizer_states and config.grads == c.settings.grads
     assert {c.settings.grads for c in p.candidates} == set(GRAD_POLICIES)
     assert {c.settings.params for c in p.candidates} == set(PARAM_POLICIES)
 
@@ -240,6 +426,9 @@ def _kv3_preset():
     ({"settings": {"sleep": 1}}, "unknown settings ['sleep']"),
     ({"settings": {"grads": "drop"}}, "grads='drop'; use one of free, keep, offload"),
     ({"settings": {"optimizer": "keep"}}, "can only be 'offload'"),
+    ({"settings": {"optimizer_states": {"device": 0.5, "swap": 0.6}}}, "sums to 1.1"),
+    ({"settings": {"optimizer_states": {"device": 1.5, "swap": -0.5}}}, "give a fraction in [0, 1]"),
+    ({"settings": {"optimizer_states": {"gpu": 1.0}}}, "unknown home(s) ['gpu']"),
     ({"rollout": sp.Rollout(prompts=1, completions_per_prompt=1, prompt_tokens=32768, completion_tokens=1)},
      "exceeds qwen2.5-72b's max_position_embeddings=32768"),
 ])
@@ -256,15 +445,27 @@ def test_bad_dataclass_fields_raise():
         sp.Rollout(prompts=0, completions_per_prompt=8, prompt_tokens=1, completion_tokens=1)
     with pytest.raises(ValueError, match="Cluster.gpus_per_node"):
         sp.Cluster(gpus_per_node=0, gpu_memory_bytes=1, host_memory_bytes=1)
+    with pytest.raises(ValueError, match="Cluster.copy_bytes_per_s must be a positive number"):
+        sp.Cluster(gpus_per_node=8, gpu_memory_bytes=1, host_memory_bytes=1, copy_bytes_per_s=0)
 
 
 def test_cli_prints_a_table_or_json_and_returns_the_verdict(capsys):
     assert sp.main(["qwen2.5-1.5b", "--cluster", "1xH100", "--prompts", "8"]) == 0
     out = capsys.readouterr().out
     assert "per GPU (GiB)" in out and "kv_cache" in out and "verdict   fits" in out
-    assert sp.main(["72b", "--cluster", "8xH200", "--tp", "4", "--json"]) == 1
+    assert sp.main(["72b", "--cluster", "8xH200", "--tp", "4", "--optimizer-states", "swap", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["settings"] is None and data["fits"]["host"] is False
+    assert sp.main(["72b", "--cluster", "8xH200", "--tp", "4", "--optimizer-states", "device=0.3,host=0.7",
+                    "--copy-gb-per-s", "20", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["settings"]["optimizer_states"] == {"device": 0.3, "swap": 0.0, "host": 0.7}
+    assert data["inputs"]["cluster"]["copy_bytes_per_s"] == 20e9
+    assert data["copy_seconds"] == pytest.approx(data["state_bytes"]["host"] / 20e9)
+    for bad, message in (("device=0.5,swap=0.6", "sums to 1.1"), ("device=half", "give 'swap', 'host' or a split"),
+                         ("gpu=1", "unknown home(s) ['gpu']")):
+        assert sp.main(["72b", "--tp", "4", "--optimizer-states", bad]) == 2
+        assert message in capsys.readouterr().err
     assert sp.main(["72b", "--cluster", "8xH200", "--tp", "4", "--optimizer-dtype", "bf16", "--sleep-level", "1",
                     "--nodes", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
