@@ -6,14 +6,15 @@
 
 For each depth the plan is made first, for one GPU of this machine's memory (NVML) and the rollout below; a depth
 whose plan fits nothing is reported with the planner's verdict and not run (8 of 72B's layers are 9.5 B parameters:
-bf16 parameters, gradients and AdamW states alone take 71 GiB of an 80 GB GPU's 73 GiB training budget). Each depth
-that fits runs in its own process (vLLM's sleep-mode allocator is one per process): write a random checkpoint and
-load the trainer, both in `--dtype` (bf16), make the plan again from the checkpoint's config.json with the GPU's exact
-size, build `VLLMEngine` (after the model is on the GPU, before the first optimizer step: it sizes itself),
-`AdamW(fused=True)`, `swaprl.attach` with the swap settings the plan chose (gradient checkpointing only if the plan
-chose it), then `--cycles` GRPO cycles: generate the rollout (`--prompts` x `--completions`, `--prompt-tokens` +
-`--completion-tokens`), then `examples/grpo.py`'s loss over it in micro-batches of `--micro-batch` sequences and one
-optimizer step. The same choices go to the plan: parameters, gradients, AdamW states (torch keeps them in the
+bf16 parameters, gradients and AdamW states alone take 71 GiB of an 80 GB GPU's 73 GiB training budget, so the plan
+streams half of the states through the optimizer step). Each depth that fits runs in its own process (vLLM's
+sleep-mode allocator is one per process): write a random checkpoint and load the trainer, both in `--dtype` (bf16),
+make the plan again from the checkpoint's config.json with the GPU's exact size, build `VLLMEngine` (after the model
+is on the GPU, before the first optimizer step: it sizes itself), `AdamW(fused=True)`, `swaprl.attach` with the
+`SwapConfig` the plan chose (`Settings.swap_config()`: the optimizer states' split, gradients, parameters, sleep
+level; gradient checkpointing only if the plan chose it), then `--cycles` GRPO cycles: generate the rollout
+(`--prompts` x `--completions`, `--prompt-tokens` + `--completion-tokens`), then `examples/grpo.py`'s loss over it
+in micro-batches of `--micro-batch` sequences and one optimizer step. The same choices go to the plan: parameters, gradients, AdamW states (torch keeps them in the
 parameters' dtype) and compute in `--dtype`, micro batch = `--micro-batch` sequences, the engine's batch limits, CUDA
 graphs off unless `--cuda-graphs` (they add minutes to the engine's start).
 
@@ -118,6 +119,7 @@ def make_plan(spec: dict, model: str, layers: int | None, gpu_memory_bytes: int,
 
 def plan_summary(p) -> dict:
     return {"ok": p.ok, "verdict": p.verdict, "settings": None if p.settings is None else p.settings.describe(),
+            "swap_config": None if p.settings is None else p.swap_config(), "state_bytes": p.state_bytes,
             "parameters": p.parameters, "layers": p.layers, "gpu": p.gpu, "total": {ph: p.total(ph) for ph in p.gpu},
             "budget": p.gpu_budget_bytes, "kv_cache_bytes": p.kv_cache_bytes, "inputs": p.inputs}
 
@@ -257,8 +259,7 @@ def child(spec_path: str) -> None:
         engine = swaprl.engines.HFEngine()
         out["engine"] = {"kind": "HFEngine"}
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"], fused=True)  # fused: as the plan assumes
-    rt = swaprl.attach(model, optimizer, engine, config=swaprl.SwapConfig(
-        grads=settings.grads, params=settings.params, sleep_level=settings.sleep_level))
+    rt = swaprl.attach(model, optimizer, engine, config=swaprl.SwapConfig(**settings.swap_config()))
     profile_path = Path(spec["profile"])
     prof = attach_profiler(rt, profile_path, interval_s=spec["interval"])
     meter = PhaseMeter(rt, prof, out["offset_bytes"])
