@@ -136,9 +136,9 @@ class Placement:
 
     # ---------------------------------------------------------------- host memory ahead of the first switch
     def prepare_host(self) -> dict[str, int]:
-        """Check the host budget for the buffers the first switches will need, then allocate and page-lock them in
-        the background (`HostBuffer.prepare`), so that locking runs under the engine's start and the first steps
-        instead of inside the first switch. Returns the bytes started per resource."""
+        """Check the host budget for the buffers the first switches and steps will need, then allocate and page-lock
+        them in the background (`HostBuffer.prepare`), so that locking runs under the engine's start and the first
+        steps instead of inside the first switch. Returns the bytes started per buffer."""
         sizes = self.expected_host_bytes()
         parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in sizes.items())
         self._check_budget(sum(sizes.values()), 0,
@@ -146,26 +146,25 @@ class Placement:
                            "Nothing was allocated. Free host memory or raise host_budget_bytes (the optimizer states "
                            "live in host memory while the engine generates), or keep the parameters on the device "
                            "(params='keep').")
+        buffers = {b.name: b for b in self._buffers()}
         for name, n in sizes.items():
-            self._res[name].buffer.prepare(n)
+            buffers[name].prepare(n)
         return sizes
 
     def expected_host_bytes(self) -> dict[str, int]:
-        """What the host buffers will hold: the optimizer states (those that exist, else what the optimizer will
-        create, for the optimizers whose states are known), and the parameters with params='offload'. Gradients
-        are left out: a loop that zeroes them with set_to_none before generating moves none.
+        """What each host buffer will hold, by its name: the swapped optimizer states ("optimizer") and the
+        host-resident ones ("streamed optimizer"), those that exist, else what the optimizer will create, for the
+        optimizers whose states are known; and the parameters with params='offload'. Gradients are left out: a loop
+        that zeroes them with set_to_none before generating moves none.
 
-        Host-resident states (the "host" home) are left out too: their first step makes them in ordinary
-        host memory and moves them into a buffer that is filled, and so committed, as those copies free them (then
-        locked, already touched). A buffer locked ahead would hold all of its pages beside those copies: twice the
-        states' bytes of host memory at once."""
+        The first streamed step sends the states it creates straight into their buffer, laid out in the order it
+        creates them, so a buffer locked ahead holds them without a second copy in other host memory."""
         out = {}
-        states = 0
-        if self.swaps_states:
-            states = (layout_bytes(self.tensors("optimizer")) if self.optimizer.state
-                      else _expected_state_bytes(self.optimizer, lambda p: self.home(p) == "swap"))
-        if states:
-            out["optimizer"] = states
+        for name, home in (("optimizer", "swap"), ("streamed optimizer", "host")):
+            states = layout_bytes(self.tensors("optimizer", (home,))) if self.optimizer.state else 0
+            states = states or _expected_state_bytes(self.optimizer, lambda p, h=home: self.home(p) == h)
+            if states:
+                out[name] = states
         if self.config.params == "offload":
             out["params"] = layout_bytes(self.tensors("params"))
         return out
@@ -389,7 +388,8 @@ def assign_homes(optimizer: torch.optim.Optimizer, split: dict[str, float]) -> d
     return homes
 
 
-_STATES_PER_PARAM = {torch.optim.Adam: 2, torch.optim.AdamW: 2}  # exp_avg, exp_avg_sq, each the parameter's size
+# exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad), each the parameter's size
+_STATES_PER_PARAM = {torch.optim.Adam: 2, torch.optim.AdamW: 2}
 
 
 def _expected_state_bytes(optimizer: torch.optim.Optimizer, counted: Callable[[torch.Tensor], bool]) -> int:
@@ -402,7 +402,8 @@ def _expected_state_bytes(optimizer: torch.optim.Optimizer, counted: Callable[[t
     total = 0
     for group in optimizer.param_groups:
         on_device = group.get("fused") or group.get("capturable")  # the step counter is a device tensor too
+        tensors = per + bool(group.get("amsgrad"))
         for p in group["params"]:
             if p.requires_grad and counted(p):
-                total += per * align(nbytes(local_tensor(p))) + (align(4) if on_device else 0)
+                total += tensors * align(nbytes(local_tensor(p))) + (align(4) if on_device else 0)
     return total

@@ -41,7 +41,7 @@ import torch
 
 from .compat import torch as compat
 from .compat.torch import local_tensor
-from .residency import HostBuffer, Moved, align, check_dense, host_view, layout_bytes, nbytes
+from .residency import HostBuffer, Moved, align, check_dense, host_view, is_dense, layout_bytes, nbytes
 from .undo import Undo
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class StateStreamer:
         self.stepping = False
         self._check_budget, self._on_step = check_budget, on_step
         self._homes: dict[int, _Home] = {}  # id(state tensor) -> its home; holding the tensor keeps the id unique
+        self._end: int | None = None  # `_buffer_end()`, while known
         cuda = device.type == "cuda"
         self._h2d = torch.cuda.Stream(device) if cuda else None
         self._d2h = torch.cuda.Stream(device) if cuda else None
@@ -117,6 +118,7 @@ class StateStreamer:
     def forget(self) -> None:
         """Drop every record (the states went back to the device for good)."""
         self._homes.clear()
+        self._end = None
 
     def owned(self) -> list[tuple[torch.nn.Parameter, dict]]:
         """The parameters whose states this streamer keeps, in order, each with its group."""
@@ -171,6 +173,7 @@ class StateStreamer:
             with torch.enable_grad():
                 loss = closure()
         start = time.perf_counter()
+        self._end = None
         stepping = [(p, g) for p, g in self.params() if p.grad is not None]
         chunks = self._plan(stepping)
         grads = {p: p.grad for p, _ in stepping}
@@ -331,19 +334,35 @@ class StateStreamer:
             dst.copy_(src, non_blocking=non_blocking)
 
     def _send_home(self, t: torch.Tensor) -> int:
-        """Copy a state tensor on the device to its old home if it still fits there, else to new ordinary host
-        memory (moved into the buffer by `move_into_buffer`), and point it there. Waits for the copy."""
+        """Copy a state tensor on the device to its old home if it still fits there, else to the next free slot of
+        the buffer (laid out ahead for the states the first step creates: `Placement.expected_host_bytes`), else
+        to new ordinary host memory (moved into the buffer by `move_into_buffer`), and point it there. Waits for
+        the copy."""
         h = self._homes.get(id(t))
         if h is not None and h.tensor is t and (h.view.dtype, h.view.shape, h.view.stride()) == (
                 t.dtype, t.shape, t.stride()):
             home = h.view
         else:
-            home = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-            h = _Home(t, home, None)
+            end, size = self._buffer_end(), align(nbytes(t))
+            if is_dense(t) and end + size <= self.buffer.capacity:
+                home = host_view(self.buffer.span(end + size), end, t)
+                h = _Home(t, home, end)
+                self._end = end + size
+            else:
+                home = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                h = _Home(t, home, None)
         home.copy_(t.data)
         t.data = home
         self._homes[id(t)] = h
         return nbytes(t)
+
+    def _buffer_end(self) -> int:
+        """Where the states in the buffer end: new ones go after it. Kept between calls within a step (a step that
+        creates its states asks once per state); anything else that moves states forgets it."""
+        if self._end is None:
+            self._end = max((h.offset + align(nbytes(h.tensor)) for h in self._homes.values()
+                             if self._at_home(h.tensor) and self._in_buffer(h)), default=0)
+        return self._end
 
     def _rescue(self, params: list[tuple[torch.nn.Parameter, dict]]) -> None:
         """After an error inside the step: every state back home, holding what the optimizer last wrote to it."""
@@ -366,6 +385,7 @@ class StateStreamer:
         New states go after those already in the buffer when they fit; otherwise the buffer is laid out afresh,
         in parameter order, so that each chunk's states are one run of it.
         """
+        self._end = None
         managed = [t for p, g in self.owned() for t in self._states(p, g)]
         live = {id(t) for t in managed}
         for key in [k for k in self._homes if k not in live]:  # replaced or dropped by the optimizer: let them go
@@ -380,8 +400,7 @@ class StateStreamer:
         check_dense(outside, "keep an optimizer state in host memory", "give it the 'swap' home "
                     "(SwapConfig.optimizer_states='swap')")
         start = time.perf_counter()
-        end = max((h.offset + align(nbytes(h.tensor)) for h in self._homes.values()
-                   if self._at_home(h.tensor) and self._in_buffer(h)), default=0)
+        end = self._buffer_end()
         if end + layout_bytes(outside) <= self.buffer.capacity:
             moved = self._place(outside, end)
         else:
@@ -402,6 +421,7 @@ class StateStreamer:
         """Copy `tensors` into the buffer from `offset` on and point them there. An interruption puts back those that
         came from the device; those that came from a host home of their own stay in the buffer, as valid a home."""
         buf = self.buffer.span(offset + layout_bytes(tensors))
+        self._end = None  # the buffer's fill changes
         moved = 0
         undo: list[tuple[torch.Tensor, torch.Tensor, _Home | None]] = []
         try:

@@ -295,8 +295,14 @@ def test_a_step_method_taken_before_attach_is_refused(tiny_checkpoint):
 
 
 def test_host_budget_refuses_states_that_do_not_fit(tiny_checkpoint):
+    # AdamW's states are known ahead: attach refuses before allocating anything.
     model = load(tiny_checkpoint)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(swaprl.HostBufferError, match=r"at attach .*streamed optimizer.* only 4096 bytes .*Nothing was "
+                                                     r"allocated.*raise host_budget_bytes"):
+        swaprl.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                      config=host_config(host_budget_bytes=4096))
+    # SGD's momentum appears at the first step: that step completes and refuses to grow the buffer.
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     rt = swaprl.attach(model, opt, config=host_config(host_budget_bytes=4096))
     grpo.policy_loss(model, [[1, 2, 3]], [[4, 6], [5, 7]], n=2).backward()
     with pytest.raises(swaprl.HostBufferError, match=r"'host' home.* only 4096 bytes .*step\(\) itself "
