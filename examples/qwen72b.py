@@ -4,10 +4,15 @@
     python examples/qwen72b.py --layers 2               # one GPU: 72B's layer shapes cut to 2 of its 80 layers
     python examples/qwen72b.py --model /path/to/Qwen2.5-72B    # a local checkpoint
     torchrun --nproc-per-node 8 examples/qwen72b.py --layers 80 --tp 4    # the full model on one 8-GPU node
+    torchrun --nproc-per-node 2 examples/qwen72b.py --layers 20 --tp 1 --host-memory-gib 140
+        # one GPU's share of that node on two: each GPU holds the engine weights of TP 4 at full depth, 1/8 of the
+        # trainer, and 70 GiB of host memory (add --master-weights for fp32 shards, 16 bytes per parameter)
 
 The loop is `examples/grpo.py` (colocated vLLM when it is installed and a GPU is present, else the embedded engine):
 prompts -> rollouts -> a verifiable reward -> a policy-gradient step, with `with phase("generate")` and
 `with phase("train")`. Output (`--out`, default out/qwen72b): metrics.json, the memory profile and its report.
+The run takes the plan's split of the optimizer states over device, swap and host memory, its sleep level, and
+each rank's share of its host budget.
 
 Under torchrun the trainer is sharded with FSDP2 over all ranks and vLLM runs tensor-parallel over `--tp` GPUs
 (default: the GPUs of a node), one engine per group; `--prompts` is per rank. Rank 0 prints the plan and writes
@@ -29,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo  # noqa: E402  (the loop itself)
 
 from swaprl import plan as planner  # noqa: E402
+from swaprl.config import format_optimizer_states  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="default: 256 on a GPU, 32 on the CPU")
     ap.add_argument("--tp", type=int, default=None,
                     help="vLLM tensor-parallel size under torchrun (default: the GPUs of a node)")
+    ap.add_argument("--master-weights", action="store_true",
+                    help="fp32 parameter shards (and so fp32 AdamW states) with bf16 compute: 16 bytes per parameter "
+                         "(default: bf16 parameters and AdamW states)")
+    ap.add_argument("--host-memory-gib", type=float, default=None,
+                    help="host memory per node to plan for (default: the machine's); each rank's runtime then holds "
+                         "at most its share of the plan's pinned budget (SwapConfig.host_budget_bytes)")
     ap.add_argument("--out", default="out/qwen72b")
     args = ap.parse_args(argv)
 
@@ -63,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or preset
     if on_gpu:
         total = torch.cuda.mem_get_info()[1]
+        host = int(args.host_memory_gib * 2**30) if args.host_memory_gib else psutil.virtual_memory().total
         cluster = planner.Cluster(gpus_per_node=per_node, nodes=world // per_node, gpu_memory_bytes=total,
-                                  host_memory_bytes=psutil.virtual_memory().total)
+                                  host_memory_bytes=host)
     else:  # the CPU stands in for the GPU: plan against the machine's memory
         mem = psutil.virtual_memory().total
         cluster = planner.Cluster(gpus_per_node=1, gpu_memory_bytes=mem // 2, host_memory_bytes=mem // 2)
@@ -72,11 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     rollout = planner.Rollout(prompts=args.prompts * world, completions_per_prompt=args.completions,
                               prompt_tokens=16, completion_tokens=args.max_tokens)
     layers = args.layers if (args.layers or args.model) else (None if not on_gpu else 2)
-    # The loop keeps the parameters on the GPU (FSDP2 shards cannot be swapped) and frees the gradients.
-    pinned = {"params": "keep", "grads": "free"} if world > 1 else None
-    dtype = "bfloat16" if on_gpu else "float32"  # the loop's parameters, and so its AdamW states
+    # What the loop does, pinned: the parameters stay on the GPU (FSDP2 shards cannot be swapped), the gradients are
+    # freed, activation checkpointing is on; the plan chooses the optimizer states' split and the sleep level.
+    pinned = {"params": "keep", "grads": "free", "activation_checkpointing": True}
+    dtype = "bfloat16" if on_gpu else "float32"  # the loop's compute, and its parameters without --master-weights
     the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers, tp=tp, settings=pinned,
-                            param_dtype=dtype, optimizer_dtype=dtype)
+                            param_dtype="float32" if args.master_weights else dtype,
+                            optimizer_dtype="float32" if args.master_weights else dtype)
     if rank == 0:
         print(the_plan.table())
     if not the_plan.ok:
@@ -91,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         loop += ["--preset", preset] + (["--layers", str(layers)] if layers else [])
     if on_gpu:
         loop += ["--dtype", "bfloat16", "--tp", str(tp)]
+    if args.master_weights:
+        loop += ["--master-weights"] + ([] if on_gpu else ["--dtype", "bfloat16"])
+    chosen = the_plan.swap_config()
+    budget = the_plan.host_budget_bytes / cluster.gpus_per_node / 2**30  # the ranks of a node share it
+    loop += ["--optimizer-states", format_optimizer_states(chosen["optimizer_states"]),
+             "--sleep-level", str(chosen["sleep_level"]), "--host-budget-gib", f"{budget:.3f}"]
     grpo.main(loop)
     if rank == 0:
         print(f"memory report: {Path(args.out) / 'report' / 'report.html'}")

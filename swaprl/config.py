@@ -45,9 +45,10 @@ class SwapConfig:
     A split, e.g. {"device": 0.2, "swap": 0.5, "host": 0.3}: fractions of the states' bytes (per rank) by home,
     "device" meaning on the GPU in both phases. Parameters take their homes in the optimizer's order, the first
     ones "device", then "swap", then "host", each home taking whole parameters until it holds its fraction of the
-    bytes. Every home's byte moves twice per step ("swap": out for `generate` and back; "host": in and out of the
-    step), "device" never: `swaprl plan` picks the split that fits both phases and the host with the most on the
-    device. `state_split()` gives the fractions in every case."""
+    bytes. A "swap" or "host" byte crosses PCIe twice per step ("swap": out for `generate` and back; "host": in and
+    out of the step), a "device" byte never, but it takes room from the KV cache: `swaprl plan` keeps on the device
+    only what the host cannot hold, swaps what `train` has room for, and streams the rest (docs/plan.md §Split).
+    `state_split()` gives the fractions in every case."""
 
     stream_chunk_bytes: int = 2**30
     """With `optimizer_states="host"`: optimizer-state bytes per chunk of the streamed `optimizer.step()`. The GPU
@@ -202,3 +203,10 @@ def parse_optimizer_states(text: str) -> str | dict[str, float]:
             raise ValueError(f"optimizer states {text!r}: give 'swap', 'host' or a split of the states' bytes such as "
                              "'device=0.2,swap=0.5,host=0.3'")
     return _check_split(split)
+
+
+def format_optimizer_states(value: str | Mapping[str, float]) -> str:
+    """`value` in the command-line form `parse_optimizer_states` reads, homes holding nothing left out."""
+    if isinstance(value, str):
+        return value
+    return ",".join(f"{home}={fraction:g}" for home, fraction in value.items() if fraction)

@@ -39,6 +39,7 @@ from .config import (
     OptimizerStates,
     ParamPolicy,
     SwapConfig,
+    format_optimizer_states,
     parse_optimizer_states,
 )
 from .memory import default_reserve_bytes
@@ -227,8 +228,8 @@ class Settings:
         states = self.states()
         if states == "swap":
             states = ""  # the default: said by label()
-        elif not isinstance(states, str):  # the form --optimizer-states takes, homes holding nothing left out
-            states = ",".join(f"{home}={value:g}" for home, value in states.items() if value)
+        elif not isinstance(states, str):  # the form --optimizer-states takes
+            states = format_optimizer_states(states)
         return (f"grads={self.grads} params={self.params} sleep_level={self.sleep_level} checkpointing={ckpt}"
                 + (f" optimizer_states={states}" if states else ""))
 
