@@ -32,6 +32,8 @@ import torch.distributed as dist
 import swaprl
 from swaprl import memory
 from swaprl.config import parse_optimizer_states
+from swaprl.memory import default_reserve_bytes
+from swaprl.placement import device_state_growth
 
 log = logging.getLogger("grpo")
 
@@ -120,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def make_engine(args, path: Path, config: swaprl.SwapConfig):
+def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.optim.Optimizer):
     use_vllm = args.engine == "vllm" or (args.engine == "auto" and torch.cuda.is_available()
                                          and swaprl.engines.vllm_available())
     if not use_vllm:
@@ -128,8 +130,11 @@ def make_engine(args, path: Path, config: swaprl.SwapConfig):
     from swaprl.engines.vllm import VLLMEngine
 
     max_len = args.max_model_len or (args.prompt_tokens + args.max_tokens + 8)
+    # The KV cache is sized now, from the free memory: leave room for the optimizer states that will stay on the
+    # device while generating (a split's "device" home), which the first optimizer step creates.
+    reserve = default_reserve_bytes(torch.cuda.mem_get_info()[1]) + device_state_growth(optimizer, config)
     return VLLMEngine(path, dtype="bfloat16", max_model_len=max_len, enforce_eager=args.enforce_eager,
-                      gpu_memory_utilization=config.gpu_memory_utilization, seed=args.seed,
+                      gpu_memory_utilization=config.gpu_memory_utilization, reserve_bytes=reserve, seed=args.seed,
                       tensor_parallel_size=args.tp)
 
 
@@ -232,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                   else None),
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                profile=(out / "profile.jsonl") if out else None)
-    engine = make_engine(args, path, config)
+    engine = make_engine(args, path, config, optimizer)
     rt = swaprl.attach(model, optimizer, engine, config=config)
     log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__, str(dtype).removeprefix("torch."),
              f" computing in {args.dtype}" if args.master_weights else "", device, args.optimizer_states)

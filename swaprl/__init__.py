@@ -42,7 +42,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Eng
     check_none_attached()
     config = config if config is not None else SwapConfig()
     checks.check_trainer(model, optimizer, config)
-    rt = Runtime(model, optimizer, make_engine(engine, model, config), config)
+    rt = Runtime(model, optimizer, make_engine(engine, model, config, optimizer), config)
     if config.profile is not None:
         from .profile import attach_profiler
 

@@ -122,10 +122,13 @@ class Placement:
         return out
 
     def home_bytes(self) -> dict[str, int]:
-        """The optimizer states' bytes by home, wherever they are now."""
+        """The optimizer states' bytes by home, wherever they are now (not torch's CPU step counters of a device's
+        parameters, which stay where torch keeps them)."""
         out = dict.fromkeys(STATE_HOMES, 0)
         for p, state in self.optimizer.state.items():
-            out[self.home(p)] += sum(nbytes(local_tensor(v)) for v in state.values() if isinstance(v, torch.Tensor))
+            out[self.home(p)] += sum(nbytes(local_tensor(v)) for key, v in state.items() if isinstance(v, torch.Tensor)
+                                     and not (key == "step" and local_tensor(v).device != self.device
+                                              and local_tensor(v).device.type == "cpu"))
         return out
 
     def _buffers(self) -> list[HostBuffer]:
@@ -386,6 +389,18 @@ def assign_homes(optimizer: torch.optim.Optimizer, split: dict[str, float]) -> d
         homes[id(p)] = next((home for edge, home in bounds if middle < edge), bounds[-1][1] if total else "swap")
         before += size
     return homes
+
+
+def device_state_growth(optimizer: torch.optim.Optimizer, config: SwapConfig) -> int:
+    """Device bytes the optimizer states with the "device" home will take beyond what they take now. They stay on
+    the device while the engine generates, so an engine sized now from the free memory (vLLM's KV cache) must leave
+    them room: `make_engine` adds them to the engine's reserve. Known ahead for Adam and AdamW before their first
+    step; 0 once the states exist (they are then in use already) or for other optimizers."""
+    split = config.state_split()
+    if not split["device"] or optimizer.state:
+        return 0
+    homes = assign_homes(optimizer, split)
+    return _expected_state_bytes(optimizer, lambda p: homes.get(id(p)) == "device")
 
 
 # exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad), each the parameter's size

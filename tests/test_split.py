@@ -10,7 +10,7 @@ import torch
 import swaprl
 from swaprl.config import STATE_HOMES
 from swaprl.engines import HFEngine
-from swaprl.placement import assign_homes
+from swaprl.placement import assign_homes, device_state_growth
 from swaprl.residency import nbytes
 
 from . import grpo
@@ -111,4 +111,21 @@ def test_a_split_with_host_states_is_refused_for_lbfgs(tiny_checkpoint):
     opt = torch.optim.LBFGS(model.parameters())
     with pytest.raises(TypeError, match=r"LBFGS.*Use optimizer_states='swap'"):
         swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states={"device": 0.5, "host": 0.5}))
+    swaprl.detach()
+
+
+def test_device_state_growth_predicts_what_the_device_home_will_hold(tiny_checkpoint):
+    """What an engine sized before the first step must leave free: the "device" home's states, known ahead for
+    AdamW (within the host layout's 512-byte alignment per tensor), and nothing once they exist."""
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = swaprl.SwapConfig(optimizer_states=SPLITS["mixed"])
+    predicted = device_state_growth(opt, config)
+    assert device_state_growth(opt, swaprl.SwapConfig(optimizer_states="swap")) == 0
+    rt = swaprl.attach(model, opt, config=config)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    homes = rt.status()["optimizer_homes"]
+    in_device_home = sum(1 for p in model.parameters() if rt._placement.home(p) == "device")
+    assert homes["device"] - 4 * in_device_home <= predicted <= homes["device"] + 2 * 512 * in_device_home
+    assert device_state_growth(opt, config) == 0
     swaprl.detach()

@@ -9,6 +9,7 @@ import torch
 
 from ..checkpoints import checkpoint_dir_of
 from ..config import SwapConfig
+from ..memory import default_reserve_bytes
 from .base import Engine, EngineStateError, Sampling
 from .hf import HFEngine
 
@@ -22,9 +23,12 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: SwapConfig) -> Engine:
+def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: SwapConfig,
+                optimizer: torch.optim.Optimizer | None = None) -> Engine:
     """`engine` as given, or built: "hf", "vllm" (from the model's checkpoint directory), or None (vLLM when it is
-    installed, a GPU is present and the model was loaded from a local checkpoint directory; else "hf")."""
+    installed, a GPU is present and the model was loaded from a local checkpoint directory; else "hf"). A vLLM
+    engine sized from the free memory leaves room for the optimizer states that will stay on the device while it
+    generates (the "device" home of `config.optimizer_states`)."""
     if isinstance(engine, Engine):
         return engine
     if engine is None:
@@ -34,9 +38,14 @@ def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: Swa
     if engine == "hf":
         return HFEngine()
     if engine == "vllm":
+        from ..placement import device_state_growth
         from .vllm import VLLMEngine
 
-        return VLLMEngine.for_model(model, config=config)
+        kwargs = {}
+        growth = device_state_growth(optimizer, config) if optimizer is not None else 0
+        if growth and torch.cuda.is_available():
+            kwargs["reserve_bytes"] = default_reserve_bytes(torch.cuda.mem_get_info()[1]) + growth
+        return VLLMEngine.for_model(model, config=config, **kwargs)
     raise ValueError(f"engine={engine!r}; pass an Engine instance, 'hf', 'vllm' or None")
 
 
