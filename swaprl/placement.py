@@ -118,7 +118,11 @@ class Placement:
         out["host_buffers"] = {"bytes": self._held(), "pinned": any(b.pin for b in buffers),
                                "locked_bytes": sum(b.locked_bytes for b in buffers),
                                "lock_seconds": sum(b.lock_seconds or 0.0 for b in buffers),
-                               "waited_seconds": sum(b.waited_seconds for b in buffers)}
+                               "waited_seconds": sum(b.waited_seconds for b in buffers),
+                               "buffers": [{"name": b.name, "bytes": b.capacity, "locked_bytes": b.locked_bytes,
+                                            "lock_seconds": b.lock_seconds, "lock_span": b.lock_span,
+                                            "background": b.background, "waited_seconds": b.waited_seconds}
+                                           for b in buffers if b.capacity]}
         return out
 
     def home_bytes(self) -> dict[str, int]:
@@ -420,5 +424,7 @@ def _expected_state_bytes(optimizer: torch.optim.Optimizer, counted: Callable[[t
         tensors = per + bool(group.get("amsgrad"))
         for p in group["params"]:
             if p.requires_grad and counted(p):
-                total += tensors * align(nbytes(local_tensor(p))) + (align(4) if on_device else 0)
+                # torch keeps the step counter on the CPU, which is the device of a CPU parameter
+                step = on_device or local_tensor(p).device.type == "cpu"
+                total += tensors * align(nbytes(local_tensor(p))) + (align(4) if step else 0)
     return total

@@ -84,6 +84,8 @@ class HostBuffer:
         self._pending = 0
         self._made: tuple[torch.Tensor, bool] | BaseException | None = None
         self.lock_seconds: float | None = None  # the last allocation's (and locking's) wall time
+        self.lock_span: tuple[float, float] | None = None  # ... and when it ran (time.time()), for the report
+        self.background = False  # whether it ran in a background thread
         self.waited_seconds = 0.0  # what callers spent waiting for a background preparation
 
     @property
@@ -111,7 +113,7 @@ class HostBuffer:
         device = torch.cuda.current_device() if self.pin else None
 
         def run() -> None:
-            start = time.perf_counter()
+            start, wall = time.perf_counter(), time.time()
             try:
                 if device is not None:
                     torch.cuda.set_device(device)  # a new thread starts on device 0
@@ -119,6 +121,7 @@ class HostBuffer:
             except BaseException as exc:  # handed to the thread that waits for the buffer
                 self._made = exc
             self.lock_seconds = time.perf_counter() - start
+            self.lock_span, self.background = (wall, wall + self.lock_seconds), True
 
         self._thread = threading.Thread(target=run, name=f"swaprl-host-{self.name}", daemon=True)
         self._thread.start()
@@ -149,13 +152,14 @@ class HostBuffer:
         if self._buf is not None and self._buf.numel() >= size:
             return self._buf
         self.release()
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         if lock:
             self._buf, self._registered = _host_empty(size, pin=self.pin)
         else:
             self._buf, self._registered = torch.empty(max(size, 1), dtype=torch.uint8), False
             _advise_huge_pages(self._buf)  # filled by copies: fewer, larger pages to fault in
         self.lock_seconds = time.perf_counter() - start
+        self.lock_span, self.background = (wall, wall + self.lock_seconds), False
         logger.info("host buffer %r: allocated %.2f GiB%s in %.2f s", self.name, size / 2**30,
                     " pinned" if self.pin and lock else "", self.lock_seconds)
         return self._buf

@@ -48,7 +48,9 @@ def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool 
         return {"phase": phase, "device": "cuda:0", "params": {"location": "device", "bytes": params, "host_bytes": 0},
                 "grads": {"location": "host", "bytes": 0, "host_bytes": 0},
                 "optimizer": {"location": "device" if train else "host", "bytes": opt, "host_bytes": 0},
-                "engine": engine, "host_buffers": {"bytes": 16 * GiB, "pinned": True},
+                "engine": engine, "host_buffers": {"bytes": 16 * GiB, "pinned": True, "buffers": [
+                    {"name": "optimizer", "bytes": 16 * GiB, "locked_bytes": 16 * GiB, "lock_seconds": 0.9,
+                     "lock_span": [t0 + 0.1, t0 + 1.0], "background": True, "waited_seconds": 0.0}]},
                 "device_memory": {"used": used, "total": 80 * GiB, "torch_allocated": reserved - GiB,
                                   "torch_reserved": reserved}}
 
@@ -123,6 +125,7 @@ def test_report_of_a_recorded_cpu_run(recorded, tmp_path, capsys):
     html = (out / "report.html").read_text()
     assert "no device memory figures" in md  # CPU: no NVML, no device figure, said so
     assert "| rank 0 | train->generate | offload optimizer | 3 |" in md
+    assert "| rank 0 | optimizer | " in md and "attach, in the background" in md  # AdamW's states, known ahead
     assert "Warning" not in md
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == ["attribution_rank0.png", "memory_rank0.png"]
@@ -208,6 +211,14 @@ def test_transitions_against_the_copy_ceiling(tmp_path, capsys):
     assert "| offload optimizer | 4 | 16.00 GiB | 1.000 | 1.000 | 17.18 | 20.0 | 86% |" in md
     assert "| reload optimizer | 4 | 16.00 GiB | 0.800 | 0.800 | 21.47 | 25.0 | 86% |" in md
     assert "| rank 0 | generate | 4 | 50.50 GiB | 1 |" in md  # peak device used while generating
+
+
+def test_host_buffers_show_when_and_how_fast_they_were_locked(tmp_path, capsys):
+    rc, _, _ = report(capsys, synthetic_profile(tmp_path / "run.jsonl"), "-o", tmp_path / "rep")
+    assert rc == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    # 16 GiB locked in 0.9 s from 0.1 s on = 19.1 GB/s, in the background at attach, no switch waited
+    assert "| rank 0 | optimizer | 16.00 GiB | 16.00 GiB | attach, in the background | 0.1 | 0.90 | 19.1 | 0.000 |" in md
 
 
 def test_residual_growth_is_flagged(tmp_path, capsys):

@@ -196,8 +196,9 @@ def test_config_validation_names_the_fix(kwargs, match):
 def test_host_budget_refuses_at_attach_before_allocating(tiny_checkpoint):
     model = load(tiny_checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    # AdamW's states are known before they exist: two of each parameter's size, each slice 512-byte aligned.
-    expected = sum(2 * ((p.numel() * p.element_size() + 511) // 512 * 512) for p in model.parameters())
+    # AdamW's states are known before they exist: two of each parameter's size, each slice 512-byte aligned, and the
+    # step counter, which torch keeps on the CPU, the parameters' device here.
+    expected = sum(2 * ((p.numel() * p.element_size() + 511) // 512 * 512) + 512 for p in model.parameters())
     with pytest.raises(swaprl.HostBufferError, match=rf"locking host buffers at attach .* needs {expected} more bytes "
                                                      r".* only 4096 bytes .*Nothing was allocated"):
         swaprl.attach(model, opt, config=swaprl.SwapConfig(host_budget_bytes=4096))

@@ -276,6 +276,9 @@ def memory_figure(run: Run) -> bytes:
     ax = fig.add_subplot()
     for iv in intervals(run):
         ax.axvspan(iv.start - t0, iv.end - t0, color=_SHADE[iv.kind], lw=0, zorder=0)
+    locking = [b["lock_span"] for b in host_buffers(run) if b.get("lock_span")]
+    for start, end in locking:  # a band along the top: when each host buffer was allocated and page-locked
+        ax.axvspan(start - t0, end - t0, ymin=0.94, ymax=1.0, color=_LOCK_COLOR, lw=0, zorder=1)
     device_keys = [("device_used", "device used (" + str(run.header.get("device_used_source")) + ")", "k"),
                    ("torch_reserved", "torch reserved", "tab:blue"),
                    ("torch_allocated", "torch allocated", "tab:cyan")]
@@ -303,9 +306,22 @@ def memory_figure(run: Run) -> bytes:
     where = "" if run.has_device else " (no device figures: host only)"
     ax.set_title(f"{run.label}: memory over time{where}", fontsize=10)
     shades = [Patch(color=c, label=k) for k, c in _SHADE.items()]
+    if locking:
+        shades.append(Patch(color=_LOCK_COLOR, label="host buffers locking (top band)"))
     ax.legend(handles=lines + shades, fontsize=8, loc="upper left", bbox_to_anchor=(1.08 if run.has_device else 1.01,
                                                                                      1.0))
     return _png(fig)
+
+
+_LOCK_COLOR = "tab:olive"
+
+
+def host_buffers(run: Run) -> list[dict]:
+    """The host buffers at the run's last phase boundary: bytes, locked bytes, when and how fast each was locked,
+    and how long a switch or step waited for it (`Placement.status()["host_buffers"]["buffers"]`)."""
+    if not run.phases:
+        return []
+    return run.phases[-1].get("status", {}).get("host_buffers", {}).get("buffers", [])
 
 
 def _pick(records: list[dict], n: int) -> list[dict]:
@@ -514,10 +530,25 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
                          _f(t["fraction"], "{:.0%}")])
     trans.tables.append(_Table("Steps", ["rank", "transition", "step", "count", "bytes (median)", "first s",
                                          "later s (median)", "GB/s (median)", "copy ceiling GB/s", "of ceiling"],
-                               rows, "The first transition also allocates and page-locks the host buffers; later "
-                                     "ones reuse them. The ceiling is the pinned-copy speed measured at start-up "
+                               rows, "Host buffers are reused from one transition to the next (their preparation: "
+                                     "the Host buffers table). The ceiling is the pinned-copy speed measured at start-up "
                                      "(device to host for offloads, host to device for reloads, both at once for the streamed "
                                      "optimizer step)."))
+    rows = []
+    for r in live:
+        t0 = r.header.get("t0", 0.0)
+        for b in host_buffers(r):
+            span, secs_ = b.get("lock_span"), b.get("lock_seconds")
+            rows.append([r.label, b["name"], _b(b["bytes"]), _b(b["locked_bytes"]),
+                         "attach, in the background" if b.get("background") else "when first needed",
+                         _f(span[0] - t0 if span else None, "{:.1f}"), _f(secs_, "{:.2f}"),
+                         _f(b["bytes"] / secs_ / 1e9 if secs_ else None, "{:.1f}"), _f(b.get("waited_seconds"))])
+    if rows:
+        trans.tables.append(_Table("Host buffers", ["rank", "buffer", "bytes", "page-locked", "prepared",
+                                                    "started at s", "seconds", "GB/s", "waited s"], rows,
+                                   "Allocated and page-locked where it says; \"waited\" is how long switches and "
+                                   "optimizer steps waited for a buffer still being prepared. The memory plot "
+                                   "marks each preparation in a band along its top."))
     secs.append(trans)
 
     if any(r.syncs for r in live):
