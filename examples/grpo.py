@@ -32,8 +32,6 @@ import torch.distributed as dist
 import swaprl
 from swaprl import memory
 from swaprl.config import parse_optimizer_states
-from swaprl.memory import default_reserve_bytes
-from swaprl.placement import device_state_growth
 
 log = logging.getLogger("grpo")
 
@@ -132,9 +130,9 @@ def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.op
     max_len = args.max_model_len or (args.prompt_tokens + args.max_tokens + 8)
     # The KV cache is sized now, from the free memory: leave room for the optimizer states that will stay on the
     # device while generating (a split's "device" home), which the first optimizer step creates.
-    reserve = default_reserve_bytes(torch.cuda.mem_get_info()[1]) + device_state_growth(optimizer, config)
     return VLLMEngine(path, dtype="bfloat16", max_model_len=max_len, enforce_eager=args.enforce_eager,
-                      gpu_memory_utilization=config.gpu_memory_utilization, reserve_bytes=reserve, seed=args.seed,
+                      gpu_memory_utilization=config.gpu_memory_utilization,
+                      reserve_bytes=swaprl.engines.engine_reserve_bytes(optimizer, config), seed=args.seed,
                       tensor_parallel_size=args.tp)
 
 

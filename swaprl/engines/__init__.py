@@ -10,10 +10,12 @@ import torch
 from ..checkpoints import checkpoint_dir_of
 from ..config import SwapConfig
 from ..memory import default_reserve_bytes
+from ..placement import device_state_growth
 from .base import Engine, EngineStateError, Sampling
 from .hf import HFEngine
 
-__all__ = ["Engine", "EngineStateError", "HFEngine", "Sampling", "VLLMEngine", "make_engine", "vllm_available"]
+__all__ = ["Engine", "EngineStateError", "HFEngine", "Sampling", "VLLMEngine", "engine_reserve_bytes", "make_engine",
+           "vllm_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +40,21 @@ def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: Swa
     if engine == "hf":
         return HFEngine()
     if engine == "vllm":
-        from ..placement import device_state_growth
         from .vllm import VLLMEngine
 
-        kwargs = {}
-        growth = device_state_growth(optimizer, config) if optimizer is not None else 0
-        if growth and torch.cuda.is_available():
-            kwargs["reserve_bytes"] = default_reserve_bytes(torch.cuda.mem_get_info()[1]) + growth
-        return VLLMEngine.for_model(model, config=config, **kwargs)
+        reserve = engine_reserve_bytes(optimizer, config) if optimizer is not None else None
+        return VLLMEngine.for_model(model, config=config, reserve_bytes=reserve)
     raise ValueError(f"engine={engine!r}; pass an Engine instance, 'hf', 'vllm' or None")
+
+
+def engine_reserve_bytes(optimizer: torch.optim.Optimizer, config: SwapConfig) -> int | None:
+    """What a vLLM engine sized now from the free memory (`VLLMEngine(reserve_bytes=...)`) must leave free: its
+    default reserve plus the optimizer states that will stay on the device while it generates (the "device" home,
+    created by the first optimizer step: `placement.device_state_growth`). None: nothing to add to the default."""
+    growth = device_state_growth(optimizer, config)
+    if not growth or not torch.cuda.is_available():
+        return None
+    return default_reserve_bytes(torch.cuda.mem_get_info()[1]) + growth
 
 
 def __getattr__(name: str):
