@@ -330,7 +330,18 @@ class Runtime:
             self._engine_stale = True
 
     def _engine_wake(self, tags: list[str] | None) -> None:
-        self.engine.wake(tags)
+        try:
+            self.engine.wake(tags)
+        except torch.OutOfMemoryError as exc:
+            kept = self._placement.home_bytes()["device"]
+            if not kept:
+                raise
+            # The engine's KV cache was sized when it was built; the states a split keeps on the device came later.
+            raise type(exc)(
+                f"{exc} Of what is not free, {kept / 2**30:.2f} GiB are optimizer states kept on the device while "
+                "generating (the 'device' home of SwapConfig.optimizer_states): build the engine with "
+                "reserve_bytes=swaprl.engines.engine_reserve_bytes(optimizer, config) before the first optimizer "
+                "step, or give the 'device' home a smaller share") from exc
         if tags is None or "kv_cache" in tags:
             self.engine.reset_prefix_cache()
 

@@ -129,3 +129,28 @@ def test_device_state_growth_predicts_what_the_device_home_will_hold(tiny_checkp
     assert homes["device"] - 4 * in_device_home <= predicted <= homes["device"] + 2 * 512 * in_device_home
     assert device_state_growth(opt, config) == 0
     swaprl.detach()
+
+
+class NoRoomEngine(grpo.ReplicaEngine):
+    """A replica whose KV cache no longer fits when it wakes, as a vLLM engine's sized before the states existed."""
+
+    def wake(self, tags=None) -> None:
+        if tags is None or "kv_cache" in tags:
+            raise torch.OutOfMemoryError("waking the engine's kv_cache needs 2.00 GiB but only 1.00 GiB are free.")
+
+
+def test_a_kv_cache_without_room_for_device_states_names_the_fix_and_loses_nothing(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, NoRoomEngine(load(tiny_checkpoint)),
+                       config=swaprl.SwapConfig(optimizer_states={"device": 0.5, "swap": 0.5}))
+    grpo.policy_loss(model, [[1, 2, 3]], [[4, 6], [5, 7]], n=2).backward()
+    opt.step()
+    before = snapshot(model, opt)
+    with pytest.raises(torch.OutOfMemoryError, match=r"needs 2.00 GiB.*GiB are optimizer states kept on the device "
+                                                     r".*'device' home.*engine_reserve_bytes\(optimizer, config\)"):
+        with rt.phase("generate"):
+            pytest.fail("the block must not run when entering the phase failed")
+    assert rt.current_phase == "train" and rt.status()["optimizer"]["location"] == "device"
+    assert_same_training(before, snapshot(model, opt))
+    swaprl.detach()
