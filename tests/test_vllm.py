@@ -221,8 +221,10 @@ def test_sleep_frees_the_engine_memory_and_status_sees_it(tiny_checkpoint, engin
         taken = asleep_free - _free()
         assert awake["location"] == "device"
         assert awake["kv_cache_bytes"] >= 2 * 2**30 - 64 * MiB
-        # What status() reports is what the driver sees the engine take (vLLM's pool is invisible to torch).
-        assert abs(taken - (awake["weights_bytes"] + awake["kv_cache_bytes"])) < 128 * MiB, (taken, awake)
+        # What status() reports is what the driver sees the engine take (vLLM's pool is invisible to torch), with
+        # the pausable pools' buffers where the engine has them (swaprl.kernels).
+        woke = awake["weights_bytes"] + awake["kv_cache_bytes"] + awake.get("other_pooled_bytes", 0)
+        assert abs(taken - woke) < 128 * MiB, (taken, awake)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     assert abs(_free() - asleep_free) < 64 * MiB, (_free(), asleep_free)

