@@ -61,6 +61,9 @@ _CUDA_CONTEXT_BYTES = 684 * MiB  # CUDA context, loaded kernels and cuBLAS works
 _NCCL_BYTES_PER_GROUP = 512 * MiB  # NCCL buffers of one communicator this GPU belongs to (NVLS off); estimate
 _ENGINE_RESIDENT_BYTES = 288 * MiB  # what a sleeping vLLM engine keeps beyond its process's CUDA context
 _CUDA_GRAPH_BYTES = 1334 * MiB  # vLLM's CUDA-graph pool and the compiled kernels, when graphs are captured
+# A sleeping engine with VLLMEngine(release_other=True): loaded kernels, cuBLAS workspaces and the executable decode
+# graphs, all that its pausable pools cannot release (Qwen2.5-1.5B: 232 MiB, 7B: 238 MiB; §Constants)
+_ENGINE_POOLED_RESIDENT_BYTES = 240 * MiB
 _PROFILE_H, _PROFILE_I = 3.2, 3.25  # vLLM's profile forward keeps ~(3.2 h + 3.25 i / tp) elements per token
 _SAMPLER_FP32_COPIES = 1.5  # live [max_num_seqs, vocab] fp32 tensors at the sampler's peak (measured <= 1.8)
 _LOGITS_FP32_COPIES = 3  # fp32 logits, log-softmax and its gradient alive at the loss's backward
@@ -432,6 +435,7 @@ class _Spec:
     engine_max_batched_tokens: int
     engine_max_seqs: int
     cuda_graphs: bool
+    release_other: bool
     processes_per_gpu: int
     gpu_utilization_cap: float
     engine_reserve_bytes: int
@@ -677,7 +681,7 @@ def _phase_bytes(s: _Spec, st: Settings) -> dict[str, dict[str, int]]:
     gpn = s.cluster.gpus_per_node
     return {
         "train": {**zero, "params": state["params"], "grads": state["grads"],
-                  "engine_other": _ENGINE_RESIDENT_BYTES + graphs,
+                  "engine_other": _ENGINE_POOLED_RESIDENT_BYTES if s.release_other else _ENGINE_RESIDENT_BYTES + graphs,
                   "activations": _train_activation_bytes(s, st.activation_checkpointing), "cuda_context": ctx},
         "generate": {**zero, "params": state["params"] if st.params == "keep" else 0,
                      "grads": state["grads"] if st.grads == "keep" else 0, "engine_weights": engine_weights,
@@ -866,7 +870,8 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
          optimizer_dtype: str = "float32", master_weights: bool = False, optimizer: str = "adamw",
          compute_dtype: str = "bfloat16", engine_dtype: str = "bfloat16", kv_dtype: str | None = None,
          micro_batch_tokens: int | None = None, layers: int | None = None, engine_max_batched_tokens: int = 16384,
-         engine_max_seqs: int = 1024, cuda_graphs: bool = True, processes_per_gpu: int = 1,
+         engine_max_seqs: int = 1024, cuda_graphs: bool = True, release_other: bool = False,
+         processes_per_gpu: int = 1,
          gpu_utilization_cap: float = 0.92, engine_reserve_bytes: int | None = None,
          host_margin_bytes: int | None = None, settings: dict | None = None) -> Plan:
     """Plan the memory of one online-RL step of `model` on `cluster` (formulas: docs/plan.md).
@@ -885,6 +890,8 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     micro_batch_tokens: tokens in one forward/backward of the trainer (default: one sequence, prompt+completion).
     engine_max_batched_tokens, engine_max_seqs: vLLM's max_num_batched_tokens and max_num_seqs (its defaults on
         GPUs of 70 GiB or more); they size the engine's profile run. cuda_graphs: False for enforce_eager.
+    release_other: the engine releases its graphs and buffers while it sleeps (VLLMEngine's `release_other`,
+        swaprl.kernels): `train` then counts only what its pools cannot release.
     processes_per_gpu: 1 when the engine lives in the trainer's process (vLLM's external_launcher), 2 otherwise.
     gpu_utilization_cap: the share of each GPU's memory `train` may fill (headroom for allocator fragmentation).
     engine_reserve_bytes: what the engine leaves free in `generate` (VLLMEngine's `reserve_bytes`; default its own
@@ -932,7 +939,7 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
               kv_dtype=dtype_bytes(kv_dtype or engine_dtype)[0],
               micro_batch_tokens=rollout.sequence_tokens if micro_batch_tokens is None else micro_batch_tokens,
               engine_max_batched_tokens=engine_max_batched_tokens, engine_max_seqs=engine_max_seqs,
-              cuda_graphs=bool(cuda_graphs), processes_per_gpu=processes_per_gpu,
+              cuda_graphs=bool(cuda_graphs), release_other=bool(release_other), processes_per_gpu=processes_per_gpu,
               gpu_utilization_cap=float(gpu_utilization_cap),
               engine_reserve_bytes=int(default_reserve_bytes(cluster.gpu_memory_bytes) if engine_reserve_bytes is None
                                        else engine_reserve_bytes),
@@ -995,7 +1002,7 @@ def _build(s: _Spec) -> Plan:
         "optimizer": s.optimizer, "compute_dtype": s.compute_dtype, "engine_dtype": s.engine_dtype,
         "kv_dtype": s.kv_dtype, "micro_batch_tokens": s.micro_batch_tokens,
         "engine_max_batched_tokens": s.engine_max_batched_tokens, "engine_max_seqs": s.engine_max_seqs,
-        "cuda_graphs": s.cuda_graphs, "processes_per_gpu": s.processes_per_gpu,
+        "cuda_graphs": s.cuda_graphs, "release_other": s.release_other, "processes_per_gpu": s.processes_per_gpu,
         "gpu_utilization_cap": s.gpu_utilization_cap, "engine_reserve_bytes": s.engine_reserve_bytes,
         "host_margin_bytes": s.host_margin_bytes,
         "pinned_settings": dict(s.pinned),
@@ -1041,6 +1048,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the engine")
+    parser.add_argument("--release-other", action="store_true",
+                        help="the engine releases its graphs and buffers while asleep (VLLMEngine release_other)")
     parser.add_argument("--processes-per-gpu", type=int, default=1)
     parser.add_argument("--gpu-utilization", type=float, default=0.92, help="share of GPU memory train may fill")
     parser.add_argument("--engine-reserve-gib", type=float,
@@ -1081,7 +1090,8 @@ def run(args: argparse.Namespace) -> int:
             optimizer_dtype=args.optimizer_dtype, master_weights=args.master_weights, optimizer=args.optimizer,
             compute_dtype=args.compute_dtype, engine_dtype=args.engine_dtype, kv_dtype=args.kv_dtype,
             engine_max_batched_tokens=args.max_num_batched_tokens, engine_max_seqs=args.max_num_seqs,
-            cuda_graphs=not args.enforce_eager, processes_per_gpu=args.processes_per_gpu,
+            cuda_graphs=not args.enforce_eager, release_other=args.release_other,
+            processes_per_gpu=args.processes_per_gpu,
             gpu_utilization_cap=args.gpu_utilization,
             engine_reserve_bytes=None if args.engine_reserve_gib is None else int(args.engine_reserve_gib * GiB),
             host_margin_bytes=None if args.host_margin_gib is None else int(args.host_margin_gib * GiB),

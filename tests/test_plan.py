@@ -472,3 +472,11 @@ def test_cli_prints_a_table_or_json_and_returns_the_verdict(capsys):
     assert data["settings"]["sleep_level"] == 1 and data["inputs"]["shard_degree"] == 16
     assert sp.main(["72b", "--tp", "3"]) == 2
     assert "error: tp=3 must divide gpus_per_node=8" in capsys.readouterr().err
+
+
+def test_release_other_counts_only_what_the_pools_cannot_release():
+    kept = sp.plan("qwen2.5-7b", cluster="1xH100", rollout=ROLLOUT, settings={"grads": "free"})
+    pooled = sp.plan("qwen2.5-7b", cluster="1xH100", rollout=ROLLOUT, settings={"grads": "free"}, release_other=True)
+    assert pooled.inputs["release_other"] and not kept.inputs["release_other"]
+    kept_train, pooled_train = kept.gpu["train"]["engine_other"], pooled.gpu["train"]["engine_other"]
+    assert pooled_train == 240 * 2**20 and kept_train - pooled_train > 1024 * 2**20
