@@ -53,7 +53,7 @@ def run_one(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from transformers import AutoModelForCausalLM
 
-    from bench_offload import copy_floor
+    from bench_offload import copy_floor, make_states
     from swaprl import memory
     from swaprl.engines.vllm import VLLMEngine
 
@@ -68,10 +68,7 @@ def run_one(spec_path: str) -> None:
     profile = Path(spec["result"]).with_suffix(".profile.jsonl")
     rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=2, grads="free", profile=profile))
     with swaprl.phase("train"):
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        make_states(model, opt, grad=torch.zeros_like)
 
     steps: dict[str, list[float]] = collections.defaultdict(list)
     rt.add_listener(lambda e: steps[e["step"]].append(e["seconds"]) if e["type"] == "step" else None)

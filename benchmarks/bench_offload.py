@@ -58,6 +58,14 @@ def copy_floor(nbytes: int, repeats: int = 5) -> dict[str, float]:
     return out
 
 
+def make_states(model: torch.nn.Module, opt: torch.optim.Optimizer, grad=torch.randn_like) -> None:
+    """One optimizer step on gradients `grad(p)`, so that the optimizer's states exist (and can be moved)."""
+    for p in model.parameters():
+        p.grad = grad(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen2.5-1.5b")
@@ -72,10 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec = get_preset(args.preset)
     model = random_model(spec.name, layers=args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    make_states(model, opt)
     state_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                       if isinstance(v, torch.Tensor) and v.is_cuda)
     floor = copy_floor(1 << 30)

@@ -29,7 +29,7 @@ import torch
 import swaprl
 from swaprl.checkpoints import write_random_checkpoint
 
-from bench_offload import copy_floor
+from bench_offload import copy_floor, make_states
 
 
 def device_copy_GBps(nbytes: int = 2 << 30, repeats: int = 5) -> float:
@@ -74,10 +74,7 @@ def main(argv=None) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=args.sleep_level, grads="free"))
     with swaprl.phase("train"):
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        make_states(model, opt)
 
     times: dict[str, list[float]] = collections.defaultdict(list)
     moved: dict[str, int] = {}
