@@ -19,6 +19,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from .readback import to_list
+
 
 def world() -> tuple[int, int]:
     """(rank, world size); (0, 1) without an initialised process group."""
@@ -77,7 +79,7 @@ def all_reduce(values: Sequence[float], op: Literal["max", "min", "sum"]) -> lis
         return [float(v) for v in values]
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_reduce_device())
     dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}[op])
-    return t.tolist()
+    return to_list(t)  # not behind a transition's queued device-to-host copies
 
 
 class TPGroup:

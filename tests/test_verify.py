@@ -5,6 +5,9 @@ engine with weights of its own is a transformers replica loaded only through the
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,6 +52,40 @@ def test_fingerprint_sees_one_flipped_bit(dtype):
         assert fingerprint.fingerprint(u) != ref, (flat_index, bit)
     assert fingerprint.fingerprint(torch.tensor([0.0], dtype=dtype)) != fingerprint.fingerprint(
         torch.tensor([-0.0], dtype=dtype))  # bits, not values
+
+
+def test_one_changed_element_always_moves_the_fingerprint():
+    """The 32-bit mix is a bijection: no two bit patterns of up to 4 bytes mix to the same value, so one element
+    that changes moves the sum by a non-zero amount below 2**32, never a multiple of 2**48. All 2**16 patterns of
+    a 2-byte element, and a sample of 4-byte ones."""
+    every16 = torch.arange(2**16, dtype=torch.int64)
+    assert fingerprint._mix32_torch(every16).unique().numel() == 2**16
+    sample32 = torch.randint(0, 2**32, (2**20,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    assert fingerprint._mix32_torch(sample32).unique().numel() == sample32.unique().numel()
+    assert int(fingerprint._mix32_torch(torch.zeros(1, dtype=torch.int64))) == 0  # padding adds nothing
+
+
+def test_the_device_kernel_does_the_torch_paths_arithmetic_in_tritons_interpreter():
+    """The CUDA kernel's arithmetic, run by Triton's CPU interpreter, against the torch path (the GPU test below
+    compares the two on a GPU)."""
+    pytest.importorskip("triton")
+    code = """
+import torch
+from swaprl import fingerprint as F
+F._programs = lambda device: 3  # the persistent grid without a GPU to ask for its SM count
+g = torch.Generator().manual_seed(0)
+for t in [torch.randn(10000, generator=g).to(torch.bfloat16), torch.randn(9001, generator=g),
+          torch.randint(0, 256, (4097,), dtype=torch.uint8, generator=g), torch.randn(5000, generator=g).double(),
+          torch.randint(-2**62, 2**62, (3,), generator=g)]:
+    out, ref = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    assert F._fold_triton(t, out)
+    F._fold_torch(t, ref)
+    assert int(out) & F.MASK == int(ref) & F.MASK, t.dtype
+print("same")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "same" in done.stdout, done.stderr[-2000:]
 
 
 def test_fold_into_casts_as_the_sync_does():
@@ -263,3 +300,24 @@ def test_the_device_kernel_computes_the_same_fingerprints_as_the_torch_path(dtyp
     assert fingerprint.fingerprint(t) == fingerprint.fingerprint(t.cpu())
     strided = t[: numel // 2 * 2].view(-1, 2).t() if numel > 1 else t  # not contiguous: copied once, same bits
     assert fingerprint.fingerprint(strided) == fingerprint.fingerprint(strided.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+@pytest.mark.parametrize("numel", [1, 8, 1025, 5000])
+def test_readback_reads_what_tolist_reads_while_copies_are_queued(dtype, numel):
+    """`readback.to_list` (a kernel's stores into page-locked memory) returns `tolist()`'s values, also while
+    device-to-host copies queued on another stream are still running, as under an overlapped offload."""
+    from swaprl.readback import to_list
+
+    values = (torch.arange(numel, device="cuda", dtype=torch.int64) * 2**40 - 7).to(dtype)
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for k in range(8):
+            host[k << 27:(k + 1) << 27].copy_(src[k << 27:(k + 1) << 27], non_blocking=True)
+    assert to_list(values) == values.tolist()
+    assert to_list(values[::2]) == values[::2].tolist()  # not contiguous
+    side.synchronize()
