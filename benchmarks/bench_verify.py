@@ -5,7 +5,8 @@
     python benchmarks/bench_verify.py --preset qwen2.5-72b --layers 20 --out benchmarks/results/verify_72b-20l_h200.json
 
 One process per model (vLLM's sleep-mode allocator is one per process). Writes a random checkpoint, loads a bf16
-trainer with plain SGD (no optimizer states: only the sync and the check move anything), builds a colocated vLLM
+trainer with plain SGD (no optimizer states: only the sync and the check move anything; `--optimizer adamw` adds
+AdamW's states, swapped to the host, whose copies run under the sync and the check as they do in a real run), builds a colocated vLLM
 engine with swaprl's defaults (the check on, no bounds), and runs `--warmup + --cycles` cycles: the engine generates
 a batch, the trainer takes a policy-gradient step on it, and the next switch syncs the moved weights, proves them
 bit-exact and measures the mismatch on the probe. Times are the runtime's own step times; medians after warm-up.
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--completions", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"],
+                    help="adamw: states swapped to the host, their copies overlapping the sync and the check")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile and CUDA graphs")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"))
     ap.add_argument("--out", default=None)
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     load_s = time.perf_counter() - t0
     torch.cuda.empty_cache()
     engine = VLLMEngine(path, max_model_len=256, enforce_eager=args.enforce_eager)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    opt = (torch.optim.AdamW(model.parameters(), lr=args.lr) if args.optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=args.lr))
     rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(grads="free"))
     times: dict[str, list[float]] = {s: [] for s in STEPS}
     rt.add_listener(lambda e: times[e["step"]].append(e["seconds"])
