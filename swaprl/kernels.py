@@ -210,15 +210,18 @@ class PausablePool:
         return bool(self.stat(3))
 
     def allocated_ranges(self) -> list[tuple[int, int]]:
-        """(address, bytes) of the pool's allocated blocks, adjacent ones merged, from torch's allocator."""
+        """(address, bytes) of the pool's allocated blocks, adjacent ones of one segment merged, from torch's
+        allocator. Blocks of two segments are never merged, even where the segments' address ranges touch: the
+        native side copies each range within one segment's mapping."""
         ranges: list[tuple[int, int]] = []
         for seg in torch.cuda.memory.memory_snapshot(self.id, include_traces=False):
             if seg.get("device") != self.device:
                 continue
             addr = int(seg["address"])
+            first = len(ranges)  # ranges before this index belong to earlier segments
             for block in seg["blocks"]:
                 if block["state"] != "inactive":  # active_allocated, or freed but still used by a stream
-                    if ranges and ranges[-1][0] + ranges[-1][1] == addr:
+                    if len(ranges) > first and ranges[-1][0] + ranges[-1][1] == addr:
                         ranges[-1] = (ranges[-1][0], ranges[-1][1] + int(block["size"]))
                     else:
                         ranges.append((addr, int(block["size"])))

@@ -113,6 +113,21 @@ def test_pause_releases_the_memory_and_resume_restores_it_in_place(pool):
 
 
 @gpu
+def test_segments_whose_addresses_touch_pause_and_resume(pool):
+    """Each segment is its own reserved range, and the driver often hands out ranges side by side: allocated blocks
+    at the end of one segment and the start of the next must be kept as two ranges, one per mapping."""
+    with pool.use():
+        parts = [torch.full((32 * MiB,), i, dtype=torch.uint8, device="cuda") for i in range(6)]
+    segments = sorted((int(s["address"]), int(s["total_size"]))
+                      for s in torch.cuda.memory.memory_snapshot(pool.id, include_traces=False))
+    if not any(a + n == b for (a, n), (b, _) in zip(segments, segments[1:])):
+        pytest.skip("the driver placed no two of this pool's segments side by side")
+    pool.pause()
+    pool.resume()
+    assert [int(p[0]) for p in parts] == list(range(6)) and all(bool((p == i).all()) for i, p in enumerate(parts))
+
+
+@gpu
 def test_freed_blocks_are_not_copied(pool):
     with pool.use():
         keep = torch.ones(8 * MiB, dtype=torch.uint8, device="cuda")
