@@ -12,6 +12,7 @@ Importing this module does not import vLLM.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -192,42 +193,55 @@ def sleep_pool_bytes() -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def profile_run_in_own_pool() -> Iterator[None]:
-    """While an engine starts, run vLLM's profile run (one forward of `max_num_batched_tokens` tokens that measures
-    the activation peak, `GPUModelRunner.profile_run` in both model runners) in a torch memory pool of its own,
-    dropped when it ends, so that vLLM's `empty_cache` right after it hands the peak back to the driver.
+def startup_runs_in_own_pool() -> Iterator[None]:
+    """While an engine starts, run vLLM's two activation-sized start-up runs in one torch memory pool of their own,
+    dropped when the engine has started, so that their activations go back to the driver as they do without the
+    engine's pausable pool (`swaprl.engines.other_memory`), instead of staying cached in it and mapped at every
+    wake-up:
+    - the profile run (`GPUModelRunner.profile_run` in both model runners: one forward of `max_num_batched_tokens`
+      tokens that measures the activation peak vLLM budgets for);
+    - the V2 model runner's kernel warm-up after the KV cache is allocated (`gpu_worker.warmup_kernels`: a prefill
+      and a decode of `max_num_seqs` dummy requests, sampler included), which vLLM expects to reuse the profile
+      run's cached blocks. In a pool of its own it needed the peak a second time, on top of a KV cache sized to
+      leave room for it once: Qwen2.5-7B beside its trainer ran out of memory at start on the H100.
+    One pool for both, so the second reuses the first's blocks, as in vLLM without any pool.
 
-    Inside the engine's pausable pool (`swaprl.engines.other_memory`) those freed activations would stay cached:
-    the pool would map the whole profile peak at every wake-up, where vLLM without the pool gives it back and
-    grows only to what its generations need. The same escape torch_memory_saver's `disable()` uses.
-
-    The pools are dropped when this context ends, not when the profile run does: a pool cannot be destroyed while
-    another pool routes allocations (torch asserts that no capture is underway), and the engine's pool does until
-    the engine has started. vLLM's budget counts the peak, so keeping it until then needs no extra memory."""
+    The pool is dropped when this context ends, not after each run: a pool cannot be destroyed while another pool
+    routes allocations (torch asserts that no capture is underway), and the engine's pool does until the engine has
+    started. The same escape torch_memory_saver's `disable()` uses."""
     import importlib
 
-    patched, pools = [], []
+    pool: list[torch.cuda.MemPool] = []
+
+    def in_pool(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            if not pool:
+                pool.append(torch.cuda.MemPool())
+            with torch.cuda.use_mem_pool(pool[0]):
+                return fn(*args, **kwargs)
+        return run
+
+    patched = []  # (owner, attribute, original)
     for module, name in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
                          ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")):
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
             continue
-        original = cls.__dict__.get("profile_run")
-        if original is None:
-            continue
-
-        def profile_run(self, *args, _original=original, **kwargs):
-            pool = torch.cuda.MemPool()
-            pools.append(pool)
-            with torch.cuda.use_mem_pool(pool):
-                return _original(self, *args, **kwargs)
-
-        cls.profile_run = profile_run
-        patched.append((cls, original))
+        if "profile_run" in cls.__dict__:
+            patched.append((cls, "profile_run", cls.__dict__["profile_run"]))
+    try:
+        worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    except ImportError:
+        worker = None
+    if worker is not None and callable(getattr(worker, "warmup_kernels", None)):
+        patched.append((worker, "warmup_kernels", worker.warmup_kernels))
+    for owner, attr, original in patched:
+        setattr(owner, attr, in_pool(original))
     try:
         yield
     finally:
-        for cls, original in patched:
-            cls.profile_run = original
-        pools.clear()  # their cached activations go back to the driver with the next empty_cache
+        for owner, attr, original in patched:
+            setattr(owner, attr, original)
+        pool.clear()  # its cached activations go back to the driver with the next empty_cache

@@ -11,8 +11,9 @@ sleeps:
   since a replay writes every intermediate before reading it.
 - "engine": every other allocation this thread makes while vLLM starts and while it generates; the bytes of
   allocated blocks are kept (copied to a page-locked host buffer and back), free cached blocks are not. vLLM's
-  profile run is left out (`compat.vllm.profile_run_in_own_pool`): its activation peak is handed back when it
-  ends, as without the pool, instead of staying cached in the pool and mapped at every wake-up.
+  profile run and its kernel warm-up are left out (`compat.vllm.startup_runs_in_own_pool`): their activation peak
+  is handed back once the engine has started, as without the pool, instead of staying cached in the pool and
+  mapped at every wake-up.
 
 What must stay outside: memory the trainer shares with the engine. vLLM makes its model stream this thread's
 current stream, so the trainer runs on it too, and torch creates a cuBLAS workspace per (handle, stream) the first
@@ -63,7 +64,7 @@ class OtherMemory:
         pool, after the shared per-stream workspaces were made outside both."""
         vllm_compat.engine_stream()
         _warm_shared_workspaces()
-        with vllm_compat.global_graph_pool(self.graphs.id), vllm_compat.profile_run_in_own_pool(), \
+        with vllm_compat.global_graph_pool(self.graphs.id), vllm_compat.startup_runs_in_own_pool(), \
                 self.buffers.use():
             yield
 
