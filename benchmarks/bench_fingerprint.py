@@ -4,7 +4,7 @@ back while a transition's device-to-host copies are queued.
     python benchmarks/bench_fingerprint.py --out benchmarks/results/verify_cost_h100/fingerprint.json
 
 1. Kernel: `swaprl.fingerprint.fold_into` over a `--gib` GiB tensor of each dtype, against the floor of reading
-   those bytes once (the device's copy rate, read + write, measured in the same run: a copy moves twice the bytes).
+   those bytes once at the device's copy rate in bytes moved (read + write), measured in the same run.
 2. Readback: `--queued-gib` GiB of device-to-host copies are queued on a side stream (as `start_offload` queues the
    optimizer's states), then a 1 GiB bf16 tensor is fingerprinted on the compute stream and its result read with
    `tolist()` (a device-to-host copy, behind the queued ones) and with `swaprl.readback.to_list` (stores into
@@ -49,7 +49,7 @@ def kernel_rows(gib: float, repeats: int, rate_GBps: float) -> list[dict]:
         x.view(torch.uint8).random_()
         fingerprint.fold_into([x[:8]])  # compile for this width
         seconds = median_s(lambda: fingerprint.fold_into([x]), repeats)
-        floor = n / (rate_GBps / 2 * 1e9)  # one read of the bytes at half the read + write rate
+        floor = n / (rate_GBps * 1e9)  # one read of the bytes, at the copy's rate in bytes moved (read + write)
         rows.append({"dtype": str(dtype), "bytes": n, "seconds": seconds, "floor_s": floor, "ratio": floor / seconds,
                      "GBps": n / seconds / 1e9})
         print(f"fingerprint {str(dtype):<16} {n / 2**30:.1f} GiB  {seconds * 1e3:8.3f} ms  floor {floor * 1e3:.3f} ms "
