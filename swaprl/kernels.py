@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from .compat import torch as torch_compat
+
 logger = logging.getLogger(__name__)
 
 KEEP = ("allocated", "nothing")
@@ -191,6 +193,15 @@ class PausablePool:
             raise RuntimeError(f"pool {self.name!r} is paused: resume() it before allocating in it")
         with torch.cuda.use_mem_pool(self.pool, device=self.device):
             yield
+
+    @contextlib.contextmanager
+    def stepped_out(self) -> Iterator[None]:
+        """Inside `use()`: this thread's allocations go where they would without the pool, until the context ends."""
+        torch_compat.stop_routing(self.device, self.pool.id)
+        try:
+            yield
+        finally:
+            torch_compat.start_routing(self.device, self.pool.id)
 
     def stat(self, which: int) -> int:
         return int(self._lib.swaprl_vmm_stat(self.slot, which))

@@ -62,3 +62,17 @@ def record_step_for_scheduler(optimizer: torch.optim.Optimizer, replaced: Callab
     scheduler does not warn that `lr_scheduler.step()` ran before `optimizer.step()`."""
     if getattr(replaced, LR_SCHEDULER_MARK, False):
         optimizer._opt_called = True
+
+
+def stop_routing(device: int, pool_id: tuple[int, int]) -> None:
+    """Stop routing this thread's allocations to the pool `pool_id`, entered with `torch.cuda.use_mem_pool`, as
+    leaving that context does (`_cuda_endAllocateToPool`, then `_cuda_releasePool` for the reference it took). torch
+    has no public way to step out of a pool for a while; vLLM's and SGLang's symmetric-memory allocators step out of
+    the graph pool with the same two calls. `start_routing` steps back in."""
+    torch._C._cuda_endAllocateToPool(device, pool_id)
+    torch._C._cuda_releasePool(device, pool_id)
+
+
+def start_routing(device: int, pool_id: tuple[int, int]) -> None:
+    """Route this thread's allocations to the pool `pool_id` again, as entering `torch.cuda.use_mem_pool` does."""
+    torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool_id)

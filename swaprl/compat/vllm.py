@@ -193,57 +193,62 @@ def sleep_pool_bytes() -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def startup_runs_in_own_pool() -> Iterator[dict[str, int]]:
-    """While an engine starts, route everything its thread allocates from vLLM's profile run on (one forward of
-    `max_num_batched_tokens` tokens that measures the activation peak vLLM budgets for, `GPUModelRunner.profile_run`
-    in both model runners) until the engine has started into one torch memory pool of its own, dropped at the end,
-    so that those activations go back to the driver as they do without the engine's pausable pool
-    (`swaprl.engines.other_memory`), instead of staying cached in it and mapped at every wake-up.
+def startup_runs_in_own_pool(step_out: Callable[[], contextlib.AbstractContextManager]) -> Iterator[dict[str, int]]:
+    """While an engine starts, run vLLM's two activation-sized start-up runs each in a torch memory pool of its own,
+    dropped and emptied as soon as the run ends, with the engine's pausable pool (`swaprl.engines.other_memory`)
+    stepped out of (`step_out()`) meanwhile:
+    - the profile run (`GPUModelRunner.profile_run` in both model runners: one forward of `max_num_batched_tokens`
+      tokens that measures the activation peak vLLM budgets for);
+    - the V2 model runner's kernel warm-up once the KV cache is allocated and the graphs captured
+      (`gpu_worker.warmup_kernels`: a prefill and a decode of `max_num_seqs` dummy requests, sampler included).
 
-    After the profile run vLLM allocates the KV cache (in its own sleep-mode pool), captures the CUDA graphs (into
-    the graph pool: torch routes to the pool entered last) and, before each capture and in the V2 model runner's
-    kernel warm-up, runs eager forwards and the sampler on up to `max_num_seqs` dummy requests. Those expect to
-    reuse the profile run's cached blocks: the KV cache is sized to leave room for the peak once. Routed elsewhere
-    they needed it twice, and Qwen2.5-7B ran out of memory while starting on the H100 (beside its trainer in the
-    kernel warm-up, alone in the graph capture's warm-up).
+    Their activations go back to the driver when each ends, where vLLM without swaprl hands the profile run's back
+    with its own `empty_cache`. Kept in the engine's pool they would be mapped at every wake-up (2.11 GiB for
+    Qwen2.5-7B); kept in a pool alive until the engine has started they were not free for what vLLM runs next and
+    expects room for once, the eager forwards before each graph capture (7B on the H100 ran out of memory there).
+    A pool can only be emptied while no pool routes allocations (torch asserts that no capture is underway), hence
+    stepping out of the engine's.
 
-    What is still allocated in the pool when the engine has started was made once and kept (buffers created on the
-    first forward); it stays on the device while the engine sleeps. The dict yielded gets its bytes under
-    "left_bytes" when the context ends. The pool is dropped then, not after the profile run: a pool cannot be
-    destroyed while another pool routes allocations (torch asserts that no capture is underway), and the engine's
-    pool does until the engine has started. The same escape torch_memory_saver's `disable()` uses."""
+    What a run made once and kept is still allocated when its pool is dropped; it stays on the device while the
+    engine sleeps. The dict yielded gets those bytes under "left_bytes"."""
     import importlib
 
-    routing = contextlib.ExitStack()
-    pool: list[torch.cuda.MemPool] = []
-    report: dict[str, int] = {}
-    patched = []  # (class, original profile_run)
+    report = {"left_bytes": 0}
+
+    def in_own_pool(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with step_out():
+                pool = torch.cuda.MemPool()
+                try:
+                    with torch.cuda.use_mem_pool(pool):
+                        return fn(*args, **kwargs)
+                finally:
+                    report["left_bytes"] += sum(int(seg["allocated_size"]) for seg in
+                                                torch.cuda.memory.memory_snapshot(pool.id, include_traces=False))
+                    del pool
+                    torch.cuda.empty_cache()
+        return run
+
+    patched = []  # (owner, attribute, original)
     for module, name in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
                          ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")):
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
             continue
-        original = cls.__dict__.get("profile_run")
-        if original is None:
-            continue
-
-        @functools.wraps(original)
-        def profile_run(self, *args, _original=original, **kwargs):
-            if not pool:  # from here until the engine has started, on this thread
-                pool.append(torch.cuda.MemPool())
-                routing.enter_context(torch.cuda.use_mem_pool(pool[0]))
-            return _original(self, *args, **kwargs)
-
-        cls.profile_run = profile_run
-        patched.append((cls, original))
+        if "profile_run" in cls.__dict__:
+            patched.append((cls, "profile_run", cls.__dict__["profile_run"]))
+    try:
+        worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    except ImportError:
+        worker = None
+    if worker is not None and callable(getattr(worker, "warmup_kernels", None)):
+        patched.append((worker, "warmup_kernels", worker.warmup_kernels))
+    for owner, attr, original in patched:
+        setattr(owner, attr, in_own_pool(original))
     try:
         yield report
     finally:
-        for cls, original in patched:
-            cls.profile_run = original
-        routing.close()
-        if pool:
-            report["left_bytes"] = sum(int(seg["allocated_size"]) for seg in
-                                       torch.cuda.memory.memory_snapshot(pool[0].id, include_traces=False))
-        pool.clear()  # its cached activations go back to the driver with the next empty_cache
+        for owner, attr, original in patched:
+            setattr(owner, attr, original)

@@ -10,10 +10,10 @@ sleeps:
 - "graphs": vLLM's global CUDA-graph pool (`compat.vllm.global_graph_pool`); nothing is kept across a pause,
   since a replay writes every intermediate before reading it.
 - "engine": every other allocation this thread makes while vLLM starts and while it generates; the bytes of
-  allocated blocks are kept (copied to a page-locked host buffer and back), free cached blocks are not. From
-  vLLM's profile run on, its start-up runs (the profile run, the graph captures' and the kernels' warm-ups) are
-  left out (`compat.vllm.startup_runs_in_own_pool`): their activation peak is handed back once the engine has
-  started, as without the pool, instead of staying cached in the pool and mapped at every wake-up.
+  allocated blocks are kept (copied to a page-locked host buffer and back), free cached blocks are not. vLLM's
+  profile run and its kernel warm-up are left out (`compat.vllm.startup_runs_in_own_pool`): their activations go
+  back to the driver when each ends, as without the pool, instead of staying cached in it and mapped at every
+  wake-up.
 
 What must stay outside: memory the trainer shares with the engine. vLLM makes its model stream this thread's
 current stream, so the trainer runs on it too, and torch creates a cuBLAS workspace per (handle, stream) the first
@@ -64,9 +64,9 @@ class OtherMemory:
         pool, after the shared per-stream workspaces were made outside both."""
         vllm_compat.engine_stream()
         _warm_shared_workspaces()
-        with vllm_compat.global_graph_pool(self.graphs.id), vllm_compat.startup_runs_in_own_pool() as startup:
-            with self.buffers.use():
-                yield
+        with vllm_compat.global_graph_pool(self.graphs.id), \
+                vllm_compat.startup_runs_in_own_pool(self.buffers.stepped_out) as startup, self.buffers.use():
+            yield
         # Made once during the start-up runs and kept, outside both pools: on the device while the engine sleeps.
         self.stats["start_unpooled_bytes"] = startup.get("left_bytes", 0)
         logger.info("the engine's start-up runs left %.1f MiB allocated outside the pausable pools",
