@@ -69,18 +69,68 @@ class Runtime:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Engine,
                  config: SwapConfig) -> None:
+        check_none_attached()
+        self._start(config)
+        self._bind(model, optimizer, engine)
+
+    @classmethod
+    def _pending(cls, config: SwapConfig, *, until: str) -> Runtime:
+        """A runtime registered now and bound to its trainer later, with `_bind`: for a trainer whose model and
+        optimizer only take their final form once its training loop has started (TRL under FSDP2, where `train()`
+        shards the model and re-points the optimizer at the shards). Until then it holds nothing and stays in
+        "train"; listeners and detach callbacks can be added, and what needs the trainer raises a `PhaseError`
+        saying `until` (when it will be bound)."""
         global _attached
         check_none_attached()
-        checks.check_trainer(model, optimizer, config)
-        checks.check_engine(engine, config)
-        self.model, self.optimizer, self.engine, self.config = model, optimizer, engine, config
-        self.device = checks.model_device(model)
+        if not isinstance(config, SwapConfig):
+            raise TypeError(f"config must be a swaprl.SwapConfig, not {type(config).__name__}")
+        rt = cls.__new__(cls)
+        rt._start(config)
+        rt._unbound = until
+        _attached = rt
+        return rt
+
+    def _start(self, config: SwapConfig) -> None:
+        """What a runtime has from its creation on, bound to a trainer or not."""
+        self.config = config
+        self.model = self.optimizer = self.engine = self.device = None
+        self._unbound: str | None = None  # why nothing is bound yet (see _pending); None once bound
         self._phase: Phase = "train"
         self._depth = 0
         self._cycle = 0
         self._closed = False
         self._listeners: list[Callable[[dict], None]] = []
         self._detach_callbacks = Undo("detach")
+        self._placement: Placement | None = None
+        self._verifier: Verifier | None = None
+        self._synced: tuple[float, int] | None = None  # the last sync's seconds and bytes, for its report
+        self._restore = Undo("attach")  # what detach() reverts (and a failed attach, at once)
+
+    def _bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Engine) -> None:
+        """Take charge of `model`, `optimizer` and `engine` (checked first); a failure leaves nothing behind."""
+        global _attached
+        if _attached is not None and _attached is not self:
+            check_none_attached()
+        if self._closed:
+            raise PhaseError("this runtime was detached; call swaprl.attach(model, optimizer) again")
+        config = self.config
+        checks.check_trainer(model, optimizer, config)
+        checks.check_engine(engine, config)
+        try:
+            self._take(model, optimizer, engine)
+        except BaseException:
+            # What the attach steps did is undone already; a pending runtime must not keep half a trainer.
+            self.model = self.optimizer = self.engine = self.device = None
+            self._placement = self._verifier = None
+            raise
+        self._unbound = None
+        _attached = self
+
+    def _take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Engine) -> None:
+        """The attach proper: host buffers, the optimizer's hooks, the engine asleep (undone on failure)."""
+        config = self.config
+        self.model, self.optimizer, self.engine = model, optimizer, engine
+        self.device = checks.model_device(model)
         self._engine_stale = not engine.shares_trainer_weights
         self.sleep_level = (1 if engine.shares_trainer_weights else 2) if config.sleep_level == "auto" \
             else int(config.sleep_level)
@@ -88,8 +138,6 @@ class Runtime:
                                                 on_streamed_step=self._on_streamed_step)
         self._verifier = None if engine.shares_trainer_weights else Verifier(model, engine,
                                                                               bounds=config.verify_tolerance)
-        self._synced: tuple[float, int] | None = None  # the last sync's seconds and bytes, for its report
-        self._restore = Undo("attach")  # what detach() reverts (and a failed attach, at once)
         with self._restore.on_error():
             self._restore.push(placement.release)  # a failed attach leaves no host memory behind
             placement.prepare_host()
@@ -105,7 +153,6 @@ class Runtime:
             if not engine.shares_trainer_weights:
                 steps.append(_Step("engine sleep", self._engine_sleep, lambda: self._engine_wake(None)))
             self._run_steps("attach", steps)
-        _attached = self
 
     # ---------------------------------------------------------------- public API
     @property
@@ -115,7 +162,7 @@ class Runtime:
     @contextlib.contextmanager
     def phase(self, name: Phase) -> Iterator[Runtime]:
         """Make `name`'s resources resident for the `with` block; restore the previous phase on the way out."""
-        self._check_open()
+        self._check_bound()
         if name not in PHASES:
             raise PhaseError(f"unknown phase {name!r}; use one of {PHASES}")
         previous = self._phase
@@ -129,6 +176,8 @@ class Runtime:
 
     def status(self) -> dict:
         """Where each resource is and how many device bytes it holds now, plus the device and host totals."""
+        if self._unbound is not None:  # (after detach() it still answers: everything is back)
+            raise PhaseError(f"this runtime has no trainer yet: {self._unbound}")
         out: dict = {"phase": self._phase, "cycle": self._cycle, "device": str(self.device)}
         out.update(self._placement.status())
         out["engine"] = self.engine.memory()
@@ -145,7 +194,7 @@ class Runtime:
         """Copy the trainer's parameters into the engine (bucketed, in place); returns the bytes sent."""
         from .sync import push_weights
 
-        self._check_open()
+        self._check_bound()
         if self.engine.shares_trainer_weights:
             return 0
         start = time.perf_counter()
@@ -162,7 +211,7 @@ class Runtime:
         Needs the engine awake and the trainer's parameters on the device (phase 'generate' with params='keep').
         Under torchrun every rank must call it (the trainer's forward is collective), with as many prompts.
         """
-        self._check_open()
+        self._check_bound()
         if self._placement.location("params") != "device":
             raise PhaseError("verify_sync() needs the trainer's parameters on the device; call it with "
                              "SwapConfig(params='keep')")
@@ -173,7 +222,8 @@ class Runtime:
 
     def wait_reload(self) -> None:
         """Make the compute stream wait for an optimizer reload still in flight (see overlap_optimizer_reload)."""
-        self._placement.wait_reload()
+        if self._placement is not None:
+            self._placement.wait_reload()
 
     def add_listener(self, fn: Callable[[dict], None]) -> Callable[[], None]:
         """Call `fn(event)` at every phase boundary and transition step; returns a function that removes it."""
@@ -190,11 +240,15 @@ class Runtime:
         """Make the trainer's state resident again, run the `on_detach` callbacks, release the host buffers and
         unregister this runtime. Returns what it did: the bytes brought back to the device and the host buffer
         bytes released ({} when already detached)."""
-        global _attached
         if self._closed:
             return {}
         if self._depth:
             raise PhaseError("detach() called inside a `with phase(...)` block; leave the block first")
+        if self._unbound is not None:  # pending: nothing was taken, only what was registered is undone
+            self._detach_callbacks.run()
+            self._close()
+            logger.info("detached before binding to a trainer: nothing to bring back")
+            return {}
         back = self._transition(self._phase, "train") if self._phase != "train" else 0
         self.wait_reload()
         if self._placement.streamer is not None:  # plain torch steps the states on the device again
@@ -202,10 +256,7 @@ class Runtime:
         released = self._placement.status()["host_buffers"]["bytes"]
         self._restore.run()  # the hooks, the streamed step, the host buffers
         self._detach_callbacks.run()
-        self._listeners.clear()
-        self._closed = True
-        if _attached is self:
-            _attached = None
+        self._close()
         logger.info("detached: %.2f GiB brought back to %s, %.2f GiB of host buffers released", memory.gib(back),
                     self.device, memory.gib(released))
         return {"brought_back_bytes": back, "host_released_bytes": released}
@@ -369,6 +420,18 @@ class Runtime:
     def _check_open(self) -> None:
         if self._closed:
             raise PhaseError("this runtime was detached; call swaprl.attach(model, optimizer) again")
+
+    def _check_bound(self) -> None:
+        self._check_open()
+        if self._unbound is not None:
+            raise PhaseError(f"this runtime has no trainer yet: {self._unbound}")
+
+    def _close(self) -> None:
+        global _attached
+        self._listeners.clear()
+        self._closed = True
+        if _attached is self:
+            _attached = None
 
     def _emit(self, event: dict) -> None:
         if not self._listeners:

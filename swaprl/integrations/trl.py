@@ -25,6 +25,17 @@ optimizer's creation):
 - `trainer.log` adds swaprl's figures (`swaprl/...`: phase switches, the last sync's check and mismatch) to every
   record, so they reach whatever `report_to` the user set.
 
+Several processes (`accelerate launch`, torchrun): every process builds its trainer and wraps it, and each rank's
+runtime moves that rank's own optimizer states (all of them under DDP, its shards' under FSDP2). With vLLM colocate,
+TRL builds one `vllm.LLM` per rank with vLLM's external launcher, `vllm_tensor_parallel_size` consecutive ranks
+sharding one engine; swaprl's `VLLMEngine` forms the same groups, each rank syncs the full tensors (FSDP2 shards
+gathered one parameter at a time) and the weight check sums the engine's tensor-parallel shards and the trainer's
+FSDP2 shards over their ranks. Under FSDP2 (accelerate's `fsdp_version: 2`) `train()` itself shards the model and
+points the optimizer at the shards, after `wrap`: `wrap` validates everything, registers the runtime and returns it,
+and attaches it to the sharded model and its optimizer at `train()`'s `on_train_begin`, on every rank (until then
+`rt.status()` and `rt.phase()` raise a `PhaseError` saying so). FSDP1 and DeepSpeed are refused (`_check_setup`
+says why).
+
 The hook is on private TRL methods whose behaviour changes between releases, hence the version range
 `SUPPORTED_TRL`: other versions are refused rather than silently mis-wrapped.
 """
@@ -68,7 +79,10 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
     model="/local/checkpoint")` when the model was loaded by hub name and its files are not in the local cache.
     `lean_rollouts` (vLLM colocate only): ask vLLM for what the trainer reads and nothing else (see `_lean_rollouts`);
     False leaves TRL's sampling requests as they are.
-    Call it before `trainer.train()` (or between two calls); everything is validated before anything moves.
+    Call it before `trainer.train()` (or between two calls); everything is validated before anything moves. Under
+    `accelerate launch` every process calls it, as every process builds its trainer. With FSDP2 the runtime is
+    returned at once but takes charge of the trainer when `train()` has sharded the model (see the module's
+    docstring); until then `rt.status()` and `rt.phase()` raise a `PhaseError` saying so.
     """
     try:
         import trl
@@ -86,8 +100,12 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
                          "swaprl.integrations.trl.runtime_of(trainer)), or detach it before wrapping again")
     if config is not None and not isinstance(config, SwapConfig):
         raise TypeError(f"config must be a swaprl.SwapConfig, not {type(config).__name__}")
+    config = config if config is not None else SwapConfig()
     _check_setup(trainer)
+    _check_engine(trainer, engine)
     _check_nothing_attached()  # attach() would refuse too, but only after the vLLM engine was woken
+    if _sharded_by_train(trainer):
+        return _wrap_at_train_begin(trainer, config, engine, lean_rollouts=lean_rollouts)
     optimizer = _optimizer(trainer)
     engine = _engine(trainer, engine)
     rt = swaprl.attach(trainer.model, optimizer, engine, config=config)
@@ -96,6 +114,7 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
     except BaseException:
         rt.detach()  # nothing of the wrap stays behind: the trainer is as it was, and no runtime is attached
         raise
+    _register(trainer, rt)
     logger.info("wrapped GRPOTrainer (trl %s): generation in phase 'generate' with %s", trl.__version__,
                 type(engine).__name__)
     return rt
@@ -120,19 +139,26 @@ def check_version(version: str) -> None:
 # ---------------------------------------------------------------- validation and construction
 def _check_setup(trainer) -> None:
     """Refuse set-ups the wrapper does not handle, before anything is created or moved."""
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-        raise ValueError("swaprl.integrations.trl does not support DeepSpeed or FSDP trainers: they create and "
-                         "shard the optimizer inside train(), after wrap() would have attached to it. Use one "
-                         "device per process (single GPU or DDP)")
+    if trainer.is_deepspeed_enabled:
+        raise ValueError(
+            "swaprl.integrations.trl does not support DeepSpeed: ZeRO builds its own optimizer inside train() "
+            "(transformers' deepspeed_init) whose states, like ZeRO-3's parameters, live in flat partitions of "
+            "DeepSpeed's engine rather than in the torch optimizer and model that swaprl moves and syncs. To shard "
+            "the model over the GPUs, use FSDP2 instead (`fsdp_version: 2` in the accelerate config, or "
+            "GRPOConfig(fsdp=True, fsdp_config={'version': 2})): its shards stay torch tensors, whose "
+            "optimizer states swaprl moves to host memory while generating and whose weights it gathers for vLLM")
+    if trainer.is_fsdp_enabled and _fsdp_version(trainer) != 2:
+        raise ValueError(
+            f"FSDP version {_fsdp_version(trainer)}: swaprl.integrations.trl supports FSDP2 only. FSDP1 flattens "
+            "the parameters into FlatParameters and transformers builds the optimizer over them inside train(); "
+            "use `fsdp_version: 2` in the accelerate config (or GRPOConfig(fsdp_config={'version': 2}), "
+            "transformers' default)")
     if not trainer.use_vllm:
         return
     vg = trainer.vllm_generation
     if vg.mode != "colocate":
         raise ValueError(f"GRPOConfig(vllm_mode={vg.mode!r}): the vLLM server runs in another process, which swaprl "
                          "cannot put to sleep; use vllm_mode='colocate', or use_vllm=False")
-    if vg.tensor_parallel_size != 1:
-        raise ValueError(f"GRPOConfig(vllm_tensor_parallel_size={vg.tensor_parallel_size}): swaprl drives one "
-                         "vLLM engine per process without tensor parallelism; use vllm_tensor_parallel_size=1")
     if torch.cuda.is_available() and not vg.enable_sleep_mode:
         raise ValueError("the vLLM engine TRL built cannot sleep: set GRPOConfig(vllm_enable_sleep_mode=True) so "
                          "swaprl can release its memory during training")
@@ -142,6 +168,19 @@ def _check_setup(trainer) -> None:
         raise ValueError("PEFT models with use_vllm=True are not supported: swaprl's weight sync sends the "
                          "trainer's parameters by their checkpoint names and does not merge adapters. Use "
                          "use_vllm=False, or full fine-tuning")
+
+
+def _fsdp_version(trainer) -> int:
+    # transformers reads it the same way (Trainer._prepare_for_training); FSDP1 plugins may lack the field.
+    return getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)
+
+
+def _sharded_by_train(trainer) -> bool:
+    """FSDP2 before its first train(): the model is not sharded yet, and the optimizer `train()` builds will be
+    pointed at the shards (accelerate's prepare), so neither exists in its final form before `train()` starts."""
+    from ..distributed import is_fsdp2
+
+    return trainer.is_fsdp_enabled and not is_fsdp2(trainer.model)
 
 
 def _check_nothing_attached() -> None:
@@ -161,25 +200,36 @@ def _optimizer(trainer) -> torch.optim.Optimizer:
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
 
 
-def _engine(trainer, engine: Engine | None) -> Engine:
+def _check_engine(trainer, engine: Engine | None) -> None:
+    """Refuse an `engine` argument that does not fit how the trainer generates (before anything is built)."""
     if engine is not None and not isinstance(engine, Engine):
         raise TypeError(f"engine must be a swaprl Engine or None, not {type(engine).__name__}")
+    if not trainer.use_vllm:
+        if engine is not None and not engine.shares_trainer_weights:
+            raise ValueError(f"GRPOConfig(use_vllm=False): TRL generates with the trainer's own module, but "
+                             f"{type(engine).__name__} holds its own weights; leave engine=None")
+        return
+    from ..engines.vllm import VLLMEngine
+
+    if engine is not None and not (isinstance(engine, VLLMEngine) and engine.llm is trainer.vllm_generation.llm):
+        raise ValueError("with use_vllm=True the engine must be a VLLMEngine around the trainer's own LLM: "
+                         "VLLMEngine(llm=trainer.vllm_generation.llm, model=<checkpoint dir>), or engine=None")
+    if engine is None:
+        _checkpoint_dir(trainer.model)  # raises naming the fix when the checkpoint's files cannot be found
+
+
+def _engine(trainer, engine: Engine | None) -> Engine:
+    """The engine for the checked `engine` argument: itself, or the one matching how the trainer generates."""
     if not trainer.use_vllm:
         if engine is None:
             from ..engines.hf import HFEngine
 
             return HFEngine()
-        if not engine.shares_trainer_weights:
-            raise ValueError(f"GRPOConfig(use_vllm=False): TRL generates with the trainer's own module, but "
-                             f"{type(engine).__name__} holds its own weights; leave engine=None")
         return engine
     from ..compat import vllm as vllm_compat
     from ..engines.vllm import VLLMEngine
 
     llm = trainer.vllm_generation.llm
-    if engine is not None and not (isinstance(engine, VLLMEngine) and engine.llm is llm):
-        raise ValueError("with use_vllm=True the engine must be a VLLMEngine around the trainer's own LLM: "
-                         "VLLMEngine(llm=trainer.vllm_generation.llm, model=<checkpoint dir>), or engine=None")
     vllm_compat.check_version()  # before the engine is touched (VLLMEngine checks again)
     # TRL puts the engine to sleep (level 2) as soon as it builds it; VLLMEngine starts from an awake engine and
     # the runtime puts it back to sleep at attach, at its own level. (TRL's own record, where vLLM cannot say.)
@@ -187,6 +237,8 @@ def _engine(trainer, engine: Engine | None) -> Engine:
     if sleeping if sleeping is not None else trainer.vllm_generation._llm_weights_sleeping:
         llm.wake_up()
     if engine is None:
+        # Under several processes: one engine per tensor-parallel group of TRL's (consecutive ranks), whose
+        # VLLMEngine builds the same groups from the LLM's tensor-parallel size.
         engine = VLLMEngine(llm=llm, model=_checkpoint_dir(trainer.model))
     return engine
 
@@ -214,6 +266,67 @@ def _checkpoint_dir(model: torch.nn.Module) -> Path:
     return path
 
 
+def _wrap_at_train_begin(trainer, config: SwapConfig, engine: Engine | None, *, lean_rollouts: bool) -> Runtime:
+    """FSDP2: return a runtime now and attach it when `train()` has sharded the model and built its optimizer.
+
+    transformers builds the optimizer over the unsharded parameters, then accelerate's prepare shards the model
+    in place (fully_shard) and points the optimizer's parameter groups at the shards, both inside `train()` and
+    before its `on_train_begin` callbacks. Attaching earlier would hold the unsharded parameters (a whole model per
+    rank) and an optimizer whose parameters are about to be replaced; at `on_train_begin` `trainer.model` is the
+    sharded module and the optimizer's parameters are its DTensor shards. Every rank runs the same callback, so
+    every rank attaches at the same point (building the engine's groups and reducing the first checks are
+    collective).
+    """
+    from transformers import TrainerCallback
+
+    rt = Runtime._pending(config, until=(
+        "the trainer is sharded with FSDP2, so wrap() attaches it when trainer.train() has sharded the model and "
+        "built its optimizer (at train()'s on_train_begin); use it from then on, e.g. in a TrainerCallback or "
+        "after train()"))
+
+    class AttachWhenSharded(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            _attach_sharded(trainer, rt, engine, lean_rollouts=lean_rollouts)
+
+    callback = AttachWhenSharded()
+    trainer.add_callback(callback)
+    rt.on_detach(lambda: trainer.remove_callback(callback))
+    _register(trainer, rt)
+    logger.info("wrapped GRPOTrainer under FSDP2: swaprl attaches when train() has sharded the model")
+    return rt
+
+
+def _attach_sharded(trainer, rt: Runtime, engine: Engine | None, *, lean_rollouts: bool) -> None:
+    """Bind `rt` to the sharded model and its optimizer, at the start of a `train()` (see `_wrap_at_train_begin`)."""
+    if rt.model is not None:
+        # A later train(): accelerate's prepare finds the model sharded already and keeps it, and maps the
+        # optimizer's parameters back onto the same shards, so the runtime holds what it held.
+        if rt.model is trainer.model and rt.optimizer is _optimizer(trainer):
+            return
+        raise PhaseError("the GRPOTrainer's model or optimizer was replaced since swaprl attached to it: detach "
+                         "(rt.detach()) and wrap the trainer again before training on")
+    try:
+        from ..profile import attach_profiler
+
+        optimizer = _optimizer(trainer)
+        built = _engine(trainer, engine)
+        rt._bind(trainer.model, optimizer, built)
+        if rt.config.profile is not None:
+            attach_profiler(rt, rt.config.profile)
+        _install(trainer, rt, lean_rollouts=lean_rollouts)
+    except BaseException:
+        rt.detach()  # the trainer is TRL's own again, and train() stops with the error
+        raise
+    logger.info("swaprl attached to the FSDP2-sharded GRPOTrainer: generation in phase 'generate' with %s",
+                type(built).__name__)
+
+
+def _register(trainer, rt: Runtime) -> None:
+    """Make `rt` the trainer's runtime (`runtime_of`, and a second wrap refused) until it is detached."""
+    setattr(trainer, _RUNTIME_ATTR, rt)
+    rt.on_detach(lambda: vars(trainer).pop(_RUNTIME_ATTR, None))
+
+
 # ---------------------------------------------------------------- the hooks
 def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
     """Route the trainer's generation through `rt`; record how to undo each change, undone at `rt.detach()`."""
@@ -235,8 +348,6 @@ def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
         undo.push(_log_figures(trainer, rt), "log")
         if trainer.use_vllm and lean_rollouts:
             undo.push(_lean_rollouts(trainer), "lean rollouts")
-        setattr(trainer, _RUNTIME_ATTR, rt)
-        undo.push(lambda: vars(trainer).pop(_RUNTIME_ATTR, None), "runtime_of")
 
     def unwrap() -> None:
         undo.run()
