@@ -14,8 +14,9 @@ change moves the sum by a non-zero amount below 2**32, so it is always caught. M
 was not sent, a tensor loaded into the wrong layer, weights never loaded after a level-2 sleep) cancel out with
 probability about 2**-32 or less. 8-byte elements get a 64-bit mix (two multiply/xor-shift rounds). It cannot see
 elements of one tensor swapped with each other, which no copy of whole tensors produces. The 32-bit mix keeps the
-CUDA kernel at the speed of reading memory: on the H100, 4 GiB of bf16 in 1.61 ms against 1.44 ms to read them
-(2.38 ms with a 64-bit mix for every element, which the integer multiplies limited).
+CUDA kernel near the speed of reading memory: on the H100, 4 GiB of bf16 in 1.6-1.8 ms against 1.45 ms to read them
+(benchmarks/results/verify_cost_h100), where a 64-bit mix for every element took 2.38 ms, limited by the integer
+multiplies.
 
 On CUDA the mix-and-sum is one Triton kernel per tensor (a single read of the tensor, results accumulated on the
 device and read back once, past any copies a transition has queued: `swaprl.readback`); elsewhere, and where Triton
