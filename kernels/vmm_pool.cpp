@@ -20,6 +20,11 @@
 // to the caller's (page-locked) host buffer first and copied back after the next resume. Python names the ranges
 // of live tensors (the pool's allocated blocks) and leaves out free cached blocks and graph scratch memory.
 //
+// Sealed pools: a pool that torch no longer allocates from (no thread routes to it, no capture is given its id)
+// only ever needs the memory under its live blocks. A resume with `kept_only` maps just the granules that hold the
+// kept ranges, each run of them with its own physical allocation, and leaves the rest of the address range
+// reserved but unbacked: torch still counts the free blocks there, but nothing will hand them out.
+//
 // Thread safety: one mutex around all state; the CUDA calls run on the calling thread's current context (torch's
 // primary context for the device), made current here when the thread has none.
 
@@ -38,10 +43,17 @@ namespace {
 
 constexpr int kSlots = 8;
 
+// A run of a segment backed by one physical allocation.
+struct Piece {
+  size_t offset;
+  size_t size;
+  CUmemGenericAllocationHandle handle;
+};
+
 struct Segment {
-  size_t size = 0;  // bytes reserved and (when mapped) backed, a multiple of the device's granularity
+  size_t size = 0;  // bytes reserved, a multiple of the device's granularity
   int device = 0;
-  CUmemGenericAllocationHandle handle = 0;  // 0 while paused
+  std::vector<Piece> pieces;  // what is backed now: the whole segment, a sealed pool's kept granules, or nothing
 };
 
 struct Saved {
@@ -55,8 +67,9 @@ struct Slot {
   bool paused = false;
   std::vector<Saved> saved;  // ranges copied out by the last pause, copied back by the next resume
   char* host = nullptr;
-  size_t reserved = 0;  // bytes of address space held
-  size_t mapped = 0;    // bytes of physical memory held
+  size_t reserved = 0;     // bytes of address space held
+  size_t mapped = 0;       // bytes of physical memory held
+  size_t granularity = 0;  // the device's allocation granularity (set by the first segment)
 };
 
 std::mutex mu;
@@ -90,12 +103,13 @@ CUmemAllocationProp properties(int device) {
   return prop;
 }
 
-// Back [ptr, ptr + size) with new physical memory on `device`, readable and writable from it.
-bool map(CUdeviceptr ptr, Segment& seg) {
+// Back [base + offset, base + offset + size) with new physical memory on `device`, readable and writable from it.
+bool map(CUdeviceptr base, Segment& seg, size_t offset, size_t size) {
   CUmemAllocationProp prop = properties(seg.device);
   CUmemGenericAllocationHandle handle;
-  if (!check(cuMemCreate(&handle, seg.size, &prop, 0), "cuMemCreate")) return false;
-  if (!check(cuMemMap(ptr, seg.size, 0, handle, 0), "cuMemMap")) {
+  CUdeviceptr ptr = base + offset;
+  if (!check(cuMemCreate(&handle, size, &prop, 0), "cuMemCreate")) return false;
+  if (!check(cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")) {
     cuMemRelease(handle);
     return false;
   }
@@ -103,21 +117,33 @@ bool map(CUdeviceptr ptr, Segment& seg) {
   std::memset(&access, 0, sizeof(access));
   access.location = prop.location;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  if (!check(cuMemSetAccess(ptr, seg.size, &access, 1), "cuMemSetAccess")) {
-    cuMemUnmap(ptr, seg.size);
+  if (!check(cuMemSetAccess(ptr, size, &access, 1), "cuMemSetAccess")) {
+    cuMemUnmap(ptr, size);
     cuMemRelease(handle);
     return false;
   }
-  seg.handle = handle;
+  seg.pieces.push_back({offset, size, handle});
   return true;
 }
 
-bool unmap(CUdeviceptr ptr, Segment& seg) {
-  if (seg.handle == 0) return true;
-  if (!check(cuMemUnmap(ptr, seg.size), "cuMemUnmap")) return false;
-  if (!check(cuMemRelease(seg.handle), "cuMemRelease")) return false;
-  seg.handle = 0;
-  return true;
+// Release every piece of the segment's physical memory; returns the bytes released, or -1 (error set).
+int64_t unmap(CUdeviceptr base, Segment& seg) {
+  int64_t released = 0;
+  while (!seg.pieces.empty()) {
+    const Piece& p = seg.pieces.back();
+    if (!check(cuMemUnmap(base + p.offset, p.size), "cuMemUnmap")) return -1;
+    if (!check(cuMemRelease(p.handle), "cuMemRelease")) return -1;
+    released += static_cast<int64_t>(p.size);
+    seg.pieces.pop_back();
+  }
+  return released;
+}
+
+// Whether [ptr, ptr + size) lies in memory the segment at `base` backs now.
+bool backed(CUdeviceptr base, const Segment& seg, CUdeviceptr ptr, size_t size) {
+  for (const Piece& p : seg.pieces)
+    if (ptr >= base + p.offset && ptr + size <= base + p.offset + p.size) return true;
+  return false;
 }
 
 void* slot_malloc(int s, ssize_t size, int device) {
@@ -133,12 +159,13 @@ void* slot_malloc(int s, ssize_t size, int device) {
   if (!check(cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
              "cuMemGetAllocationGranularity"))
     return nullptr;
+  slot.granularity = granularity;
   Segment seg;
   seg.size = (static_cast<size_t>(size) + granularity - 1) / granularity * granularity;
   seg.device = device;
   CUdeviceptr ptr = 0;
   if (!check(cuMemAddressReserve(&ptr, seg.size, granularity, 0, 0), "cuMemAddressReserve")) return nullptr;
-  if (!map(ptr, seg)) {  // out of memory, most likely: torch's allocator frees its cache and retries, or raises
+  if (!map(ptr, seg, 0, seg.size)) {  // out of memory, most likely: torch's allocator frees its cache and retries, or raises
     cuMemAddressFree(ptr, seg.size);
     return nullptr;
   }
@@ -155,26 +182,46 @@ void slot_free(int s, void* p) {
   auto it = slot.segments.find(ptr);
   if (it == slot.segments.end()) return;
   Segment& seg = it->second;
-  if (seg.handle != 0) {
+  if (!seg.pieces.empty()) {
     // cudaFree waits for the device before it frees; unmapping does not, and work in flight may still use it.
     ensure_context(seg.device) && check(cuCtxSynchronize(), "cuCtxSynchronize");
-    if (!unmap(ptr, seg)) {
+    int64_t released = unmap(ptr, seg);
+    if (released < 0) {
       std::fprintf(stderr, "swaprl vmm pool: freeing a segment failed (%s); its memory stays mapped\n",
                    last_error.c_str());
       return;
     }
-    slot.mapped -= seg.size;
+    slot.mapped -= static_cast<size_t>(released);
   }
   cuMemAddressFree(ptr, seg.size);
   slot.reserved -= seg.size;
   slot.segments.erase(it);
 }
 
-// The segment that holds [ptr, ptr + size), or nullptr.
-const Segment* holder(const Slot& slot, CUdeviceptr ptr, size_t size) {
+// Whether [ptr, ptr + size) lies in memory one segment of the slot backs now.
+bool inside(const Slot& slot, CUdeviceptr ptr, size_t size) {
   for (const auto& [base, seg] : slot.segments)
-    if (ptr >= base && ptr + size <= base + seg.size) return &seg;
-  return nullptr;
+    if (ptr >= base && ptr + size <= base + seg.size) return backed(base, seg, ptr, size);
+  return false;
+}
+
+// The granules of the segment at `base` that hold part of a saved range, as runs of (offset, size).
+std::vector<std::pair<size_t, size_t>> kept_runs(CUdeviceptr base, const Segment& seg, const std::vector<Saved>& saved,
+                                                 size_t granularity) {
+  std::vector<std::pair<size_t, size_t>> runs;
+  std::vector<bool> needed(seg.size / granularity, false);
+  for (const Saved& r : saved) {
+    if (r.ptr < base || r.ptr + r.size > base + seg.size || r.size == 0) continue;
+    for (size_t g = (r.ptr - base) / granularity; g <= (r.ptr + r.size - 1 - base) / granularity; ++g) needed[g] = true;
+  }
+  for (size_t g = 0; g < needed.size(); ++g) {
+    if (!needed[g]) continue;
+    if (!runs.empty() && runs.back().first + runs.back().second == g * granularity)
+      runs.back().second += granularity;
+    else
+      runs.push_back({g * granularity, granularity});
+  }
+  return runs;
 }
 
 }  // namespace
@@ -229,8 +276,8 @@ int swaprl_vmm_pause(int s, const uint64_t* ptrs, const uint64_t* sizes, int n, 
   std::vector<Saved> saved;
   size_t offset = 0;
   for (int i = 0; i < n; ++i) {
-    if (holder(slot, ptrs[i], sizes[i]) == nullptr) {
-      last_error = "a range to keep is not inside the pool";
+    if (!inside(slot, ptrs[i], sizes[i])) {
+      last_error = "a range to keep is not inside the pool's mapped memory";
       return -1;
     }
     saved.push_back({ptrs[i], sizes[i], offset});
@@ -247,9 +294,9 @@ int swaprl_vmm_pause(int s, const uint64_t* ptrs, const uint64_t* sizes, int n, 
     if (!check(cuMemcpyDtoHAsync(dst + r.host_offset, r.ptr, r.size, nullptr), "cuMemcpyDtoHAsync")) return -1;
   if (!check(cuStreamSynchronize(nullptr), "cuStreamSynchronize")) return -1;
   for (auto& [ptr, seg] : slot.segments) {
-    if (seg.handle == 0) continue;
-    if (!unmap(ptr, seg)) return -1;
-    slot.mapped -= seg.size;
+    int64_t released = unmap(ptr, seg);
+    if (released < 0) return -1;
+    slot.mapped -= static_cast<size_t>(released);
   }
   slot.saved = std::move(saved);
   slot.host = dst;
@@ -257,10 +304,11 @@ int swaprl_vmm_pause(int s, const uint64_t* ptrs, const uint64_t* sizes, int n, 
   return 0;
 }
 
-// Map new physical memory under every segment of slot s at its old address and copy the kept ranges back.
-// Returns 0, or -1 with swaprl_vmm_error() set; on failure (out of device memory) everything this call mapped is
-// released again and the pool stays paused, its kept bytes still in the host buffer.
-int swaprl_vmm_resume(int s, int device) {
+// Map new physical memory under every segment of slot s at its old address (with `kept_only`, under the granules
+// that hold the kept ranges only: see "Sealed pools" above) and copy the kept ranges back. Returns 0, or -1 with
+// swaprl_vmm_error() set; on failure (out of device memory) everything this call mapped is released again and the
+// pool stays paused, its kept bytes still in the host buffer.
+int swaprl_vmm_resume(int s, int device, int kept_only) {
   std::lock_guard<std::mutex> guard(mu);
   if (s < 0 || s >= kSlots) {
     last_error = "no such pool slot";
@@ -269,28 +317,31 @@ int swaprl_vmm_resume(int s, int device) {
   Slot& slot = slots[s];
   if (!slot.paused) return 0;
   if (!ensure_context(device)) return -1;
-  std::vector<CUdeviceptr> done;
+  auto undo = [&slot]() {
+    std::string why = last_error;
+    for (auto& [ptr, seg] : slot.segments) unmap(ptr, seg);
+    last_error = why;
+    return -1;
+  };
+  size_t mapped = 0;
   for (auto& [ptr, seg] : slot.segments) {
-    if (!map(ptr, seg)) {
-      std::string why = last_error;
-      for (CUdeviceptr p : done) unmap(p, slot.segments[p]);
-      last_error = why;
-      return -1;
+    std::vector<std::pair<size_t, size_t>> runs;
+    if (kept_only)
+      runs = kept_runs(ptr, seg, slot.saved, slot.granularity);
+    else
+      runs.push_back({0, seg.size});
+    for (const auto& [offset, size] : runs) {
+      if (!map(ptr, seg, offset, size)) return undo();
+      mapped += size;
     }
-    done.push_back(ptr);
   }
   bool copied = true;
   for (const Saved& r : slot.saved)
     copied = copied && check(cuMemcpyHtoDAsync(r.ptr, slot.host + r.host_offset, r.size, nullptr),
                              "cuMemcpyHtoDAsync");
   copied = copied && check(cuStreamSynchronize(nullptr), "cuStreamSynchronize");
-  if (!copied) {
-    std::string why = last_error;
-    for (CUdeviceptr p : done) unmap(p, slot.segments[p]);
-    last_error = why;
-    return -1;
-  }
-  for (auto& [ptr, seg] : slot.segments) slot.mapped += seg.size;
+  if (!copied) return undo();
+  slot.mapped += mapped;
   slot.saved.clear();
   slot.host = nullptr;
   slot.paused = false;

@@ -126,7 +126,7 @@ def _load() -> ctypes.CDLL:
         lib.swaprl_vmm_pause.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64),
                                          ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_void_p,
                                          ctypes.c_uint64, ctypes.c_int]
-        lib.swaprl_vmm_resume.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.swaprl_vmm_resume.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
         _state["lib"], _state["path"], _state["slots"] = lib, path, set()
         return lib
 
@@ -181,9 +181,15 @@ class PausablePool:
         self.pool = torch.cuda.MemPool(allocator.allocator())
         self.host = HostBuffer(f"pool {name}", pin=True)
         self.kept_bytes = 0  # what the last pause copied to the host
+        self.sealed = False
+        self._routing = 0  # use() contexts open
+        self._mapped_before_pause = 0
 
     @property
     def id(self) -> tuple[int, int]:
+        if self.sealed:
+            raise RuntimeError(f"pool {self.name!r} is sealed: nothing may allocate in it (a capture given its id "
+                               "would); use another pool")
         return self.pool.id
 
     @contextlib.contextmanager
@@ -191,8 +197,15 @@ class PausablePool:
         """Route this thread's allocations on the pool's device to the pool (innermost pool wins when nested)."""
         if self.paused:
             raise RuntimeError(f"pool {self.name!r} is paused: resume() it before allocating in it")
-        with torch.cuda.use_mem_pool(self.pool, device=self.device):
-            yield
+        if self.sealed:
+            raise RuntimeError(f"pool {self.name!r} is sealed: it holds memory only under its live blocks, so "
+                               "nothing may allocate in it; use another pool")
+        self._routing += 1
+        try:
+            with torch.cuda.use_mem_pool(self.pool, device=self.device):
+                yield
+        finally:
+            self._routing -= 1
 
     @contextlib.contextmanager
     def stepped_out(self) -> Iterator[None]:
@@ -220,12 +233,17 @@ class PausablePool:
     def paused(self) -> bool:
         return bool(self.stat(3))
 
+    @property
+    def resume_bytes(self) -> int:
+        """Device memory the next `resume()` maps: what the pool held before its pause (0 while running)."""
+        return self._mapped_before_pause if self.paused else 0
+
     def allocated_ranges(self) -> list[tuple[int, int]]:
         """(address, bytes) of the pool's allocated blocks, adjacent ones of one segment merged, from torch's
         allocator. Blocks of two segments are never merged, even where the segments' address ranges touch: the
         native side copies each range within one segment's mapping."""
         ranges: list[tuple[int, int]] = []
-        for seg in torch.cuda.memory.memory_snapshot(self.id, include_traces=False):
+        for seg in torch.cuda.memory.memory_snapshot(self.pool.id, include_traces=False):
             if seg.get("device") != self.device:
                 continue
             addr = int(seg["address"])
@@ -253,6 +271,7 @@ class PausablePool:
                                       host.numel() if host is not None else 0, self.device) != 0:
             raise RuntimeError(f"pausing pool {self.name!r} failed: {self._lib.swaprl_vmm_error().decode()}")
         self.kept_bytes = total
+        self._mapped_before_pause = mapped
         return mapped
 
     def resume(self) -> None:
@@ -260,12 +279,28 @@ class PausablePool:
         of memory) nothing stays mapped, the pool stays paused and raises `torch.OutOfMemoryError`."""
         if not self.paused:
             return
-        if self._lib.swaprl_vmm_resume(self.slot, self.device) != 0:
+        if self._lib.swaprl_vmm_resume(self.slot, self.device, self.sealed) != 0:
             torch.cuda.empty_cache()  # as torch's allocator does when cudaMalloc fails: hand back its cache, retry
-        if self.paused and self._lib.swaprl_vmm_resume(self.slot, self.device) != 0:
+        if self.paused and self._lib.swaprl_vmm_resume(self.slot, self.device, self.sealed) != 0:
             raise torch.OutOfMemoryError(
-                f"resuming pool {self.name!r} ({self.reserved_bytes} bytes) failed: "
+                f"resuming pool {self.name!r} ({self.resume_bytes} bytes) failed: "
                 f"{self._lib.swaprl_vmm_error().decode()}; free device memory and resume again (nothing was lost)")
+
+    def seal(self) -> int:
+        """Allocate nothing more in this pool, and from now on back only the memory under its live blocks (the
+        granules that hold them), releasing its free cached blocks' memory at once; returns the bytes released.
+        Call it outside `use()`, once whatever allocated here has finished; the pool still pauses and resumes."""
+        if self.sealed:
+            return 0
+        if self._routing:
+            raise RuntimeError(f"pool {self.name!r} still receives allocations: seal() it after its use() ends")
+        before = self.mapped_bytes
+        paused = self.paused
+        self.pause()
+        self.sealed = True
+        if not paused:
+            self.resume()
+        return before - self.mapped_bytes
 
     def close(self) -> None:
         """Give the slot back. Call once nothing allocated in the pool is alive (and nothing captured in it will

@@ -149,6 +149,52 @@ def test_allocating_in_a_paused_pool_is_refused(pool):
 
 
 @gpu
+def test_a_sealed_pool_backs_only_its_live_blocks_and_keeps_them(pool):
+    """Sealing releases the memory under free blocks, down to the granules that hold live ones, also inside a
+    segment that holds both; the live bytes stay in place across the seal and later pauses; nothing may allocate in
+    the pool any more."""
+    with pool.use():
+        # 1-10 MiB requests share 20 MiB segments: `kept` sits after `dropped` in one segment, `whole` has its own.
+        dropped = torch.ones(8 * MiB, dtype=torch.uint8, device="cuda")
+        kept = torch.arange(2 * MiB, dtype=torch.float32, device="cuda")  # 8 MiB
+        whole = torch.ones(64 * MiB, dtype=torch.uint8, device="cuda")
+    shared = [int(s["address"]) for s in torch.cuda.memory.memory_snapshot(pool.id, include_traces=False)
+              if int(s["address"]) <= kept.data_ptr() < int(s["address"]) + int(s["total_size"])]
+    assert shared == [dropped.data_ptr()], "the test's layout assumption: dropped and kept share a segment"
+    del dropped, whole
+    expected, address = kept.clone(), kept.data_ptr()
+    mapped = pool.mapped_bytes
+    before = _free()
+    released = pool.seal()
+    assert pool.sealed and not pool.paused
+    assert pool.mapped_bytes == mapped - released
+    assert 8 * MiB <= pool.mapped_bytes <= 12 * MiB, pool.mapped_bytes  # kept's granules (2 MiB each), no more
+    assert _free() - before >= released - 2 * MiB
+    assert kept.data_ptr() == address and torch.equal(kept, expected)
+    for _ in range(3):
+        backed = pool.mapped_bytes
+        assert pool.pause() == backed and pool.mapped_bytes == 0 and pool.resume_bytes == backed
+        pool.resume()
+        assert torch.equal(kept, expected) and 8 * MiB <= pool.mapped_bytes <= 12 * MiB
+    kept += 1  # ordinary device memory
+    assert kept[0].item() == 1
+    with pytest.raises(RuntimeError, match="sealed"):
+        with pool.use():
+            pass
+    with pytest.raises(RuntimeError, match="sealed"):
+        pool.id
+    assert pool.seal() == 0  # sealing twice is a no-op
+
+
+@gpu
+def test_a_pool_cannot_be_sealed_while_it_receives_allocations(pool):
+    with pool.use():
+        with pytest.raises(RuntimeError, match=r"seal\(\) it after its use\(\) ends"):
+            pool.seal()
+    assert not pool.sealed
+
+
+@gpu
 def test_a_graph_captured_in_a_pool_replays_after_200_pauses():
     if not kernels.available():
         pytest.skip(kernels.unavailable())

@@ -193,14 +193,17 @@ def sleep_pool_bytes() -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def startup_runs_in_own_pool(step_out: Callable[[], contextlib.AbstractContextManager]) -> Iterator[dict[str, int]]:
-    """While an engine starts, run vLLM's two activation-sized start-up runs each in a torch memory pool of its own,
-    dropped and emptied as soon as the run ends, with the engine's pausable pool (`swaprl.engines.other_memory`)
-    stepped out of (`step_out()`) meanwhile:
+def startup_runs_in_own_pool(step_out: Callable[[], contextlib.AbstractContextManager],
+                             warmup_pool=None) -> Iterator[dict[str, int]]:
+    """While an engine starts, run vLLM's two activation-sized start-up runs outside the engine's pausable pool
+    (`swaprl.engines.other_memory`), stepped out of it (`step_out()`) meanwhile:
     - the profile run (`GPUModelRunner.profile_run` in both model runners: one forward of `max_num_batched_tokens`
-      tokens that measures the activation peak vLLM budgets for);
+      tokens that measures the activation peak vLLM budgets for), in a torch memory pool of its own, dropped and
+      emptied as soon as it ends;
     - the V2 model runner's kernel warm-up once the KV cache is allocated and the graphs captured
-      (`gpu_worker.warmup_kernels`: a prefill and a decode of `max_num_seqs` dummy requests, sampler included).
+      (`gpu_worker.warmup_kernels`: a prefill and a decode of `max_num_seqs` dummy requests, sampler included), in
+      `warmup_pool` (a `swaprl.kernels.PausablePool`), sealed when the warm-up ends; without one, like the profile
+      run.
 
     Their activations go back to the driver when each ends, where vLLM without swaprl hands the profile run's back
     with its own `empty_cache`. Kept in the engine's pool they would be mapped at every wake-up (2.11 GiB for
@@ -209,11 +212,16 @@ def startup_runs_in_own_pool(step_out: Callable[[], contextlib.AbstractContextMa
     A pool can only be emptied while no pool routes allocations (torch asserts that no capture is underway), hence
     stepping out of the engine's.
 
-    What a run made once and kept is still allocated when its pool is dropped; it stays on the device while the
-    engine sleeps. The dict yielded gets those bytes under "left_bytes"."""
+    The warm-up also makes buffers it keeps (77 MiB at Qwen2.5-1.5B and 7B): in a dropped pool they would stay on
+    the device while the engine sleeps and pin their segments (150 MiB); the sealed pool holds only the granules
+    under them, and nothing while paused. The profile run's pool is dropped, not sealed, because vLLM measures the
+    device's memory around it against torch's reserved bytes, which count a sealed pool's unbacked free blocks.
+
+    The dict yielded gets the bytes a dropped pool's run kept (on the device while the engine sleeps) under
+    "left_bytes", and what the warm-up kept in `warmup_pool` under "warmup_kept_bytes"."""
     import importlib
 
-    report = {"left_bytes": 0}
+    report = {"left_bytes": 0, "warmup_kept_bytes": 0}
 
     def in_own_pool(fn):
         @functools.wraps(fn)
@@ -228,6 +236,22 @@ def startup_runs_in_own_pool(step_out: Callable[[], contextlib.AbstractContextMa
                                                 torch.cuda.memory.memory_snapshot(pool.id, include_traces=False))
                     del pool
                     torch.cuda.empty_cache()
+        return run
+
+    def in_sealed_pool(fn):
+        dropped = in_own_pool(fn)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            if warmup_pool.sealed:  # a second warm-up: the pool takes no more allocations
+                return dropped(*args, **kwargs)
+            with step_out():
+                try:
+                    with warmup_pool.use():
+                        return fn(*args, **kwargs)
+                finally:
+                    warmup_pool.seal()
+                    report["warmup_kept_bytes"] = sum(n for _, n in warmup_pool.allocated_ranges())
         return run
 
     patched = []  # (owner, attribute, original)
@@ -246,7 +270,8 @@ def startup_runs_in_own_pool(step_out: Callable[[], contextlib.AbstractContextMa
     if worker is not None and callable(getattr(worker, "warmup_kernels", None)):
         patched.append((worker, "warmup_kernels", worker.warmup_kernels))
     for owner, attr, original in patched:
-        setattr(owner, attr, in_own_pool(original))
+        wrap = in_sealed_pool if attr == "warmup_kernels" and warmup_pool is not None else in_own_pool
+        setattr(owner, attr, wrap(original))
     try:
         yield report
     finally:

@@ -5,15 +5,24 @@ vLLM's sleep mode releases the weights and the KV cache (its own CuMemAllocator 
 pool, the model runner's persistent buffers, workspaces, the blocks its forward passes left cached. Measured on the
 H100 that was 0.8-1.8 GiB for Qwen2.5-1.5B to 7B, memory the trainer needs every step.
 
-`OtherMemory` routes those allocations into two `swaprl.kernels.PausablePool`s and pauses them when the engine
+`OtherMemory` routes those allocations into three `swaprl.kernels.PausablePool`s and pauses them when the engine
 sleeps:
 - "graphs": vLLM's global CUDA-graph pool (`compat.vllm.global_graph_pool`); nothing is kept across a pause,
   since a replay writes every intermediate before reading it.
-- "engine": every other allocation this thread makes while vLLM starts and while it generates; the bytes of
-  allocated blocks are kept (copied to a page-locked host buffer and back), free cached blocks are not. vLLM's
-  profile run and its kernel warm-up are left out (`compat.vllm.startup_runs_in_own_pool`): their activations go
-  back to the driver when each ends, as without the pool, instead of staying cached in it and mapped at every
-  wake-up.
+- "buffers": every other allocation this thread makes while vLLM starts and during its first generation (where
+  it makes lazily what it keeps); the bytes of allocated blocks are kept (copied to a page-locked host buffer and
+  back), free cached blocks are not. vLLM's profile run is left out (`compat.vllm.startup_runs_in_own_pool`): its
+  activations go back to the driver when it ends, as without the pool, instead of staying cached in it and mapped
+  at every wake-up.
+- "warm-up": vLLM's kernel warm-up, sealed when it ends (`PausablePool.seal`): the buffers it made and kept stay
+  there, backed only under themselves while the engine is awake, and not at all while it sleeps; its
+  activations' memory goes back to the driver.
+
+Later generations allocate outside the pools: while any pool routes allocations, torch's caching allocator
+recycles no block freed with uses on another stream (`free()` defers their events "until no captures are
+underway", and `malloc()` skips `process_events()`), and vLLM's model runner frees such blocks every step, so each
+step of a routed generation takes fresh segments. What a generation allocates and frees goes back to torch's cache
+as without the pools.
 
 What must stay outside: memory the trainer shares with the engine. vLLM makes its model stream this thread's
 current stream, so the trainer runs on it too, and torch creates a cuBLAS workspace per (handle, stream) the first
@@ -52,11 +61,13 @@ class OtherMemory:
     def __init__(self) -> None:
         self.graphs = kernels.PausablePool("engine graphs", keep="nothing")
         self.buffers = kernels.PausablePool("engine buffers", keep="allocated")
+        self.warmup = kernels.PausablePool("engine warm-up", keep="allocated")
         self.stats: dict[str, float] = {}
+        self._generated = False  # the first generation ran (routed into the buffer pool)
 
     @property
-    def pools(self) -> tuple[kernels.PausablePool, kernels.PausablePool]:
-        return self.graphs, self.buffers
+    def pools(self) -> tuple[kernels.PausablePool, ...]:
+        return self.graphs, self.buffers, self.warmup
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -65,18 +76,25 @@ class OtherMemory:
         vllm_compat.engine_stream()
         _warm_shared_workspaces()
         with vllm_compat.global_graph_pool(self.graphs.id), \
-                vllm_compat.startup_runs_in_own_pool(self.buffers.stepped_out) as startup, self.buffers.use():
+                vllm_compat.startup_runs_in_own_pool(self.buffers.stepped_out, self.warmup) as startup, \
+                self.buffers.use():
             yield
-        # Made once during the start-up runs and kept, outside both pools: on the device while the engine sleeps.
+        # Made once during the profile run and kept, outside the pools: on the device while the engine sleeps.
         self.stats["start_unpooled_bytes"] = startup.get("left_bytes", 0)
+        self.stats["warmup_kept_bytes"] = startup.get("warmup_kept_bytes", 0)
         logger.info("the engine's start-up runs left %.1f MiB allocated outside the pausable pools",
                     self.stats["start_unpooled_bytes"] / 2**20)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """While the engine generates: its new allocations into the buffer pool, where they pause with the rest."""
+        """While the engine generates for the first time: its new allocations into the buffer pool, where they
+        pause with the rest. Later generations run unrouted (see the module docstring)."""
+        if self._generated:
+            yield
+            return
         with self.buffers.use():
             yield
+        self._generated = True
 
     @property
     def mapped_bytes(self) -> int:
@@ -87,30 +105,41 @@ class OtherMemory:
         return sum(p.reserved_bytes for p in self.pools)
 
     @property
+    def resume_bytes(self) -> int:
+        """Device memory the next `resume()` maps (0 while running)."""
+        return sum(p.resume_bytes for p in self.pools)
+
+    @property
     def paused(self) -> bool:
         return self.buffers.paused
 
     def pause(self) -> int:
-        """Release both pools' device memory; returns the bytes released."""
+        """Release the pools' device memory; returns the bytes released. On failure the pools are as they were."""
         start = time.perf_counter()
-        released = self.graphs.pause()
+        released, done = 0, []
         try:
-            released += self.buffers.pause()
+            for pool in self.pools:
+                released += pool.pause()
+                done.append(pool)
         except BaseException:
-            self.graphs.resume()  # as it was: both mapped
+            for pool in done:
+                pool.resume()  # as it was: all mapped
             raise
         self.stats.update(pause_s=time.perf_counter() - start, released_bytes=released,
-                          kept_bytes=self.buffers.kept_bytes)
+                          kept_bytes=sum(p.kept_bytes for p in self.pools))
         return released
 
     def resume(self) -> None:
-        """Map both pools again (the buffers with their kept bytes). On `torch.OutOfMemoryError` both stay paused."""
+        """Map the pools again (with their kept bytes). On `torch.OutOfMemoryError` all stay paused."""
         start = time.perf_counter()
-        self.buffers.resume()
+        done = []
         try:
-            self.graphs.resume()
+            for pool in self.pools:
+                pool.resume()
+                done.append(pool)
         except BaseException:
-            self.buffers.pause()
+            for pool in done:
+                pool.pause()
             raise
         self.stats["resume_s"] = time.perf_counter() - start
 

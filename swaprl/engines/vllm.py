@@ -340,7 +340,7 @@ class VLLMEngine(Engine):
         # weight sync and check use none of the engine's buffers, and by then the trainer's states have left.
         resume_other = self.other is not None and self.other.paused and self._sleeping <= set(want)
         if resume_other:
-            needed += self.other.reserved_bytes
+            needed += self.other.resume_bytes
         if self.cuda:
             free = self._free()
             margin = 256 * 2**20
