@@ -61,10 +61,9 @@ _CUDA_CONTEXT_BYTES = 684 * MiB  # CUDA context, loaded kernels and cuBLAS works
 _NCCL_BYTES_PER_GROUP = 512 * MiB  # NCCL buffers of one communicator this GPU belongs to (NVLS off); estimate
 _ENGINE_RESIDENT_BYTES = 288 * MiB  # what a sleeping vLLM engine keeps beyond its process's CUDA context
 _CUDA_GRAPH_BYTES = 1334 * MiB  # vLLM's CUDA-graph pool and the compiled kernels, when graphs are captured
-# A sleeping engine with VLLMEngine(release_other=True): loaded kernels, cuBLAS workspaces, the executable decode
-# graphs and the buffers vLLM's start-up runs keep, all that its pausable pools cannot release (Qwen2.5-1.5B:
-# 312 MiB, 7B: 388 MiB; §Constants)
-_ENGINE_POOLED_RESIDENT_BYTES = 400 * MiB
+# A sleeping engine with VLLMEngine(release_other=True): loaded kernels, cuBLAS workspaces and the executable decode
+# graphs, all that its pausable pools cannot release (Qwen2.5-1.5B: 232 MiB, 7B: 238 MiB; §Constants)
+_ENGINE_POOLED_RESIDENT_BYTES = 240 * MiB
 _PROFILE_H, _PROFILE_I = 3.2, 3.25  # vLLM's profile forward keeps ~(3.2 h + 3.25 i / tp) elements per token
 _SAMPLER_FP32_COPIES = 1.5  # live [max_num_seqs, vocab] fp32 tensors at the sampler's peak (measured <= 1.8)
 _LOGITS_FP32_COPIES = 3  # fp32 logits, log-softmax and its gradient alive at the loss's backward
