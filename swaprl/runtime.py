@@ -23,7 +23,7 @@ from typing import Literal, get_args
 
 import torch
 
-from . import checks, fingerprint, memory
+from . import checks, fingerprint, memory, regions
 from .config import SwapConfig
 from .engines.base import Engine
 from .errors import PhaseError
@@ -104,6 +104,7 @@ class Runtime:
         self._placement: Placement | None = None
         self._verifier: Verifier | None = None
         self._synced: tuple[float, int] | None = None  # the last sync's seconds and bytes, for its report
+        self._regions: list = []  # swaprl.kernels.PausablePool: the trainer's memory paused in generate
         self._restore = Undo("attach")  # what detach() reverts (and a failed attach, at once)
 
     def _bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Engine) -> None:
@@ -180,10 +181,31 @@ class Runtime:
             raise PhaseError(f"this runtime has no trainer yet: {self._unbound}")
         out: dict = {"phase": self._phase, "cycle": self._cycle, "device": str(self.device)}
         out.update(self._placement.status())
+        if self._regions:
+            out["regions"] = regions.status(self._regions)
         out["engine"] = self.engine.memory()
         if self.device.type == "cuda":
             out["device_memory"] = memory.device_figures(self.device)
         return out
+
+    def pausable(self, name: str, *, keep: str = "allocated"):
+        """A region of device memory the runtime releases while the engine generates and maps again at the same
+        addresses for training (a `swaprl.kernels.PausablePool`; `swaprl.regions` says what it is for and what
+        must stay out of it). keep: what a pause preserves, "allocated" (live tensors' bytes) or "nothing" (a
+        CUDA graph's private pool)."""
+        self._check_bound()
+        from . import kernels
+
+        if self.device.type != "cuda" or not kernels.available():
+            why = kernels.unavailable() if self.device.type == "cuda" else f"the trainer is on {self.device}"
+            raise RuntimeError(f"Runtime.pausable() needs swaprl's pausable pool on a CUDA device ({why}); without "
+                               "it, leave the memory where it is (a graph's pool then stays reserved in generate)")
+        if name in {r.name for r in self._regions}:
+            raise ValueError(f"a pausable region named {name!r} exists already; give each region its own name")
+        with torch.cuda.device(self.device):
+            region = kernels.PausablePool(name, keep=keep)
+        self._regions.append(region)
+        return region
 
     @property
     def last_sync(self) -> SyncReport | None:
@@ -325,6 +347,9 @@ class Runtime:
             if separate and cfg.overlap_offload else None
         offloads = (["optimizer"] if place.swaps_states else []) + (["grads"] if cfg.grads == "offload" else [])
         steps = []
+        if self._regions:  # first: their memory is free before anything else needs room
+            steps.append(_Step("pause regions", lambda: regions.pause(self._regions),
+                               lambda: regions.resume(self._regions)))
         for name in offloads:
             if room:
                 steps.append(_Step(f"start offload {name}", lambda n=name: place.start_offload(n),
@@ -372,6 +397,9 @@ class Runtime:
             elif location == "released":  # freed for good; the next backward allocates them afresh
                 steps.append(_Step("grads to device", lambda: place.set_location("grads", "device"),
                                    lambda: place.set_location("grads", "released")))
+        if self._regions:  # last: the engine's memory and the trainer's state are where training wants them
+            steps.append(_Step("resume regions", lambda: regions.resume(self._regions),
+                               lambda: regions.pause(self._regions)))
         return steps
 
     # ---------------------------------------------------------------- the engine and its check

@@ -56,7 +56,7 @@ def _warm_shared_workspaces() -> None:
 
 
 class OtherMemory:
-    """The engine's memory outside vLLM's sleep-mode pool, in two pausable pools (see the module docstring)."""
+    """The engine's memory outside vLLM's sleep-mode pool, in three pausable pools (see the module docstring)."""
 
     def __init__(self) -> None:
         self.graphs = kernels.PausablePool("engine graphs", keep="nothing")

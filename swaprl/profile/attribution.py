@@ -13,7 +13,8 @@ an engine reporting what it does not hold.
     engine_other               the rest of the engine's memory (CUDA graphs, workspaces), or all of it when the
                                engine reports no breakdown
     activations                torch's default memory pool less the trainer tensors above: activations, temporaries
-                               and the caching allocator's free blocks
+                               and the caching allocator's free blocks; plus what the trainer's pausable regions
+                               (`Runtime.pausable`: a captured step's graph pool) hold now
     cuda_context               the driver's reservation (NVML v2 `reserved`) plus this process's memory (NVML
                                per-process figure) outside torch's default pool and the
                                engine: the CUDA context, loaded kernels, libraries allocating outside torch; 0 when
@@ -65,12 +66,14 @@ def attribute(status: dict, *, source: str = "nvml", private_pool_bytes: int = 0
 
     used = int(device_memory["used"])
     default_pool = int(device_memory.get("torch_reserved", 0)) - int(private_pool_bytes)
-    cats["activations"] = default_pool - sum(cats[k] for k in TRAINER)
+    regions = sum(int(r.get("bytes", 0)) for r in (status.get("regions") or {}).values())
+    cats["activations"] = default_pool - sum(cats[k] for k in TRAINER) + regions
     if process_used_bytes is None:
         notes.append("cuda_context not measured (no NVML per-process figure): it is inside unattributed")
     else:
         # The driver's own reservation (about 0.5 GiB on an H100) is in NVML's device figure but in no process's.
-        cats["cuda_context"] = int(process_used_bytes) - default_pool - engine_sum + int(driver_reserved_bytes)
+        cats["cuda_context"] = (int(process_used_bytes) - default_pool - regions - engine_sum
+                                + int(driver_reserved_bytes))
     cats["unattributed"] = used - sum(v for k, v in cats.items() if k != "unattributed")
     return {"total": used, "source": source, "categories": cats, "notes": notes,
             "torch_private_pools": int(private_pool_bytes)}
