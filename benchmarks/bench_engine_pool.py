@@ -31,7 +31,6 @@ import collections
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import swaprl  # noqa: E402
 from swaprl.checkpoints import write_random_checkpoint  # noqa: E402
 
-from child import run_child, start  # noqa: E402
+from child import add_run_args, out_dir, result_or_say_why, start  # noqa: E402
 
 # A small rollout: 16 prompts of 64 tokens, 4 completions of up to 64 tokens each.
 PROMPTS = [[(31 * i + 7 * j) % 500 + 1 for j in range(64)] for i in range(16)]
@@ -125,25 +124,18 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY",
                     help="vLLM's cudagraph_mode for both runs (VLLMEngine's default with the pools: FULL_DECODE_ONLY)")
-    ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"))
-    ap.add_argument("--out", required=False, default=None, help="directory for the results")
-    ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    add_run_args(ap, timeout=900)
     args = start(ap, argv, run_one)
     if args is None:
         return None
-    out = Path(args.out or tempfile.mkdtemp())
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args)
     runs = {}
     for release in (True, False) if args.baseline_cycles != 0 else (True,):
         name = f"{args.preset}_{'pool' if release else 'nopool'}"
         cycles = args.cycles if release or args.baseline_cycles is None else args.baseline_cycles
-        child = run_child(__file__, {"preset": args.preset, "release_other": release, "cycles": cycles,
-                                     "warmup": args.warmup, "workdir": args.workdir,
-                                     "cudagraph_mode": args.cudagraph_mode}, name, out, args.timeout)
-        if child.result is None:
-            print(f"{name}: failed ({child.rc}); last lines of {child.log}:\n" + "\n".join(child.log_lines()[-30:]))
-        runs[name] = child.result
+        runs[name] = result_or_say_why(__file__, {"preset": args.preset, "release_other": release, "cycles": cycles,
+                                                  "warmup": args.warmup, "workdir": args.workdir,
+                                                  "cudagraph_mode": args.cudagraph_mode}, name, out, args.timeout)
     summary = summarize(args.preset, runs)
     (out / f"{args.preset}_summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))

@@ -12,6 +12,7 @@ import json
 import logging
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -45,6 +46,29 @@ def run_child(script: str, spec: dict, name: str, run_dir: Path, timeout: float)
     result_path = Path(spec["result"])
     result = json.loads(result_path.read_text()) if rc == 0 and result_path.exists() else None
     return Child(rc, seconds, log_path, result)
+
+
+def result_or_say_why(script: str, spec: dict, name: str, run_dir: Path, timeout: float) -> dict | None:
+    """`run_child`'s result, or None after printing why there is none (the exit status, the log's last lines)."""
+    child = run_child(script, spec, name, run_dir, timeout)
+    if child.result is None:
+        print(f"{name}: failed ({child.rc}); last lines of {child.log}:\n" + "\n".join(child.log_lines()[-30:]))
+    return child.result
+
+
+def add_run_args(parser: argparse.ArgumentParser, *, timeout: float) -> None:
+    """What every benchmark that runs its measurements in children takes: where checkpoints are written
+    (--workdir), where results go (--out, default a new temporary directory), each child's time limit."""
+    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"))
+    parser.add_argument("--out", default=None, help="directory for the results")
+    parser.add_argument("--timeout", type=float, default=timeout)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    out = Path(args.out or tempfile.mkdtemp())
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def start(parser: argparse.ArgumentParser, argv: list[str] | None,
