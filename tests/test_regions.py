@@ -9,6 +9,8 @@ bytes across switches; the profile's attribution counts what a region holds as a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,3 +129,22 @@ def test_a_tensor_in_a_region_keeps_its_bytes_and_address_across_switches(tiny_c
     finally:
         swaprl.detach()
     region.close()
+
+
+def test_the_benchmark_summary_compares_losses_and_generate_memory(monkeypatch):
+    """benchmarks/bench_regions.py's summary, on runs shaped as its children write them."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_regions
+
+    def run(losses, generate_gib, step_s):
+        return {"losses": losses, "step_s": {"median": step_s, "first": 2 * step_s},
+                "device_used_generate_bytes": [generate_gib * 2**30] * 3, "device_used_train_bytes": [30 * 2**30] * 3,
+                "switch_steps": {"pause regions": {"median_s": 0.01}, "offload optimizer": {"median_s": 0.1}}}
+
+    s = bench_regions.summarize({"eager": run([3.0, 2.5], 9, 0.15), "graph": run([3.0, 2.0], 19, 0.1),
+                                 "region": run([3.0, 2.1], 9.5, 0.1)})
+    assert s["generate_GiB_released_by_region"] == pytest.approx(9.5)
+    assert s["graph_step_speedup_over_eager"] == pytest.approx(1.5)
+    assert not s["graph_and_region_losses_equal"] and s["graph_and_region_first_differing_step"] == 1
+    assert s["region"]["switch_steps"] == {"pause regions": 0.01}
+    assert bench_regions.summarize({"graph": None, "region": None}) == {"graph": None, "region": None}
