@@ -43,10 +43,10 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Eng
     config = config if config is not None else SwapConfig()
     checks.check_trainer(model, optimizer, config)
     rt = Runtime(model, optimizer, make_engine(engine, model, config, optimizer), config)
-    if config.profile is not None:
-        from .profile import attach_profiler
+    if config.profile is not None:  # the profile package is imported only when used
+        from .profile import attach_configured
 
-        attach_profiler(rt, config.profile)
+        attach_configured(rt)
     return rt
 
 

@@ -306,13 +306,12 @@ def _attach_sharded(trainer, rt: Runtime, engine: Engine | None, *, lean_rollout
         raise PhaseError("the GRPOTrainer's model or optimizer was replaced since swaprl attached to it: detach "
                          "(rt.detach()) and wrap the trainer again before training on")
     try:
-        from ..profile import attach_profiler
+        from ..profile import attach_configured
 
         optimizer = _optimizer(trainer)
         built = _engine(trainer, engine)
         rt._bind(trainer.model, optimizer, built)
-        if rt.config.profile is not None:
-            attach_profiler(rt, rt.config.profile)
+        attach_configured(rt)
         _install(trainer, rt, lean_rollouts=lean_rollouts)
     except BaseException:
         rt.detach()  # the trainer is TRL's own again, and train() stops with the error

@@ -12,6 +12,6 @@ device memory into categories at each phase boundary, `report` turns one file pe
 from __future__ import annotations
 
 from .attribution import CATEGORIES, attribute
-from .recorder import Profiler, attach_profiler
+from .recorder import Profiler, attach_configured, attach_profiler
 
 __all__ = ["attach_profiler", "Profiler", "attribute", "CATEGORIES"]

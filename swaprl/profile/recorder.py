@@ -234,6 +234,12 @@ def attach_profiler(runtime, path: str | os.PathLike, *, interval_s: float = 0.0
     return Profiler(runtime, path, interval_s=interval_s)
 
 
+def attach_configured(runtime) -> Profiler | None:
+    """The profiler `runtime.config.profile` asks for (attached now), or None when it asks for none."""
+    path = runtime.config.profile
+    return attach_profiler(runtime, path) if path is not None else None
+
+
 def _nvml_readable(device: torch.device) -> bool:
     """NVML can read `device` (it may be installed yet fail to find the card, which `memory` then hides)."""
     if not memory.nvml_available():
