@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import swaprl  # noqa: E402
 from swaprl.checkpoints import write_random_checkpoint  # noqa: E402
 
-from child import add_run_args, out_dir, result_or_say_why, start  # noqa: E402
+from child import result_or_say_why, start_runs  # noqa: E402
 
 # A small rollout: 16 prompts of 64 tokens, 4 completions of up to 64 tokens each.
 PROMPTS = [[(31 * i + 7 * j) % 500 + 1 for j in range(64)] for i in range(16)]
@@ -124,11 +124,10 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY",
                     help="vLLM's cudagraph_mode for both runs (VLLMEngine's default with the pools: FULL_DECODE_ONLY)")
-    add_run_args(ap, timeout=900)
-    args = start(ap, argv, run_one)
-    if args is None:
+    started = start_runs(ap, argv, run_one, timeout=900)
+    if started is None:
         return None
-    out = out_dir(args)
+    args, out = started
     runs = {}
     for release in (True, False) if args.baseline_cycles != 0 else (True,):
         name = f"{args.preset}_{'pool' if release else 'nopool'}"

@@ -56,19 +56,21 @@ def result_or_say_why(script: str, spec: dict, name: str, run_dir: Path, timeout
     return child.result
 
 
-def add_run_args(parser: argparse.ArgumentParser, *, timeout: float) -> None:
-    """What every benchmark that runs its measurements in children takes: where checkpoints are written
-    (--workdir), where results go (--out, default a new temporary directory), each child's time limit."""
+def start_runs(parser: argparse.ArgumentParser, argv: list[str] | None, run_one: Callable[[str], None], *,
+               timeout: float) -> tuple[argparse.Namespace, Path] | None:
+    """`start` for a benchmark that runs its measurements in children, with the arguments all of those take: where
+    checkpoints are written (--workdir), where results go (--out, default a new temporary directory, created here),
+    each child's time limit. Returns (args, the results directory), or None in a child."""
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"))
     parser.add_argument("--out", default=None, help="directory for the results")
     parser.add_argument("--timeout", type=float, default=timeout)
     parser.add_argument("--child", help=argparse.SUPPRESS)
-
-
-def out_dir(args: argparse.Namespace) -> Path:
+    args = start(parser, argv, run_one)
+    if args is None:
+        return None
     out = Path(args.out or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
-    return out
+    return args, out
 
 
 def start(parser: argparse.ArgumentParser, argv: list[str] | None,
