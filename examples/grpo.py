@@ -109,8 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "the OS reports available, shared by the node's ranks")
     ap.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size under torchrun")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="vLLM's KV cache per GPU (its kv_cache_memory_bytes), e.g. what `swaprl plan` gives; default: "
+                         "sized from the memory free when the engine starts")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
+    ap.add_argument("--release-other", action="store_true",
+                    help="vLLM: release its CUDA graphs, buffers and workspaces while it sleeps (VLLMEngine's "
+                         "release_other, needs swaprl.kernels)")
     ap.add_argument("--warmup", type=int, default=2,
                     help="steps left out of the medians (first-time costs: kernel compilations, buffers not prepared at attach)")
     ap.add_argument("--out", default=None, help="directory for metrics.json, profile.jsonl and the report")
@@ -132,8 +138,9 @@ def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.op
     # device while generating (a split's "device" home), which the first optimizer step creates.
     return VLLMEngine(path, dtype="bfloat16", max_model_len=max_len, enforce_eager=args.enforce_eager,
                       gpu_memory_utilization=config.gpu_memory_utilization,
+                      kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
                       reserve_bytes=swaprl.engines.engine_reserve_bytes(optimizer, config), seed=args.seed,
-                      tensor_parallel_size=args.tp)
+                      tensor_parallel_size=args.tp, release_other=args.release_other)
 
 
 def init_distributed() -> tuple[int, int, str]:

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-memory-gib", type=float, default=None,
                     help="host memory per node to plan for (default: the machine's); each rank's runtime then holds "
                          "at most its share of the plan's pinned budget (SwapConfig.host_budget_bytes)")
+    ap.add_argument("--release-other", action="store_true",
+                    help="release vLLM's CUDA graphs, buffers and workspaces while it sleeps (needs swaprl.kernels)")
     ap.add_argument("--out", default="out/qwen72b")
     args = ap.parse_args(argv)
 
@@ -89,23 +91,34 @@ def main(argv: list[str] | None = None) -> int:
     # freed, activation checkpointing is on; the plan chooses the optimizer states' split and the sleep level.
     pinned = {"params": "keep", "grads": "free", "activation_checkpointing": True}
     dtype = "bfloat16" if on_gpu else "float32"  # the loop's compute, and its parameters without --master-weights
-    the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers, tp=tp, settings=pinned,
-                            param_dtype="float32" if args.master_weights else dtype,
-                            optimizer_dtype="float32" if args.master_weights else dtype)
+    # The loop's micro batch is planned too (its activations): the most sequences per forward/backward, up to 8,
+    # that the plan fits; the loop then runs with that micro batch.
+    for micro in (8, 4, 2, 1):
+        the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers, tp=tp, settings=pinned,
+                                micro_batch_tokens=micro * rollout.sequence_tokens,
+                                param_dtype="float32" if args.master_weights else dtype,
+                                optimizer_dtype="float32" if args.master_weights else dtype)
+        if the_plan.ok:
+            break
     if rank == 0:
         print(the_plan.table())
     if not the_plan.ok:
         if rank == 0:
             print(f"\nthis run cannot fit: {the_plan.verdict}", file=sys.stderr)
         return 2
-    loop = ["--steps", str(args.steps), "--prompts", str(args.prompts), "--completions", str(args.completions),
+    loop = ["--steps", str(args.steps), "--micro-batch", str(micro), "--prompts", str(args.prompts),
+            "--completions", str(args.completions),
             "--max-tokens", str(args.max_tokens), "--prompt-tokens", "16", "--out", args.out]
     if args.model:
         loop += ["--model", args.model]
     else:
         loop += ["--preset", preset] + (["--layers", str(layers)] if layers else [])
     if on_gpu:
-        loop += ["--dtype", "bfloat16", "--tp", str(tp)]
+        # The KV cache the plan made room for, not what is free when the engine starts: vLLM 0.26 leaves its CUDA
+        # graphs out of its own sizing (2.2 GiB per GPU at 72B's width), which the plan counts as engine memory.
+        loop += ["--dtype", "bfloat16", "--tp", str(tp), "--kv-cache-gib", f"{the_plan.kv_cache_bytes / 2**30:.3f}"]
+    if args.release_other:
+        loop += ["--release-other"]
     if args.master_weights:
         loop += ["--master-weights"] + ([] if on_gpu else ["--dtype", "bfloat16"])
     chosen = the_plan.swap_config()
