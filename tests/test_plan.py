@@ -194,7 +194,10 @@ def test_72b_on_8xh100_fits_one_node_by_streaming_most_states_each_rank_its_own_
     # the staging chunks hold one rank's shard of the embedding's states: 152064 x 8192 x 8 B / 8 ranks > 1 GiB
     m = get_preset("qwen2.5-72b")
     assert p.gpu["train"]["optimizer"] == homes["swap"] + 2 * (m.vocab_size * m.hidden_size * 8 // 8)
-    assert p.waves == 2 and "the rollout needs 2 waves" in p.verdict
+    # while generating, the check's probe forward gathers the root and two layers (twice their bf16 bytes, as
+    # measured at 72B-20L): 80 GB GPUs keep less KV cache than the rollout's one wave needs
+    assert p.gpu["generate"]["activations"] > 15 * GiB and p.waves > 1
+    assert f"the rollout needs {p.waves} waves" in p.verdict
     assert p.moved_bytes == 2 * (homes["swap"] + homes["host"])
     assert p.copy_seconds == pytest.approx((2 * homes["swap"] + homes["host"]) / 36e9)
     # with every state swapped, train overflows; what helps is not to pin that
@@ -277,15 +280,18 @@ def test_less_host_memory_keeps_more_states_on_the_device_until_none_fits(capsys
         return rc, json.loads(capsys.readouterr().out)
 
     shares, kv = [], []
-    for host in (560, 300, 60):
+    for host in (560, 300, 100):
         rc, data = planned(host)
         p = sp.Plan.from_dict(data)
         assert rc == 0 and p.inputs["cluster"]["host_memory_bytes"] == host * GiB
         assert_split_fits(p)
         shares.append(p.settings.optimizer_states["device"])
         kv.append(p.kv_cache_bytes)
-    assert shares[0] < shares[1] < shares[2] == 1.0 and kv[0] > kv[1] > kv[2]
-    assert p.moved_bytes == 0 and p.waves == 3 and "fits with optimizer states on the device" in p.verdict
+    assert shares[0] < shares[1] < shares[2] < 1.0 and kv[0] > kv[1] > kv[2]
+    assert p.waves > 1 and f"the rollout needs {p.waves} waves" in p.verdict
+    # generate cannot hold every state beside the engine and the check's probe forward: less host, nothing fits
+    rc, data = planned(80)
+    assert rc == 1 and sp.Plan.from_dict(data).verdict.startswith("nothing fits; closest:")
     # fp32 master weights leave train too little room for the share 200 GiB of host memory would need on the device
     rc, data = planned(200, "--param-dtype", "float32")
     p = sp.Plan.from_dict(data)
