@@ -11,8 +11,8 @@
 The loop is `examples/grpo.py` (colocated vLLM when it is installed and a GPU is present, else the embedded engine):
 prompts -> rollouts -> a verifiable reward -> a policy-gradient step, with `with phase("generate")` and
 `with phase("train")`. Output (`--out`, default out/qwen72b): metrics.json, the memory profile and its report.
-The run takes the plan's split of the optimizer states over device, swap and host memory, its sleep level, and
-each rank's share of its host budget.
+The run takes the plan's split of the optimizer states over device, swap and host memory, its sleep level, its KV
+cache per GPU, the micro batch it fits, and each rank's share of its host budget.
 
 Under torchrun the trainer is sharded with FSDP2 over all ranks and vLLM runs tensor-parallel over `--tp` GPUs
 (default: the GPUs of a node), one engine per group; `--prompts` is per rank. Rank 0 prints the plan and writes
