@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -30,19 +30,31 @@ __all__ = ["attach", "phase", "detach", "current", "SwapConfig", "Runtime", "Sam
 logger = logging.getLogger(__name__)
 
 
-def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Engine | str | None = None, *,
-           config: SwapConfig | None = None) -> Runtime:
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           engine: Engine | Callable[[], Engine] | str | None = None, *, config: SwapConfig | None = None) -> Runtime:
     """Register the default runtime for `model` trained by `optimizer`, generating with `engine`.
 
-    `engine`: an `Engine`, "hf" (generate with the trainer's own module), "vllm" (a colocated vLLM engine built
-    from the model's checkpoint directory), or None: vLLM when it is installed, a GPU is present and the model was
-    loaded from a local checkpoint directory; else "hf".
+    `engine`: an `Engine`; a function that builds one (`lambda: VLLMEngine(path, ...)`); "hf" (generate with the
+    trainer's own module); "vllm" (a colocated vLLM engine built from the model's checkpoint directory); or None:
+    vLLM when it is installed, a GPU is present and the model was loaded from a local checkpoint directory, else
+    "hf". An engine that attach builds (from a function or a name) is built after the host memory the optimizer
+    states will need has started to be page-locked in the background, so that locking runs under the engine's
+    start; if attach then fails, it closes that engine.
     Validates everything before moving any memory or building an engine.
     """
     check_none_attached()
     config = config if config is not None else SwapConfig()
     checks.check_trainer(model, optimizer, config)
-    rt = Runtime(model, optimizer, make_engine(engine, model, config, optimizer), config)
+    if engine is None or isinstance(engine, str):
+        if engine not in (None, "hf", "vllm"):
+            raise ValueError(f"engine={engine!r}; pass an Engine instance, a function that builds one, 'hf', 'vllm' "
+                             "or None")
+        name = engine
+        engine = lambda: make_engine(name, model, config, optimizer)  # noqa: E731
+    elif not isinstance(engine, Engine) and not callable(engine):
+        raise TypeError(f"engine must be a swaprl.Engine, a function that builds one, 'hf', 'vllm' or None, not "
+                        f"{type(engine).__name__}")
+    rt = Runtime(model, optimizer, engine, config)
     if config.profile is not None:  # the profile package is imported only when used
         from .profile import attach_configured
 

@@ -67,8 +67,8 @@ class Runtime:
     """Owns the phase state of one trainer (model + optimizer) and one engine. `swaprl.attach` builds it (and
     builds the engine); building it directly checks and registers it the same way."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Engine,
-                 config: SwapConfig) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 engine: Engine | Callable[[], Engine], config: SwapConfig) -> None:
         check_none_attached()
         self._start(config)
         self._bind(model, optimizer, engine)
@@ -107,8 +107,10 @@ class Runtime:
         self._regions: list = []  # swaprl.kernels.PausablePool: the trainer's memory paused in generate
         self._restore = Undo("attach")  # what detach() reverts (and a failed attach, at once)
 
-    def _bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Engine) -> None:
-        """Take charge of `model`, `optimizer` and `engine` (checked first); a failure leaves nothing behind."""
+    def _bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              engine: Engine | Callable[[], Engine]) -> None:
+        """Take charge of `model`, `optimizer` and `engine` (checked first; a callable builds it once the host
+        buffers are being locked); a failure leaves nothing behind."""
         global _attached
         if _attached is not None and _attached is not self:
             check_none_attached()
@@ -116,7 +118,8 @@ class Runtime:
             raise PhaseError("this runtime was detached; call swaprl.attach(model, optimizer) again")
         config = self.config
         checks.check_trainer(model, optimizer, config)
-        checks.check_engine(engine, config)
+        if isinstance(engine, Engine) or not callable(engine):
+            checks.check_engine(engine, config)
         try:
             self._take(model, optimizer, engine)
         except BaseException:
@@ -127,21 +130,32 @@ class Runtime:
         self._unbound = None
         _attached = self
 
-    def _take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine: Engine) -> None:
-        """The attach proper: host buffers, the optimizer's hooks, the engine asleep (undone on failure)."""
+    def _take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              engine: Engine | Callable[[], Engine]) -> None:
+        """The attach proper: host buffers, the engine (built now if `engine` builds it), the optimizer's hooks, the
+        engine asleep (undone on failure)."""
         config = self.config
-        self.model, self.optimizer, self.engine = model, optimizer, engine
+        self.model, self.optimizer = model, optimizer
         self.device = checks.model_device(model)
-        self._engine_stale = not engine.shares_trainer_weights
-        self.sleep_level = (1 if engine.shares_trainer_weights else 2) if config.sleep_level == "auto" \
-            else int(config.sleep_level)
         self._placement = placement = Placement(model, optimizer, self.device, config,
                                                 on_streamed_step=self._on_streamed_step)
-        self._verifier = None if engine.shares_trainer_weights else Verifier(model, engine,
-                                                                              bounds=config.verify_tolerance)
-        with self._restore.on_error():
+        built = Undo("the engine attach built")  # closed if attach then fails; kept (the caller's) once attached
+        with self._restore.on_error(), built.on_error():
             self._restore.push(placement.release)  # a failed attach leaves no host memory behind
             placement.prepare_host()
+            if not isinstance(engine, Engine):
+                # Built while the host buffers are being locked: the locking (tens of seconds for tens of GiB where
+                # pages are faulted in slowly) runs under the engine's start instead of before the first step.
+                engine = engine()
+                if isinstance(engine, Engine):
+                    built.push(engine.close)
+                checks.check_engine(engine, config)
+            self.engine = engine
+            self._engine_stale = not engine.shares_trainer_weights
+            self.sleep_level = (1 if engine.shares_trainer_weights else 2) if config.sleep_level == "auto" \
+                else int(config.sleep_level)
+            self._verifier = None if engine.shares_trainer_weights else Verifier(model, engine,
+                                                                                  bounds=config.verify_tolerance)
             engine.bind(model)
             self._restore.push(optimizer.register_step_pre_hook(lambda *_: placement.check_step(self._phase)).remove)
             self._restore.push(optimizer.register_state_dict_pre_hook(lambda opt: self.wait_reload()).remove)

@@ -352,3 +352,78 @@ def test_interrupt_halfway_through_a_transition_rolls_back(tiny_checkpoint, inte
         torch.testing.assert_close(t, s, rtol=0, atol=0)
     with swaprl.phase("generate"):
         assert rt.status()["grads"]["location"] == "host"
+
+
+def test_an_engine_attach_builds_starts_after_host_memory_and_a_failed_attach_closes_it(tiny_checkpoint,
+                                                                                          monkeypatch):
+    """attach(model, opt, build): the host buffers the optimizer states will need start being locked first, so the
+    locking runs under the engine's start (tens of seconds for a vLLM engine); if attach fails after building the
+    engine, it closes it, and nothing else is left behind."""
+    import threading
+
+    from swaprl.checkpoints import random_model
+    from swaprl.placement import Placement
+
+    order = []
+    prepare = Placement.prepare_host
+
+    def recorded(self):
+        order.append("host")
+        return prepare(self)
+
+    monkeypatch.setattr(Placement, "prepare_host", recorded)
+
+    class Built(grpo.ReplicaEngine):
+        closed = False
+
+        def close(self):
+            Built.closed = True
+
+    class BuiltThenInterrupted(Built):
+        def sleep(self, level):  # attach's last step
+            raise KeyboardInterrupt
+
+    def build(kind):
+        order.append("engine")
+        return kind(random_model("tiny", device="cpu"))
+
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grpo.run(model, opt, HFEngine(model), steps=1)  # states exist: they must survive the failed attach
+    states = [t.detach().clone() for t in optimizer_tensors(opt)]
+    threads = set(threading.enumerate())
+    with pytest.raises(KeyboardInterrupt):
+        swaprl.attach(model, opt, lambda: build(BuiltThenInterrupted))
+    assert order == ["host", "engine"] and Built.closed
+    assert not [t.name for t in set(threading.enumerate()) - threads if t.name.startswith("swaprl-host")]
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()
+    for t, b in zip(optimizer_tensors(opt), states):
+        torch.testing.assert_close(t, b, rtol=0, atol=0)
+
+    with pytest.raises(TypeError, match="engine must be a swaprl.Engine, not str"):  # what the function returned
+        swaprl.attach(model, opt, lambda: "vllm")
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()
+
+    order.clear()
+    Built.closed = False
+    rt = swaprl.attach(model, opt, lambda: build(Built))
+    assert order == ["host", "engine"] and isinstance(rt.engine, Built) and rt.status()["host_buffers"]["bytes"] > 0
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    assert rt.last_sync.as_dict()["weights"] == "exact"  # the built engine was synced and proved
+    rt.detach()
+    assert not Built.closed  # an attached engine is the caller's to close
+
+
+@pytest.mark.parametrize("engine, error, match", [
+    ("vlm", ValueError, r"engine='vlm'; pass an Engine instance, a function that builds one, 'hf', 'vllm' or None"),
+    (42, TypeError, r"engine must be a swaprl.Engine, a function that builds one, 'hf', 'vllm' or None, not int"),
+])
+def test_a_wrong_engine_is_refused_before_anything_is_allocated(tiny_checkpoint, engine, error, match):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(error, match=match):
+        swaprl.attach(model, opt, engine)
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()
