@@ -242,10 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                   else None),
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                profile=(out / "profile.jsonl") if out else None)
-    # attach builds the engine once it has started locking the host memory the optimizer states will need: the
-    # locking runs under the engine's start (tens of seconds each for a large model).
-    rt = swaprl.attach(model, optimizer, lambda: make_engine(args, path, config, optimizer), config=config)
-    engine = rt.engine
+    engine = make_engine(args, path, config, optimizer)
+    rt = swaprl.attach(model, optimizer, engine, config=config)
     log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__, str(dtype).removeprefix("torch."),
              f" computing in {args.dtype}" if args.master_weights else "", device, args.optimizer_states)
 

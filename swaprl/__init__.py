@@ -37,9 +37,10 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     `engine`: an `Engine`; a function that builds one (`lambda: VLLMEngine(path, ...)`); "hf" (generate with the
     trainer's own module); "vllm" (a colocated vLLM engine built from the model's checkpoint directory); or None:
     vLLM when it is installed, a GPU is present and the model was loaded from a local checkpoint directory, else
-    "hf". An engine that attach builds (from a function or a name) is built after the host memory the optimizer
-    states will need has started to be page-locked in the background, so that locking runs under the engine's
-    start; if attach then fails, it closes that engine.
+    "hf". A function is called once the host memory the optimizer states will need has started to be page-locked
+    in the background, so that the locking runs under the engine's start; if attach then fails, it closes the
+    engine the function built. A name builds the engine first, before anything is locked: page-locking from
+    another thread while vLLM captures its CUDA graphs (in CUDA's global capture mode) is not known to be safe.
     Validates everything before moving any memory or building an engine.
     """
     check_none_attached()
@@ -49,8 +50,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         if engine not in (None, "hf", "vllm"):
             raise ValueError(f"engine={engine!r}; pass an Engine instance, a function that builds one, 'hf', 'vllm' "
                              "or None")
-        name = engine
-        engine = lambda: make_engine(name, model, config, optimizer)  # noqa: E731
+        engine = make_engine(engine, model, config, optimizer)
     elif not isinstance(engine, Engine) and not callable(engine):
         raise TypeError(f"engine must be a swaprl.Engine, a function that builds one, 'hf', 'vllm' or None, not "
                         f"{type(engine).__name__}")
