@@ -46,14 +46,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     check_none_attached()
     config = config if config is not None else SwapConfig()
     checks.check_trainer(model, optimizer, config)
-    if engine is None or isinstance(engine, str):
-        if engine not in (None, "hf", "vllm"):
-            raise ValueError(f"engine={engine!r}; pass an Engine instance, a function that builds one, 'hf', 'vllm' "
-                             "or None")
+    if isinstance(engine, Engine) or not callable(engine):  # a function builds the engine inside the Runtime
         engine = make_engine(engine, model, config, optimizer)
-    elif not isinstance(engine, Engine) and not callable(engine):
-        raise TypeError(f"engine must be a swaprl.Engine, a function that builds one, 'hf', 'vllm' or None, not "
-                        f"{type(engine).__name__}")
     rt = Runtime(model, optimizer, engine, config)
     if config.profile is not None:  # the profile package is imported only when used
         from .profile import attach_configured

@@ -612,7 +612,7 @@ def _fsdp_working_bytes(s: _Spec) -> int:
     return (2 * layer + root) * b_c + (layer + root) * b_g
 
 
-def _unit_params(m) -> tuple[int, int]:
+def _unit_params(m: Preset) -> tuple[int, int]:
     """The parameters of FSDP's units: one decoder layer, and the root (embedding, lm_head unless tied, final norm)."""
     h, i, kv_dim = m.hidden_size, m.intermediate_size, m.num_key_value_heads * m.head_dim
     layer = 2 * h * h + h + 2 * (h * kv_dim + kv_dim) + 3 * h * i + 2 * h

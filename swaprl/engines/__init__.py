@@ -33,6 +33,10 @@ def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: Swa
     generates (the "device" home of `config.optimizer_states`)."""
     if isinstance(engine, Engine):
         return engine
+    accepted = "an Engine instance, a function that builds one, 'hf', 'vllm' or None"
+    if engine is not None and not isinstance(engine, str):
+        raise TypeError(f"engine must be a swaprl.Engine, {accepted.removeprefix('an Engine instance, ')}, not "
+                        f"{type(engine).__name__}")
     if engine is None:
         local = checkpoint_dir_of(model) is not None
         engine = "vllm" if vllm_available() and torch.cuda.is_available() and local else "hf"
@@ -44,7 +48,7 @@ def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: Swa
 
         reserve = engine_reserve_bytes(optimizer, config) if optimizer is not None else None
         return VLLMEngine.for_model(model, config=config, reserve_bytes=reserve)
-    raise ValueError(f"engine={engine!r}; pass an Engine instance, 'hf', 'vllm' or None")
+    raise ValueError(f"engine={engine!r}; pass {accepted}")
 
 
 def engine_reserve_bytes(optimizer: torch.optim.Optimizer, config: SwapConfig) -> int | None:
