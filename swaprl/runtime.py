@@ -451,7 +451,16 @@ class Runtime:
         raise_if_failed(report)
 
     def _measure_mismatch(self) -> None:
-        report = self._verifier.add_mismatch()
+        try:
+            report = self._verifier.add_mismatch()
+        except torch.OutOfMemoryError as exc:
+            # The trainer scores the probe while the engine is awake, its KV cache mapped: under FSDP that forward
+            # gathers the root's parameters and two layers (about 16 GiB per GPU at 72B's width).
+            raise type(exc)(
+                f"{exc} This was the on-policy check's probe: the trainer scores it while the engine is awake. "
+                "Leave it room: build the engine with the KV cache `swaprl plan` gives (kv_cache_memory_bytes; the "
+                "plan counts the probe in generate), or with a smaller gpu_memory_utilization, or with reserve_bytes "
+                "raised by that forward's size; SwapConfig(verify_sync=False) skips the check altogether") from exc
         self._emit({"type": "sync", **report.as_dict()})
         raise_if_failed(report)
 

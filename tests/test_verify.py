@@ -297,6 +297,30 @@ def test_bounds_on_the_mismatch_stop_the_switch_with_the_fix():
     assert rt.current_phase == "train" and rt.last_sync.bounds == tight and not rt.last_sync.ok
 
 
+def test_a_probe_out_of_memory_rolls_the_switch_back_and_names_the_fix():
+    model, opt, engine = trainer_and_engine()
+    rt = swaprl.attach(model, opt, engine)
+    grpo.run(model, opt, engine, steps=1, runtime=rt)
+    states = [t.detach().clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+
+    def out_of_memory(module, args, kwargs):  # the trainer's forward in the probe (eval mode, no gradients)
+        if not module.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB.")
+
+    hook = model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+    with pytest.raises(torch.OutOfMemoryError, match=r"2.32 GiB.*on-policy check's probe.*`swaprl plan`.*"
+                                                     r"verify_sync=False"):
+        with rt.phase("generate"):
+            pass
+    assert rt.current_phase == "train"
+    after = [t.detach() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    for t, b in zip(after, states):
+        torch.testing.assert_close(t, b, rtol=0, atol=0)
+    hook.remove()
+    grpo.run(model, opt, engine, steps=1, runtime=rt)  # the next switch works
+    assert rt.last_sync.weights == "exact" and rt.last_sync.mismatch is not None
+
+
 def test_mismatch_figures():
     trainer = [torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, float("nan")])]
     engine = [torch.tensor([-1.0, -2.0 - math.log(3)]), torch.tensor([-3.0 + math.log(3), -1.0])]
