@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from .compat import cuda as cuda_compat
 from .readback import to_list
 from .sync import trainer_weights
 
@@ -49,6 +50,8 @@ _M2 = 0xC2B2AE35
 _LOW32 = (1 << 32) - 1
 _CHUNK = 1 << 24  # elements per torch-path chunk: bounds its int64 temporaries to 128 MiB
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_ALIGN = 16  # bytes, and elements per kernel length: the alignment Triton specializes on
+_LAUNCH = 1 << 30  # elements per kernel launch at most: lengths stay 32-bit integers (one more variant otherwise)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +97,11 @@ def _triton_kernel():
     except ImportError:
         return None
 
-    @triton.jit
+    # Triton compiles one variant per specialization of the arguments: integers equal to 1 or divisible by 16,
+    # pointers aligned to 16 bytes. `_fold_triton` hands it only aligned pointers and lengths divisible by 16 (what
+    # lets its loads be 16 bytes wide), and `iters` is left unspecialized, so one variant per element width serves
+    # every tensor, and the one `warm_up` compiles is the one the check uses.
+    @triton.jit(do_not_specialize=["iters"])
     def fold(x_ptr, out_ptr, n, iters, K1: tl.constexpr, K2: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
              WIDTH: tl.constexpr, BLOCK: tl.constexpr):
         # Persistent: each program folds every `programs`-th block into its own accumulator and adds it to the
@@ -132,6 +139,8 @@ def _triton_kernel():
 
 
 def _fold_triton(t: torch.Tensor, out: torch.Tensor) -> bool:
+    """Fold `t` into `out` (a 16-byte-aligned slot) with the kernel: the 16-byte-aligned bulk of its elements, in
+    launches of at most `_LAUNCH` elements (32-bit lengths); the few elements before and after it in torch ops."""
     found = _triton_kernel()
     if found is None:
         return False
@@ -139,11 +148,20 @@ def _fold_triton(t: torch.Tensor, out: torch.Tensor) -> bool:
     flat = _bits(t)
     if not flat.is_contiguous():
         flat = flat.contiguous()
+    head = min((-flat.data_ptr() % _ALIGN) // flat.element_size(), flat.numel())
+    bulk = (flat.numel() - head) // _ALIGN * _ALIGN
+    if bulk == 0:
+        return False
+    for part in (flat[:head], flat[head + bulk:]):
+        if part.numel():
+            _fold_torch(part, out)
     block = 4096
-    programs = min(triton.cdiv(flat.numel(), block), _programs(flat.device))
-    iters = triton.cdiv(flat.numel(), block * programs)
-    kernel[(programs,)](flat, out, flat.numel(), iters, K1=_K1, K2=_K2, M1=_M1, M2=_M2,
-                        WIDTH=flat.element_size() * 8, BLOCK=block, num_warps=8)
+    for lo in range(head, head + bulk, _LAUNCH):
+        piece = flat[lo: min(lo + _LAUNCH, head + bulk)]
+        programs = min(triton.cdiv(piece.numel(), block), _programs(flat.device))
+        iters = triton.cdiv(piece.numel(), block * programs)
+        kernel[(programs,)](piece, out, piece.numel(), iters, K1=_K1, K2=_K2, M1=_M1, M2=_M2,
+                            WIDTH=flat.element_size() * 8, BLOCK=block, num_warps=8)
     return True
 
 
@@ -157,16 +175,20 @@ _warm_ups: dict[torch.device, threading.Thread] = {}
 
 
 def warm_up(device: torch.device) -> None:
-    """Compile the CUDA kernel (for 2- and 4-byte elements: bf16/fp16 and fp32 weights) in a background thread, on a
-    stream of its own, so the first weight check does not wait for Triton: 4.0 s of 7B's first check on the H100
-    against 0.03 s later. Started at attach, after the engine is built; the first check joins it."""
+    """Compile the CUDA kernel for 2- and 4-byte elements (bf16/fp16 and fp32 weights) in a background thread, on a
+    stream of its own, so the first weight check does not wait for Triton (4.0 s of 7B's first check on the H100
+    against 0.03 s later). Started at attach before the engine is built, so it runs under the engine's start; the
+    first check joins it. The thread may run while vLLM captures CUDA graphs: it is allowed CUDA calls then
+    (`allow_calls_during_capture`)."""
     if device.type != "cuda" or device in _warm_ups:
         return
 
     def compile_kernel() -> None:
         try:
             with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-                fold_into([torch.ones(8, dtype=d, device=device) for d in (torch.int16, torch.int32)])
+                cuda_compat.allow_calls_during_capture()
+                # 64 elements of each width: an aligned bulk, the one variant every later call uses.
+                fold_into([torch.ones(64, dtype=d, device=device) for d in (torch.int16, torch.int32)])
                 to_list(torch.zeros(1, dtype=torch.float64, device=device))  # what distributed.all_reduce reads
         except Exception:  # the check compiles it then, on its own thread
             logger.warning("compiling the fingerprint kernel ahead failed", exc_info=True)
@@ -190,20 +212,22 @@ def fold_into(tensors: Sequence[torch.Tensor | None], *, cast: Sequence[torch.dt
     warming = _warm_ups.get(where) if use_triton else None
     if warming is not None and warming is not threading.current_thread():
         warming.join()  # one compilation of the kernel, not two racing
-    out = torch.zeros(len(tensors), dtype=torch.int64, device=where)
+    # One 16-byte row per tensor: every slot the kernel adds into is aligned alike (see `_triton_kernel`).
+    out = torch.zeros(len(tensors), 2, dtype=torch.int64, device=where)
     with torch.no_grad():
         for i, t in enumerate(tensors):
             if t is None or t.numel() == 0:
                 continue
+            slot = out[i, :1]
             want = cast[i] if cast is not None else None
             if want is not None and t.dtype != want:
                 # Cast a chunk at a time: a whole fp32 embedding cast to bf16 at once could need gigabytes.
                 flat = t.detach().reshape(-1)
                 for lo in range(0, flat.numel(), _CHUNK * 8):
-                    _fold_one(flat[lo: lo + _CHUNK * 8].to(want), out[i: i + 1], use_triton)
+                    _fold_one(flat[lo: lo + _CHUNK * 8].to(want), slot, use_triton)
             else:
-                _fold_one(t, out[i: i + 1], use_triton)
-    return [v & MASK for v in to_list(out)]
+                _fold_one(t, slot, use_triton)
+    return [v & MASK for v in to_list(out[:, 0])]
 
 
 def _fold_one(t: torch.Tensor, out: torch.Tensor, use_triton: bool) -> None:

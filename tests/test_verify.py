@@ -76,7 +76,8 @@ F._programs = lambda device: 3  # the persistent grid without a GPU to ask for i
 g = torch.Generator().manual_seed(0)
 for t in [torch.randn(10000, generator=g).to(torch.bfloat16), torch.randn(9001, generator=g),
           torch.randint(0, 256, (4097,), dtype=torch.uint8, generator=g), torch.randn(5000, generator=g).double(),
-          torch.randint(-2**62, 2**62, (3,), generator=g)]:
+          torch.randint(-2**62, 2**62, (19,), generator=g), torch.randn(9001, generator=g)[5:]]:
+    # (the last two: a tail after the kernel's 16-element bulk; a view whose first elements precede it)
     out, ref = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     assert F._fold_triton(t, out)
     F._fold_torch(t, ref)
@@ -350,6 +351,41 @@ def test_the_device_kernel_computes_the_same_fingerprints_as_the_torch_path(dtyp
     assert fingerprint.fingerprint(t) == fingerprint.fingerprint(t.cpu())
     strided = t[: numel // 2 * 2].view(-1, 2).t() if numel > 1 else t  # not contiguous: copied once, same bits
     assert fingerprint.fingerprint(strided) == fingerprint.fingerprint(strided.cpu())
+    offset = t[3:]  # starts off a 16-byte boundary: its first elements fold in torch ops, the rest in the kernel
+    assert fingerprint.fingerprint(offset) == fingerprint.fingerprint(offset.cpu())
+
+
+_COMPILE_SCRIPT = """
+import os, pathlib, torch
+from swaprl import fingerprint
+
+def compiled():
+    return sorted(p.parent.name for p in pathlib.Path(os.environ["TRITON_CACHE_DIR"]).rglob("fold.cubin"))
+
+device = torch.device("cuda", 0)
+fingerprint.warm_up(device)
+fingerprint._warm_ups[device].join()
+warmed = compiled()
+assert len(warmed) == 2, warmed  # 2- and 4-byte elements
+big = torch.ones(3 * 2**20 + 5, dtype=torch.float32, device=device)
+tensors = [big, big[1:], big[7:], big.bfloat16(), big.bfloat16()[3:], big[:4097].half(), torch.ones(17, device=device)]
+fingerprint.fold_into(tensors)
+fingerprint.fold_into([big, big[1:]], cast=[torch.bfloat16, None])
+assert compiled() == warmed, (warmed, compiled())
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_the_warm_up_compiles_the_one_kernel_variant_every_check_uses(tmp_path):
+    """Triton compiles a variant per specialization of a kernel's arguments (lengths divisible by 16, pointers
+    aligned to 16 bytes, integers equal to 1); a first check that needs another variant than the warm-up compiled
+    waits for Triton again. In a fresh process with an empty Triton cache: after the warm-up, checks of tensors of
+    every length, offset and width the weights come in compile nothing more."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.gpu
