@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat import cuda as cuda_compat
+
 logger = logging.getLogger(__name__)
 
 _ALIGN = 512  # host slices start on 512-byte boundaries: any dtype views them, and DMA runs at full speed
@@ -117,6 +119,7 @@ class HostBuffer:
             try:
                 if device is not None:
                     torch.cuda.set_device(device)  # a new thread starts on device 0
+                    cuda_compat.allow_calls_during_capture()  # it may lock while vLLM captures its graphs
                 self._made = make()
             except BaseException as exc:  # handed to the thread that waits for the buffer
                 self._made = exc

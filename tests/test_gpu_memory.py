@@ -62,3 +62,52 @@ def test_reload_that_does_not_fit_leaves_the_runtime_in_generate():
         now = [v for st in opt.state.values() for v in st.values() if v.is_cuda]
         for a, b in zip(now, state):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+_CAPTURE_SCRIPT = """
+import logging, threading, torch
+from swaprl import fingerprint
+from swaprl.residency import HostBuffer
+
+warnings = []
+class Record(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger("swaprl").addHandler(Record(logging.WARNING))
+
+size, device = 256 << 20, torch.device("cuda", 0)
+x = torch.arange(1 << 20, dtype=torch.float32, device=device)
+buf = HostBuffer("capture", pin=True)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):  # CUDA's global capture mode, as vLLM captures
+    y = x * 2
+    buf.prepare(size)  # page-locks in a thread of its own
+    fingerprint.warm_up(device)  # compiles the kernel and runs it in a thread of its own
+    for t in threading.enumerate():
+        if t.name.startswith("swaprl-"):
+            t.join()
+    y += 1
+graph.replay()
+torch.cuda.synchronize()
+assert torch.equal(y, x * 2 + 1), "the graph captured around the threads replays wrong"
+assert buf.span(size).numel() == size and buf.locked_bytes == size, "the buffer was not page-locked"
+t = torch.randn(5000, device=device).to(torch.bfloat16)
+assert fingerprint.fingerprint(t) == fingerprint.fingerprint(t.cpu())
+assert not warnings, warnings
+print("ok")
+"""
+
+
+def test_attach_threads_lock_host_memory_and_compile_the_check_while_a_graph_is_captured(tmp_path):
+    """With an engine built inside attach, its threads page-lock the host buffers and compile the fingerprint kernel
+    while vLLM captures CUDA graphs in CUDA's global mode, which refuses other threads such calls unless they relax
+    their own mode (`swaprl.compat.cuda`). In a fresh process with an empty Triton cache, so the kernel is really
+    compiled and loaded during the capture."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    proc = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
