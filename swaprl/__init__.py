@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -18,7 +19,7 @@ import torch
 from . import checks
 from ._version import __version__ as __version__
 from .config import SwapConfig
-from .engines import make_engine
+from .engines import engine_name, make_engine
 from .engines.base import Engine, EngineStateError, Sampling
 from .errors import HostBufferError, PhaseError
 from .runtime import Phase, Runtime, check_none_attached, current
@@ -37,17 +38,16 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     `engine`: an `Engine`; a function that builds one (`lambda: VLLMEngine(path, ...)`); "hf" (generate with the
     trainer's own module); "vllm" (a colocated vLLM engine built from the model's checkpoint directory); or None:
     vLLM when it is installed, a GPU is present and the model was loaded from a local checkpoint directory, else
-    "hf". A function is called once the host memory the optimizer states will need has started to be page-locked
-    in the background, so that the locking runs under the engine's start; if attach then fails, it closes the
-    engine the function built. A name builds the engine first, before anything is locked: page-locking from
-    another thread while vLLM captures its CUDA graphs (in CUDA's global capture mode) is not known to be safe.
-    Validates everything before moving any memory or building an engine.
+    "hf". A function, or a name, builds the engine once the host memory the optimizer states will need has started
+    to be page-locked in the background, so that the locking runs under the engine's start; if attach then fails,
+    it closes the engine it built. Validates everything before moving any memory or building an engine.
     """
     check_none_attached()
     config = config if config is not None else SwapConfig()
     checks.check_trainer(model, optimizer, config)
-    if isinstance(engine, Engine) or not callable(engine):  # a function builds the engine inside the Runtime
-        engine = make_engine(engine, model, config, optimizer)
+    if not isinstance(engine, Engine) and not callable(engine):
+        name = engine_name(engine, model)  # refused here, before anything is allocated
+        engine = functools.partial(make_engine, name, model, config, optimizer)
     rt = Runtime(model, optimizer, engine, config)
     if config.profile is not None:  # the profile package is imported only when used
         from .profile import attach_configured

@@ -143,6 +143,8 @@ class Runtime:
         with self._restore.on_error(), built.on_error():
             self._restore.push(placement.release)  # a failed attach leaves no host memory behind
             placement.prepare_host()
+            if config.verify_sync and not (isinstance(engine, Engine) and engine.shares_trainer_weights):
+                fingerprint.warm_up(self.device)  # the first weight check's kernel, compiled under what follows
             if not isinstance(engine, Engine):
                 # Built while the host buffers are being locked: the locking (tens of seconds for tens of GiB where
                 # pages are faulted in slowly) runs under the engine's start instead of before the first step.
@@ -163,8 +165,6 @@ class Runtime:
             if placement.streamer is not None:
                 self._restore.push(install_step(placement.streamer, detached=lambda: self._closed))
                 steps.append(_Step("optimizer states to host", placement.states_to_host, placement.states_to_device))
-            if self._verifier is not None and config.verify_sync:
-                fingerprint.warm_up(self.device)
             if not engine.shares_trainer_weights:
                 steps.append(_Step("engine sleep", self._engine_sleep, lambda: self._engine_wake(None)))
             self._run_steps("attach", steps)

@@ -14,8 +14,8 @@ from ..placement import device_state_growth
 from .base import Engine, EngineStateError, Sampling
 from .hf import HFEngine
 
-__all__ = ["Engine", "EngineStateError", "HFEngine", "Sampling", "VLLMEngine", "engine_reserve_bytes", "make_engine",
-           "vllm_available"]
+__all__ = ["Engine", "EngineStateError", "HFEngine", "Sampling", "VLLMEngine", "engine_name", "engine_reserve_bytes",
+           "make_engine", "vllm_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +27,23 @@ def vllm_available() -> bool:
 
 def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: SwapConfig,
                 optimizer: torch.optim.Optimizer | None = None) -> Engine:
-    """`engine` as given, or built: "hf", "vllm" (from the model's checkpoint directory), or None (vLLM when it is
-    installed, a GPU is present and the model was loaded from a local checkpoint directory; else "hf"). A vLLM
-    engine sized from the free memory leaves room for the optimizer states that will stay on the device while it
-    generates (the "device" home of `config.optimizer_states`)."""
+    """`engine` as given, or built from its name (`engine_name`). A vLLM engine sized from the free memory leaves
+    room for the optimizer states that will stay on the device while it generates (the "device" home of
+    `config.optimizer_states`)."""
     if isinstance(engine, Engine):
         return engine
+    if engine_name(engine, model) == "hf":
+        return HFEngine()
+    from .vllm import VLLMEngine
+
+    reserve = engine_reserve_bytes(optimizer, config) if optimizer is not None else None
+    return VLLMEngine.for_model(model, config=config, reserve_bytes=reserve)
+
+
+def engine_name(engine: str | None, model: torch.nn.Module) -> str:
+    """The engine `engine` names: "hf", "vllm" (from the model's checkpoint directory), or for None vLLM when it is
+    installed, a GPU is present and the model was loaded from a local checkpoint directory, else "hf". Anything else
+    is refused, naming every form `attach` accepts."""
     accepted = "an Engine instance, a function that builds one, 'hf', 'vllm' or None"
     if engine is not None and not isinstance(engine, str):
         raise TypeError(f"engine must be a swaprl.Engine, {accepted.removeprefix('an Engine instance, ')}, not "
@@ -41,14 +52,9 @@ def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: Swa
         local = checkpoint_dir_of(model) is not None
         engine = "vllm" if vllm_available() and torch.cuda.is_available() and local else "hf"
         logger.info("engine: %s", engine)
-    if engine == "hf":
-        return HFEngine()
-    if engine == "vllm":
-        from .vllm import VLLMEngine
-
-        reserve = engine_reserve_bytes(optimizer, config) if optimizer is not None else None
-        return VLLMEngine.for_model(model, config=config, reserve_bytes=reserve)
-    raise ValueError(f"engine={engine!r}; pass {accepted}")
+    if engine not in ("hf", "vllm"):
+        raise ValueError(f"engine={engine!r}; pass {accepted}")
+    return engine
 
 
 def engine_reserve_bytes(optimizer: torch.optim.Optimizer, config: SwapConfig) -> int | None:
