@@ -242,8 +242,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                   else None),
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                profile=(out / "profile.jsonl") if out else None)
-    engine = make_engine(args, path, config, optimizer)
-    rt = swaprl.attach(model, optimizer, engine, config=config)
+    # Built by attach, once the host buffers have started page-locking in the background: the locking runs under the
+    # engine's start rather than before the first step.
+    rt = swaprl.attach(model, optimizer, lambda: make_engine(args, path, config, optimizer), config=config)
+    engine = rt.engine
     log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__, str(dtype).removeprefix("torch."),
              f" computing in {args.dtype}" if args.master_weights else "", device, args.optimizer_states)
 
