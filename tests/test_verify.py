@@ -407,3 +407,31 @@ def test_readback_reads_what_tolist_reads_while_copies_are_queued(dtype, numel):
     assert to_list(values) == values.tolist()
     assert to_list(values[::2]) == values[::2].tolist()  # not contiguous
     side.synchronize()
+
+
+def test_sequences_of_different_lengths_score_in_one_forward_as_each_alone():
+    """The trainer scores up to 8 sequences per forward, padded on the right: a causal model's log-probabilities
+    of a sequence do not depend on the padding after it, nor on the other sequences of the batch."""
+    from swaprl.engines.base import sequence_logprobs
+
+    torch.manual_seed(0)
+    model = random_model("tiny", device="cpu").eval()
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (5, 17, 1, 9, 17, 3, 30, 2, 11)]
+    together = sequence_logprobs(model, seqs)
+    for seq, got in zip(seqs, together):
+        alone = sequence_logprobs(model, [seq])[0]
+        assert got.shape == (len(seq) - 1,)
+        torch.testing.assert_close(got, alone, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="at least one token"):
+        sequence_logprobs(model, [[1, 2], []])
+
+
+def test_without_a_cuda_driver_relaxing_the_capture_mode_warns_and_names_the_way_around(caplog):
+    from swaprl.compat import cuda as cuda_compat
+
+    if cuda_compat._driver() is not None:
+        pytest.skip("this machine has a CUDA driver")
+    with caplog.at_level("WARNING", logger="swaprl.compat.cuda"):
+        assert cuda_compat.allow_calls_during_capture() is False
+    assert "Build the engine before attach" in caplog.text and "enforce_eager=True" in caplog.text

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+
+logger = logging.getLogger(__name__)
 
 _CU_STREAM_CAPTURE_MODE_RELAXED = 2  # cuda.h: CU_STREAM_CAPTURE_MODE_{GLOBAL, THREAD_LOCAL, RELAXED} = 0, 1, 2
 
@@ -27,10 +30,14 @@ def _driver() -> ctypes.CDLL | None:
 
 
 def allow_calls_during_capture() -> bool:
-    """Set the calling thread's stream-capture mode to relaxed (see the module docstring); False where there is no
-    CUDA driver or it refused."""
+    """Set the calling thread's stream-capture mode to relaxed (see the module docstring); False, with a warning
+    that names the way around it, where there is no CUDA driver to ask or it refused."""
     lib = _driver()
-    if lib is None:
-        return False
-    mode = ctypes.c_int(_CU_STREAM_CAPTURE_MODE_RELAXED)
-    return lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
+    err = "no libcuda.so.1" if lib is None else lib.cuThreadExchangeStreamCaptureMode(
+        ctypes.byref(ctypes.c_int(_CU_STREAM_CAPTURE_MODE_RELAXED)))
+    if err == 0:
+        return True
+    logger.warning("could not relax this thread's CUDA stream-capture mode (%s): a vLLM engine that captures its "
+                   "CUDA graphs while this thread runs may fail with cudaErrorStreamCaptureInvalidated. Build the "
+                   "engine before attach (pass the Engine itself), or with enforce_eager=True", err)
+    return False
