@@ -90,9 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
                     help="ways b and c: bounds on the measured mismatch (SwapConfig.verify_tolerance); default: none")
-    ap.add_argument("--optimizer-states", default="swap", choices=["swap", "host"],
-                    help="ways b and c: SwapConfig.optimizer_states ('host': states stay in host memory and "
-                         "optimizer.step() streams them through the GPU; TRL alone has no such mode)")
+    ap.add_argument("--optimizer-states", default="auto", choices=["auto", "swap", "host"],
+                    help="ways b and c: SwapConfig.optimizer_states ('auto', the default: on the GPU what fits "
+                         "beside the engine, which is nothing in c, whose engine takes what the states leave; "
+                         "'host': states stay in host memory and optimizer.step() streams them through the GPU; "
+                         "TRL alone has no such mode)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
@@ -269,14 +271,16 @@ def run_trl(spec: dict) -> dict:
             vg.llm.wake_up = switch_timer(vg.llm.wake_up)
     else:
         trainer._generate = generate_timer(trainer._generate)  # set before wrap(): swaprl's phase encloses it
-    rt = None
+    rt, wrap_s = None, None
     if spec["way"] == "b":
         from swaprl.integrations.trl import wrap
 
         states, bounds = spec["optimizer_states"], spec["verify_tolerance"]
+        t0 = time.perf_counter()
         rt = wrap(trainer, config=swaprl.SwapConfig(
-            verify_sync=True, grads="free", optimizer_states=states, overlap_optimizer_reload=states == "swap",
+            verify_sync=True, grads="free", optimizer_states=states, overlap_optimizer_reload=states != "host",
             verify_tolerance=tuple(float(x) for x in bounds.split(",")) if bounds else None))
+        wrap_s = time.perf_counter() - t0
         rt.add_listener(lambda e: acc.__setitem__("switch", acc["switch"] + e["seconds"])
                         if e["type"] == "phase" else None)
         rt.add_listener(floor.on_event)
@@ -300,13 +304,14 @@ def run_trl(spec: dict) -> dict:
     for s in steps:
         s["rollout_tokens"] = s["train_tokens"] = round(lengths[s["step"]] * seqs)
         s["train_s"] = s["step_s"] - s["generate_s"] - s["switch_s"]
-    extra = {"torch_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}
+    extra = {"torch_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None, "wrap_s": wrap_s}
     if floor is not None:
         floor.fill(steps)
         extra["floor_GBps"] = floor.gbps
     if rt is not None:
         extra["last_sync_max_abs_diff"] = rt.last_sync.max_abs_diff if rt.last_sync else None
-        if spec["optimizer_states"] == "swap":
+        extra["optimizer_states"] = rt.config.optimizer_states  # what "auto" chose
+        if spec["optimizer_states"] != "host":
             rt.detach()
         # else: as in examples/grpo.py, detach() would bring the states back to the GPU for plain torch, and they
         # were put on the host because they do not fit there; the child exits with them where they are
@@ -523,7 +528,8 @@ def main(argv: list[str] | None = None) -> dict:
                 peak_device_bytes=r["peak_device_bytes"], baseline_device_bytes=r["baseline_device_bytes"],
                 switch_measured=way != "a" or not args.smoke,  # TRL without vLLM has no switch to time
                 extra={k: r.get(k) for k in ("torch_max_reserved_bytes", "last_sync_max_abs_diff", "engine",
-                                             "wall_s", "floor_GBps")})
+                                             "wall_s", "floor_GBps", "wrap_s",
+                                             "optimizer_states")})
     base_a = ways.get("a", {})
     for w in ways.values():
         if w["ok"] and base_a.get("ok") and w["preset"] == base_a["preset"]:

@@ -70,6 +70,8 @@ def grpo_loss(model, prompts, completions, n, *, micro_batch: int, pad_id: int) 
 
 
 def optimizer_states(text: str) -> str | dict[str, float]:
+    if text.strip() == "auto":
+        return "auto"
     try:
         return parse_optimizer_states(text)
     except ValueError as exc:  # argparse shows the message of this type only
@@ -97,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
                     help="stop when the mismatch exceeds these |dlogp| bounds (SwapConfig.verify_tolerance); "
                          "default: report it only")
-    ap.add_argument("--optimizer-states", default="swap", type=optimizer_states,
-                    help="where the AdamW states live (SwapConfig.optimizer_states): 'swap' (host memory while "
-                         "generating), 'host' (host memory always, streamed through optimizer.step()), or a split "
+    ap.add_argument("--optimizer-states", default="auto", type=optimizer_states,
+                    help="where the AdamW states live (SwapConfig.optimizer_states): 'auto' (the default; with the "
+                         "engine this loop builds inside attach, 'swap'), 'swap' (host memory while generating), "
+                         "'host' (host memory always, streamed through optimizer.step()), or a split "
                          "of their bytes such as device=0.3,swap=0.3,host=0.4 (what `swaprl plan` prints)")
     ap.add_argument("--master-weights", action="store_true",
                     help="fp32 parameters, and so fp32 AdamW states, with bf16 compute: FSDP2's MixedPrecisionPolicy "
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     # This loop never reads the optimizer states itself, so their reload may overlap the forward pass (host-resident
     # states have no reload).
     states = args.optimizer_states
-    swapped = states == "swap" or isinstance(states, dict) and states["swap"] > 0
+    swapped = states in ("auto", "swap") or isinstance(states, dict) and states["swap"] > 0
     config = swaprl.SwapConfig(sleep_level=level, verify_sync=args.verify, grads="free",
                                optimizer_states=args.optimizer_states,
                                verify_tolerance=(tuple(float(x) for x in args.verify_tolerance.split(","))

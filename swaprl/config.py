@@ -36,8 +36,16 @@ class SwapConfig:
     chunk at a time, inside `optimizer.step()`.
     """
 
-    optimizer_states: OptimizerStates | Mapping[str, float] = "swap"
+    optimizer_states: Literal["auto"] | OptimizerStates | Mapping[str, float] = "auto"
     """Where the optimizer states live: each parameter's states have one home.
+    "auto" (the default): as many as fit stay on the GPU in both phases ("device"), the rest are swapped. What fits
+    is measured at attach, with the engine awake and holding all it holds while generating: the free device memory
+    less `swaprl.memory.default_reserve_bytes` and, with grads="keep", the gradients to come. Only an engine that
+    exists before attach, with weights of its own and awake, can be measured (TRL's, or one built by the caller);
+    one that attach builds is sized to take what the states leave when they go, so for it, for an engine that
+    generates with the trainer's weights, for states of unknown size (optimizers other than Adam and AdamW, before
+    their first step) and without CUDA, "auto" is "swap". Moving no more than the engine needs is what keeps a
+    wrapped trainer from being slower than one that never moves its states.
     "swap": in host memory during `generate`, on the GPU during `train`.
     "host": in host memory in both phases; `optimizer.step()` copies them to the GPU `stream_chunk_bytes` at a
     time, updates that chunk's parameters and copies the states back, the copies overlapping the update. Saves
@@ -124,18 +132,18 @@ class SwapConfig:
             raise ValueError(f"SwapConfig.params={self.params!r}; use one of {PARAM_POLICIES}")
         if isinstance(self.optimizer_states, Mapping):
             self.optimizer_states = _check_split(self.optimizer_states)
-        elif self.optimizer_states not in OPTIMIZER_STATES:
-            raise ValueError(f"SwapConfig.optimizer_states={self.optimizer_states!r}; use 'swap' (states on the device "
-                             "for 'train', in host memory for 'generate'), 'host' (always in host memory, streamed "
-                             "through the device by optimizer.step()) or a split such as {'device': 0.2, 'swap': 0.5, "
-                             "'host': 0.3}")
+        elif self.optimizer_states not in ("auto", *OPTIMIZER_STATES):
+            raise ValueError(f"SwapConfig.optimizer_states={self.optimizer_states!r}; use 'auto' (on the device what "
+                             "fits beside the engine, the rest swapped), 'swap' (states on the device for 'train', in "
+                             "host memory for 'generate'), 'host' (always in host memory, streamed through the device "
+                             "by optimizer.step()) or a split such as {'device': 0.2, 'swap': 0.5, 'host': 0.3}")
         if isinstance(self.stream_chunk_bytes, bool) or not isinstance(self.stream_chunk_bytes, int):
             raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes!r}; give a byte count as an int, "
                              "e.g. 2**30")
         if self.stream_chunk_bytes < 2**20:
             raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes} is under 1 MiB; chunks that "
                              "small make the streamed step launch-bound: use 256 MiB or more")
-        if self.state_split()["swap"] == 0 and self.overlap_optimizer_reload:
+        if self.optimizer_states != "auto" and self.state_split()["swap"] == 0 and self.overlap_optimizer_reload:
             raise ValueError(f"SwapConfig(optimizer_states={self.optimizer_states!r}, overlap_optimizer_reload=True): "
                              "no state is swapped, so there is no reload to overlap (host-resident states never "
                              "come back for 'train': the streamed optimizer.step() overlaps its own copies); drop "
@@ -160,9 +168,11 @@ class SwapConfig:
             raise ValueError(f"SwapConfig.gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]")
 
     def state_split(self) -> dict[str, float]:
-        """The optimizer states' fractions by home, {"device": d, "swap": s, "host": h}; "swap" is {"swap": 1.0}."""
+        """The optimizer states' fractions by home, {"device": d, "swap": s, "host": h}; "swap" is {"swap": 1.0}, and
+        so is "auto" until attach has measured what stays on the device (`placement.resolve_auto`)."""
         if isinstance(self.optimizer_states, str):
-            return {home: float(home == self.optimizer_states) for home in STATE_HOMES}
+            named = "swap" if self.optimizer_states == "auto" else self.optimizer_states
+            return {home: float(home == named) for home in STATE_HOMES}
         return dict(self.optimizer_states)
 
 

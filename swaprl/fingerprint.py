@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -177,9 +178,9 @@ _warm_ups: dict[torch.device, threading.Thread] = {}
 def warm_up(device: torch.device) -> None:
     """Compile the CUDA kernel for 2- and 4-byte elements (bf16/fp16 and fp32 weights) in a background thread, on a
     stream of its own, so the first weight check does not wait for Triton (4.0 s of 7B's first check on the H100
-    against 0.03 s later). Started at attach before the engine is built, so it runs under the engine's start; the
-    first check joins it. The thread may run while vLLM captures CUDA graphs: it is allowed CUDA calls then
-    (`allow_calls_during_capture`)."""
+    against 0.03 s later). Started at attach before the engine is built, so it runs under the engine's start;
+    attach waits for it before returning (`finish_warm_up`). The thread may run while vLLM captures CUDA graphs:
+    it is allowed CUDA calls then (`allow_calls_during_capture`)."""
     if device.type != "cuda" or device in _warm_ups:
         return
 
@@ -196,6 +197,16 @@ def warm_up(device: torch.device) -> None:
     _warm_ups[device] = thread = threading.Thread(target=compile_kernel, name="swaprl-fingerprint-warm-up",
                                                   daemon=True)
     thread.start()
+
+
+def finish_warm_up(device: torch.device) -> float:
+    """Wait for `warm_up`'s compilation on `device`, if one runs; returns the seconds waited."""
+    thread = _warm_ups.get(device)
+    if thread is None or thread is threading.current_thread():
+        return 0.0
+    start = time.perf_counter()
+    thread.join()
+    return time.perf_counter() - start
 
 
 def fold_into(tensors: Sequence[torch.Tensor | None], *, cast: Sequence[torch.dtype | None] | None = None,

@@ -13,6 +13,7 @@ device inside `optimizer.step()`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,22 @@ class Placement:
             if not self.swaps_states:
                 self._res["optimizer"].location = "host"
 
+    def demote(self, nbytes_needed: int) -> int:
+        """Give the "swap" home to the last parameters with the "device" home whose states, on the device now, add
+        up to `nbytes_needed` or more (fewer if fewer are kept); returns their bytes. For `optimizer_states="auto"`,
+        whose measure at attach could not see what the first steps would add."""
+        freed = 0
+        for p in reversed(list(dict.fromkeys(p for group in self.optimizer.param_groups for p in group["params"]))):
+            if freed >= nbytes_needed:
+                break
+            if self._homes.get(id(p)) != "device":
+                continue
+            self._homes[id(p)] = "swap"
+            freed += sum(nbytes(local_tensor(v)) for v in self.optimizer.state.get(p, {}).values()
+                         if isinstance(v, torch.Tensor) and local_tensor(v).device == self.device)
+        self.swaps_states = "swap" in self._homes.values()
+        return freed
+
     def home(self, p: torch.Tensor) -> StateHome:
         """Where `p`'s optimizer states live; a parameter added to the optimizer after attach takes the last
         parameter's home (so "swap" and "host" stay whole)."""
@@ -119,9 +136,11 @@ class Placement:
                                "locked_bytes": sum(b.locked_bytes for b in buffers),
                                "lock_seconds": sum(b.lock_seconds or 0.0 for b in buffers),
                                "waited_seconds": sum(b.waited_seconds for b in buffers),
+                               "attach_waited_seconds": sum(b.attach_waited_seconds for b in buffers),
                                "buffers": [{"name": b.name, "bytes": b.capacity, "locked_bytes": b.locked_bytes,
                                             "lock_seconds": b.lock_seconds, "lock_span": b.lock_span,
-                                            "background": b.background, "waited_seconds": b.waited_seconds}
+                                            "background": b.background, "waited_seconds": b.waited_seconds,
+                                            "attach_waited_seconds": b.attach_waited_seconds}
                                            for b in buffers if b.capacity]}
         return out
 
@@ -142,11 +161,16 @@ class Placement:
         return sum(b.capacity for b in self._buffers())
 
     # ---------------------------------------------------------------- host memory ahead of the first switch
-    def prepare_host(self) -> dict[str, int]:
+    def prepare_host(self, *, headroom: int = 0) -> dict[str, int]:
         """Check the host budget for the buffers the first switches and steps will need, then allocate and page-lock
-        them in the background (`HostBuffer.prepare`), so that locking runs under the engine's start and the first
-        steps instead of inside the first switch. Returns the bytes started per buffer."""
+        them in the background (`HostBuffer.prepare`), so that locking runs under the engine's start instead of inside
+        the first switch; attach waits for it at its end (`finish_host`). `headroom`: more room in the swapped states'
+        buffer, up to the states kept on the device, for those `demote` may swap later without a new buffer.
+        Returns the bytes started per buffer."""
         sizes = self.expected_host_bytes()
+        kept = _expected_state_bytes(self.optimizer, lambda p: self.home(p) == "device") if headroom else 0
+        if min(headroom, kept):
+            sizes["optimizer"] = sizes.get("optimizer", 0) + min(headroom, kept)
         parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in sizes.items())
         self._check_budget(sum(sizes.values()), 0,
                            f"locking host buffers at attach for the first switch ({parts or 'none'})",
@@ -157,6 +181,10 @@ class Placement:
         for name, n in sizes.items():
             buffers[name].prepare(n)
         return sizes
+
+    def finish_host(self) -> float:
+        """Wait for what `prepare_host` started; returns the seconds waited."""
+        return sum(b.settle() for b in self._buffers())
 
     def expected_host_bytes(self) -> dict[str, int]:
         """What each host buffer will hold, by its name: the swapped optimizer states ("optimizer") and the
@@ -395,6 +423,60 @@ def assign_homes(optimizer: torch.optim.Optimizer, split: dict[str, float]) -> d
     return homes
 
 
+def resolve_auto(config: SwapConfig, optimizer: torch.optim.Optimizer, device: torch.device, *,
+                 unmeasurable: str | None = None) -> tuple[SwapConfig, str]:
+    """`config` with `optimizer_states="auto"` made a split: the states that fit in the device memory free now stay
+    there ("device"), from the optimizer's first parameter on, and the rest are swapped; with why, for the log.
+
+    Called at attach with the engine awake, so what is free now is what is free while it generates, less what comes
+    by then: the states not created yet (Adam and AdamW: known ahead), the gradients with grads="keep", and
+    `memory.default_reserve_bytes` for the trainer's transient needs (the probe's forward, the sync's buckets).
+    `unmeasurable`: why the engine's footprint cannot be measured now; then every state is swapped. Other configs
+    come back as they are."""
+    if config.optimizer_states != "auto":
+        return config, ""
+    swapped = dataclasses.replace(config, optimizer_states="swap")
+    if unmeasurable is None and device.type != "cuda":
+        unmeasurable = "without CUDA there is no device memory to keep them in"
+    params = list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))
+    expected = _expected_per_parameter(optimizer)
+    needs = []
+    for p in params:
+        state = optimizer.state.get(p)
+        if state is not None:
+            needs.append(sum(nbytes(local_tensor(v)) for v in state.values()
+                             if isinstance(v, torch.Tensor) and local_tensor(v).device == device))
+        elif expected is not None:
+            needs.append(expected[p])
+        else:
+            unmeasurable = unmeasurable or (f"the states {type(optimizer).__name__} will create are not known "
+                                            "before its first step")
+    if unmeasurable is not None:
+        return swapped, f"all swapped: {unmeasurable}"
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    existing = sum(n for p, n in zip(params, needs) if p in optimizer.state)  # on the device now, counted in use
+    grads = sum(nbytes(local_tensor(p)) for p in params if p.requires_grad and p.grad is None) \
+        if config.grads == "keep" else 0
+    reserve = memory.default_reserve_bytes(total)
+    room = free + cached + existing - grads - reserve
+    sizes = [nbytes(local_tensor(p)) for p in params]
+    kept = taken = 0
+    for size, need in zip(sizes, needs):
+        if kept + need > room:
+            break
+        kept, taken = kept + need, taken + size
+    fraction = taken / sum(sizes) if sum(sizes) else 0.0
+    why = (f"{memory.gib(kept):.2f} of {memory.gib(sum(needs)):.2f} GiB of states stay on the device: "
+           f"{memory.gib(free + cached):.2f} GiB free beside the awake engine, less {memory.gib(reserve):.2f} GiB "
+           "of reserve" + (f" and {memory.gib(grads):.2f} GiB of gradients" if grads else ""))
+    if fraction >= 1.0:
+        return dataclasses.replace(config, optimizer_states={"device": 1.0}, overlap_optimizer_reload=False), why
+    if fraction <= 0.0:
+        return swapped, why
+    return dataclasses.replace(config, optimizer_states={"device": fraction, "swap": 1.0 - fraction}), why
+
+
 def device_state_growth(optimizer: torch.optim.Optimizer, config: SwapConfig) -> int:
     """Device bytes the optimizer states with the "device" home will take beyond what they take now. They stay on
     the device while the engine generates, so an engine sized now from the free memory (vLLM's KV cache) must leave
@@ -415,16 +497,22 @@ def _expected_state_bytes(optimizer: torch.optim.Optimizer, counted: Callable[[t
     """Device bytes of the states `optimizer` will create at its first step for the parameters `counted` (0 when not
     known), laid out as the host buffer lays them. SGD's momentum and the other optimizers' states are sized when
     they appear."""
+    per = _expected_per_parameter(optimizer)
+    return sum(n for p, n in per.items() if counted(p)) if per is not None else 0
+
+
+def _expected_per_parameter(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, int] | None:
+    """Each parameter's bytes of the states `optimizer` will create at its first step (0 for one without a
+    gradient), for Adam and AdamW; None for optimizers whose states are not known ahead."""
     per = _STATES_PER_PARAM.get(type(optimizer), 0)
     if not per:
-        return 0
-    total = 0
+        return None
+    out = {}
     for group in optimizer.param_groups:
         on_device = group.get("fused") or group.get("capturable")  # the step counter is a device tensor too
         tensors = per + bool(group.get("amsgrad"))
         for p in group["params"]:
-            if p.requires_grad and counted(p):
-                # torch keeps the step counter on the CPU, which is the device of a CPU parameter
-                step = on_device or local_tensor(p).device.type == "cpu"
-                total += tensors * align(nbytes(local_tensor(p))) + (align(4) if step else 0)
-    return total
+            # torch keeps the step counter on the CPU, which is the device of a CPU parameter
+            step = on_device or local_tensor(p).device.type == "cpu"
+            out[p] = tensors * align(nbytes(local_tensor(p))) + (align(4) if step else 0) if p.requires_grad else 0
+    return out

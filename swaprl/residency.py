@@ -72,9 +72,9 @@ def check_dense(tensors: list[torch.Tensor], action: str, fix: str) -> None:
 class HostBuffer:
     """One host byte buffer, allocated on first use and grown only when a larger set of tensors arrives.
 
-    `prepare(size)` allocates and page-locks it in a background thread (at attach, while the engine starts and the
-    first steps run); whatever needs the bytes first (`ensure`, `span`) waits for the thread, and the time it
-    waited is kept (`waited_seconds`).
+    `prepare(size)` allocates and page-locks it in a background thread (at attach, while the engine starts); attach
+    waits for it before returning (`settle`, `attach_waited_seconds`), and whatever needs the bytes before that
+    (`ensure`, `span`) waits for the thread, the time it waited kept in `waited_seconds`.
     """
 
     def __init__(self, name: str, *, pin: bool) -> None:
@@ -88,7 +88,8 @@ class HostBuffer:
         self.lock_seconds: float | None = None  # the last allocation's (and locking's) wall time
         self.lock_span: tuple[float, float] | None = None  # ... and when it ran (time.time()), for the report
         self.background = False  # whether it ran in a background thread
-        self.waited_seconds = 0.0  # what callers spent waiting for a background preparation
+        self.waited_seconds = 0.0  # what moves spent waiting for a background preparation
+        self.attach_waited_seconds = 0.0  # what attach spent waiting for it before returning (`settle`)
 
     @property
     def capacity(self) -> int:
@@ -129,13 +130,23 @@ class HostBuffer:
         self._thread = threading.Thread(target=run, name=f"swaprl-host-{self.name}", daemon=True)
         self._thread.start()
 
-    def _settle(self) -> None:
-        """Wait for a background preparation and take its buffer."""
+    def settle(self) -> float:
+        """Wait for a background preparation to finish and take its buffer; returns the seconds waited. Attach
+        calls it before returning; the time is `attach_waited_seconds`, apart from what a move waited later."""
+        start = time.perf_counter()
+        self._settle(count=False)
+        waited = time.perf_counter() - start
+        self.attach_waited_seconds += waited
+        return waited
+
+    def _settle(self, *, count: bool = True) -> None:
+        """Wait for a background preparation and take its buffer (`count`: the wait goes to `waited_seconds`)."""
         if self._thread is None:
             return
         start = time.perf_counter()
         self._thread.join()
-        self.waited_seconds += time.perf_counter() - start
+        if count:
+            self.waited_seconds += time.perf_counter() - start
         made, self._thread, self._made = self._made, None, None
         if isinstance(made, BaseException):
             logger.warning("preparing host buffer %r in the background failed (%s); it is allocated when first "

@@ -27,7 +27,7 @@ from . import checks, fingerprint, memory, regions
 from .config import SwapConfig
 from .engines.base import Engine
 from .errors import PhaseError
-from .placement import Placement
+from .placement import Placement, resolve_auto
 from .streaming import install_step
 from .undo import Undo
 from .verify import SyncReport, Verifier, raise_if_failed
@@ -63,6 +63,17 @@ class _Step:
     started_by: str | None = None  # the step that queued this one's copies: its event also gets the whole span
 
 
+def _unmeasurable(engine: Engine | Callable[[], Engine]) -> str | None:
+    """Why what `engine` holds while it generates cannot be measured at attach (`placement.resolve_auto`), or None."""
+    if not isinstance(engine, Engine):
+        return "attach builds the engine, which takes the memory the states leave when they go"
+    if engine.shares_trainer_weights:
+        return "the engine generates with the trainer's weights, taking memory as it goes"
+    if engine.memory().get("location") != "device":
+        return "the engine is asleep, so what it holds awake cannot be measured"
+    return None
+
+
 class Runtime:
     """Owns the phase state of one trainer (model + optimizer) and one engine. `swaprl.attach` builds it (and
     builds the engine); building it directly checks and registers it the same way."""
@@ -96,6 +107,7 @@ class Runtime:
         self.model = self.optimizer = self.engine = self.device = None
         self._unbound: str | None = None  # why nothing is bound yet (see _pending); None once bound
         self._phase: Phase = "train"
+        self._auto_states = False  # optimizer_states="auto" was resolved at attach: a wake-up may demote states
         self._depth = 0
         self._cycle = 0
         self._closed = False
@@ -134,15 +146,22 @@ class Runtime:
               engine: Engine | Callable[[], Engine]) -> None:
         """The attach proper: host buffers, the engine (built now if `engine` builds it), the optimizer's hooks, the
         engine asleep (undone on failure)."""
-        config = self.config
         self.model, self.optimizer = model, optimizer
         self.device = checks.model_device(model)
+        self._auto_states = self.config.optimizer_states == "auto"
+        self.config, why = resolve_auto(self.config, optimizer, self.device, unmeasurable=_unmeasurable(engine))
+        config = self.config
+        if why:
+            logger.info("optimizer_states='auto': %s", why)
         self._placement = placement = Placement(model, optimizer, self.device, config,
                                                 on_streamed_step=self._on_streamed_step)
         built = Undo("the engine attach built")  # closed if attach then fails; kept (the caller's) once attached
         with self._restore.on_error(), built.on_error():
             self._restore.push(placement.release)  # a failed attach leaves no host memory behind
-            placement.prepare_host()
+            # Under "auto", room to swap what the first steps may show does not fit after all (`_transition`).
+            headroom = memory.default_reserve_bytes(torch.cuda.mem_get_info(self.device)[1]) \
+                if self._auto_states and self.device.type == "cuda" else 0
+            placement.prepare_host(headroom=headroom)
             if config.verify_sync and not (isinstance(engine, Engine) and engine.shares_trainer_weights):
                 fingerprint.warm_up(self.device)  # the first weight check's kernel, compiled under what follows
             if not isinstance(engine, Engine):
@@ -168,6 +187,15 @@ class Runtime:
             if not engine.shares_trainer_weights:
                 steps.append(_Step("engine sleep", self._engine_sleep, lambda: self._engine_wake(None)))
             self._run_steps("attach", steps)
+            # What attach started in the background ends before it returns. Page-locking holds the CUDA driver's
+            # lock: one 16 GiB cudaHostRegister stalled every CUDA call of another thread for its 1.0 s on the H100,
+            # and under TRL, whose engine exists before attach, locking during the first step stalled its rollout
+            # by 3.0 s. The first steps call CUDA without pause, so waiting here costs less; an engine built
+            # in between (tens of seconds) has hidden both already.
+            waited = placement.finish_host() + fingerprint.finish_warm_up(self.device)
+            if waited > 0.1:
+                logger.info("attach waited %.2f s for host memory to be locked and the check's kernel compiled",
+                            waited)
 
     # ---------------------------------------------------------------- public API
     @property
@@ -303,7 +331,21 @@ class Runtime:
             return 0
         steps = self._to_generate() if dst == "generate" else self._to_train()
         start = time.perf_counter()
-        moved = self._run_steps(f"{src}->{dst}", steps)
+        try:
+            moved = self._run_steps(f"{src}->{dst}", steps)
+        except torch.OutOfMemoryError as exc:
+            # "auto" measured at attach what fits beside the engine; the first generation and the first optimizer
+            # step add to both sides (7B under TRL: 2.8 GiB). Rolled back already: swap more, and go again.
+            short = getattr(exc, "short_bytes", 0)
+            if dst != "generate" or not self._auto_states or not short:
+                raise
+            freed = self._placement.demote(short + 2**28)
+            if not freed:
+                raise
+            logger.warning("optimizer_states='auto': the engine's wake-up lacked %.2f GiB; %.2f GiB more of the "
+                           "optimizer states are swapped from now on", memory.gib(short), memory.gib(freed))
+            self._emit({"type": "demote", "short_bytes": short, "bytes": freed})
+            moved = self._run_steps(f"{src}->{dst}", self._to_generate())
         self._phase = dst
         if dst == "generate":
             self._cycle += 1
@@ -430,11 +472,13 @@ class Runtime:
             if not kept:
                 raise
             # The engine's KV cache was sized when it was built; the states a split keeps on the device came later.
-            raise type(exc)(
+            named = type(exc)(
                 f"{exc} Of what is not free, {kept / 2**30:.2f} GiB are optimizer states kept on the device while "
                 "generating (the 'device' home of SwapConfig.optimizer_states): build the engine with "
                 "reserve_bytes=swaprl.engines.engine_reserve_bytes(optimizer, config) before the first optimizer "
-                "step, or give the 'device' home a smaller share") from exc
+                "step, or give the 'device' home a smaller share")
+            named.short_bytes = getattr(exc, "short_bytes", 0)  # what `_transition` swaps more of, under "auto"
+            raise named from exc
         if tags is None or "kv_cache" in tags:
             self.engine.reset_prefix_cache()
 

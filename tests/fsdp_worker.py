@@ -160,7 +160,8 @@ def fsdp(args) -> dict:
     # The weight sync gathers each parameter's shards into full tensors; the on-policy check spans the ranks.
     torch.manual_seed(123)  # a replica with other weights: only the sync can make it agree
     engine = ReplicaEngine(random_model("tiny", device="cpu"))
-    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=2, verify_sync=True))
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=2, verify_sync=True,
+                                                                    optimizer_states="swap"))
     with rt.phase("generate"):
         out["sync_full_tensors"] = all(torch.equal(engine.loaded[n], full[n]) for n in full)
         before = rt.last_sync
@@ -257,7 +258,9 @@ def vllm(args) -> dict:
                      "gpu_memory_utilization": engine.stats.get("gpu_memory_utilization"),
                      "start_s": engine.stats.get("start_s")}
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(grads="free", verify_sync=True))
+    # "swap": what leaves the device is measured ("auto" would keep this tiny model's states beside the engine)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(grads="free", verify_sync=True,
+                                                                    optimizer_states="swap"))
     used: dict = {}
 
     def on_event(e: dict) -> None:

@@ -270,7 +270,8 @@ def test_attribution_matches_nvml_on_gpu_vllm_engine(tiny_checkpoint, tmp_path, 
     model = load(tiny_checkpoint, "cuda", dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters())
     # The session's engine: vLLM's sleep-mode allocator allows one engine per process.
-    rt = swaprl.attach(model, opt, vllm_engine, config=swaprl.SwapConfig(profile=path))
+    # "swap": the states' attribution in both phases ("auto" would keep this tiny model's beside the engine)
+    rt = swaprl.attach(model, opt, vllm_engine, config=swaprl.SwapConfig(profile=path, optimizer_states="swap"))
     cycles(rt, model, opt)
     swaprl.detach()
     gen = _gpu_attribution_check(path)[-2]["attribution"]["categories"]

@@ -50,7 +50,8 @@ def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool 
                 "optimizer": {"location": "device" if train else "host", "bytes": opt, "host_bytes": 0},
                 "engine": engine, "host_buffers": {"bytes": 16 * GiB, "pinned": True, "buffers": [
                     {"name": "optimizer", "bytes": 16 * GiB, "locked_bytes": 16 * GiB, "lock_seconds": 0.9,
-                     "lock_span": [t0 + 0.1, t0 + 1.0], "background": True, "waited_seconds": 0.0}]},
+                     "lock_span": [t0 + 0.1, t0 + 1.0], "background": True, "waited_seconds": 0.0,
+                     "attach_waited_seconds": 0.25}]},
                 "device_memory": {"used": used, "total": 80 * GiB, "torch_allocated": reserved - GiB,
                                   "torch_reserved": reserved}}
 
@@ -217,8 +218,10 @@ def test_host_buffers_show_when_and_how_fast_they_were_locked(tmp_path, capsys):
     rc, _, _ = report(capsys, synthetic_profile(tmp_path / "run.jsonl"), "-o", tmp_path / "rep")
     assert rc == 0
     md = (tmp_path / "rep" / "report.md").read_text()
-    # 16 GiB locked in 0.9 s from 0.1 s on = 19.1 GB/s, in the background at attach, no switch waited
-    assert "| rank 0 | optimizer | 16.00 GiB | 16.00 GiB | attach, in the background | 0.1 | 0.90 | 19.1 | 0.000 |" in md
+    # 16 GiB locked in 0.9 s from 0.1 s on = 19.1 GB/s, in the background at attach, which waited 0.25 s for it
+    # at its end; no switch waited
+    assert ("| rank 0 | optimizer | 16.00 GiB | 16.00 GiB | attach, in the background | 0.1 | 0.90 | 19.1 | 0.250 "
+            "| 0.000 |") in md
 
 
 def test_residual_growth_is_flagged(tmp_path, capsys):

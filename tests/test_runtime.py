@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import io
+import threading
 
 import pytest
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -205,7 +207,11 @@ def test_host_budget_refuses_at_attach_before_allocating(tiny_checkpoint):
     with pytest.raises(swaprl.PhaseError):
         swaprl.current()  # nothing attached
     rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(host_budget_bytes=expected + 2**20))
-    assert rt.status()["host_buffers"]["bytes"] == expected  # prepared in the background at attach
+    host = rt.status()["host_buffers"]
+    assert host["bytes"] == expected  # prepared in the background at attach
+    # ... and finished before attach returned: no preparation runs on under the first steps, and none waited later
+    assert not [t for t in threading.enumerate() if t.name.startswith("swaprl-host")]
+    assert host["waited_seconds"] == 0 and host["attach_waited_seconds"] >= 0
     grpo.run(model, opt, rt.engine, steps=2, runtime=rt)
     with swaprl.phase("generate"):  # the states went into the buffer prepared for them, not a new one
         assert rt.status()["optimizer"]["host_bytes"] > 0
@@ -367,9 +373,9 @@ def test_an_engine_attach_builds_starts_after_host_memory_and_a_failed_attach_cl
     order = []
     prepare = Placement.prepare_host
 
-    def recorded(self):
+    def recorded(self, **kwargs):
         order.append("host")
-        return prepare(self)
+        return prepare(self, **kwargs)
 
     monkeypatch.setattr(Placement, "prepare_host", recorded)
 

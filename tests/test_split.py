@@ -154,3 +154,140 @@ def test_a_kv_cache_without_room_for_device_states_names_the_fix_and_loses_nothi
     assert rt.current_phase == "train" and rt.status()["optimizer"]["location"] == "device"
     assert_same_training(before, snapshot(model, opt))
     swaprl.detach()
+
+
+# ---------------------------------------------------------------- optimizer_states="auto"
+def test_auto_is_the_default_and_swaps_what_it_cannot_measure(tiny_checkpoint):
+    from swaprl.placement import resolve_auto
+
+    assert swaprl.SwapConfig().optimizer_states == "auto"
+    assert swaprl.SwapConfig().state_split() == {"device": 0.0, "swap": 1.0, "host": 0.0}  # until attach measures
+    swaprl.SwapConfig(optimizer_states="auto", overlap_optimizer_reload=True)  # whether a reload remains is decided
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = swaprl.SwapConfig()
+    resolved, why = resolve_auto(config, opt, torch.device("cpu"))
+    assert resolved.optimizer_states == "swap" and "without CUDA" in why
+    assert config.optimizer_states == "auto"  # the caller's config is left as it was
+    resolved, why = resolve_auto(config, opt, torch.device("cpu"), unmeasurable="the engine is asleep")
+    assert resolved.optimizer_states == "swap" and why == "all swapped: the engine is asleep"
+    explicit = swaprl.SwapConfig(optimizer_states={"device": 0.5, "swap": 0.5})
+    assert resolve_auto(explicit, opt, torch.device("cpu")) == (explicit, "")
+    # An engine that shares the trainer's weights takes memory as it generates: nothing to measure, all swapped.
+    rt = swaprl.attach(model, opt, HFEngine(model))
+    assert rt.config.optimizer_states == "swap"
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    with rt.phase("generate"):
+        assert rt.status()["optimizer"]["location"] == "host"
+    swaprl.detach()
+
+
+class ReplicaOnDevice(grpo.ReplicaEngine):
+    """A replica on the GPU, awake: what it holds while generating is held already when attach measures."""
+
+
+@pytest.mark.gpu
+def test_auto_keeps_on_the_device_the_states_that_fit_beside_the_engine(tiny_checkpoint):
+    model = load(tiny_checkpoint, "cuda")
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    rt = swaprl.attach(model, opt, ReplicaOnDevice(load(tiny_checkpoint, "cuda")))
+    assert rt.config.state_split() == {"device": 1.0, "swap": 0.0, "host": 0.0}
+    steps = []
+    rt.add_listener(lambda e: steps.append(e["step"]) if e["type"] == "step" else None)
+    grpo.run(model, opt, rt.engine, steps=3, runtime=rt)
+    with rt.phase("generate"):
+        st = rt.status()["optimizer"]
+        assert st["location"] == "device" and st["bytes"] > 0 and st["host_bytes"] == 0
+    assert "sync weights" in steps and not any("optimizer" in s for s in steps)  # synced; the states never moved
+    # What is locked for states that stay is only the room to swap them should the engine lack it later
+    locked = sum(b["bytes"] for b in rt.status()["host_buffers"]["buffers"] if b["name"] == "optimizer")
+    assert locked <= rt.status()["optimizer_homes"]["device"] + MiB  # (slots are 512-byte aligned)
+    swaprl.detach()
+    _release_cuda()
+
+
+class ShrinkingRoomEngine(ReplicaOnDevice):
+    """A replica whose KV cache, as a vLLM engine's does after the first steps add to the device, fits only beside
+    `room` bytes of optimizer states kept on the device."""
+
+    def __init__(self, replica, room: int, placement=lambda: None) -> None:
+        super().__init__(replica)
+        self.room, self.placement, self.refused = room, placement, 0
+
+    def wake(self, tags=None) -> None:
+        from swaprl.engines.vllm import EngineWakeError
+
+        kept = self.placement().home_bytes()["device"] if self.placement() is not None else 0
+        if (tags is None or "kv_cache" in tags) and kept > self.room:
+            self.refused += 1
+            raise EngineWakeError(f"waking the kv_cache lacks {kept - self.room} bytes", short_bytes=kept - self.room)
+
+
+@pytest.mark.gpu
+def test_auto_swaps_more_when_the_engine_lacks_room_later_and_loses_nothing(tiny_checkpoint):
+    model = load(tiny_checkpoint, "cuda")
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    engine = ShrinkingRoomEngine(load(tiny_checkpoint, "cuda"), room=MiB)
+    rt = swaprl.attach(model, opt, engine)
+    engine.placement = lambda: rt._placement
+    assert rt.config.state_split()["device"] == 1.0  # all fits at attach
+    demoted = []
+    rt.add_listener(lambda e: demoted.append(e) if e["type"] == "demote" else None)
+    grpo.run(model, opt, rt.engine, steps=3, runtime=rt)  # the second switch creates no room: demoted, retried
+    assert engine.refused == 1 and len(demoted) == 1
+    homes = rt.status()["optimizer_homes"]
+    assert homes["device"] <= MiB and homes["swap"] >= demoted[0]["short_bytes"]
+    with rt.phase("generate"):
+        st = rt.status()["optimizer"]
+        assert st["location"] == "host" and st["host_bytes"] == homes["swap"] and st["bytes"] == homes["device"]
+    swaprl.detach()
+    _release_cuda()
+
+
+def _release_cuda() -> None:
+    """Hand what a test allocated back to the driver: a vLLM engine built later in the session sizes itself from
+    the free memory."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_auto_keeps_what_the_free_memory_holds_and_swaps_the_rest():
+    from swaprl.checkpoints import random_model
+    from swaprl.memory import default_reserve_bytes
+    from swaprl.placement import _expected_per_parameter, resolve_auto
+
+    model = random_model("qwen2.5-0.5b", device="cuda")  # fp32: AdamW's states 3.7 GiB, the embedding's 1.1 GiB
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    needs = list(_expected_per_parameter(opt).values())
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    aim = needs[0] + (sum(needs) - needs[0]) // 2  # the embedding's states and about half of the layers'
+    blocker = torch.empty(free - default_reserve_bytes(total) - aim, dtype=torch.uint8, device="cuda")
+    try:
+        free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        room = free - default_reserve_bytes(total)
+        config, why = resolve_auto(swaprl.SwapConfig(), opt, torch.device("cuda", torch.cuda.current_device()))
+    finally:
+        del blocker
+    split = config.state_split()
+    assert 0 < split["device"] < 1 and split["swap"] == pytest.approx(1 - split["device"]) and split["host"] == 0
+    homes = assign_homes(opt, split)
+    kept = [n for p, n in zip(opt.param_groups[0]["params"], needs) if homes[id(p)] == "device"]
+    # The first parameters' states, as many as the room holds: one more would not fit.
+    assert sum(kept) <= room < sum(needs[:len(kept) + 1]), (kept, room, why)
+    assert "GiB of states stay on the device" in why
+    del model, opt
+    _release_cuda()
+
+
+@pytest.mark.gpu
+def test_auto_swaps_the_states_of_an_optimizer_it_cannot_size_ahead(tiny_checkpoint):
+    from swaprl.placement import resolve_auto
+
+    model = load(tiny_checkpoint, "cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)  # momentum buffers appear at the first step
+    config, why = resolve_auto(swaprl.SwapConfig(), opt, torch.device("cuda", torch.cuda.current_device()))
+    assert config.optimizer_states == "swap" and "SGD will create are not known before its first step" in why

@@ -435,7 +435,7 @@ def test_profile_and_report_show_the_streamed_step(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(optimizer_states="gpu"), r"optimizer_states='gpu'; use 'swap' .*, 'host' .* or a split such as"),
+    (dict(optimizer_states="gpu"), r"optimizer_states='gpu'; use 'auto' .*, 'swap' .*, 'host' .* or a split such as"),
     (dict(optimizer_states={"gpu": 1.0}), r"unknown home\(s\) \['gpu'\]; the homes are \('device', 'swap', 'host'\)"),
     (dict(optimizer_states={"device": 0.5, "host": 0.4}), r"sums to 0.9; .* must sum to 1"),
     (dict(optimizer_states={"device": 1.5, "host": -0.5}), r"\['device'\]=1.5; give a fraction in \[0, 1\]"),

@@ -294,7 +294,9 @@ def _vllm_child(checkpoint: str, out: str) -> None:
 
     trainer = make_trainer(checkpoint, Path(out) / "run", steps=2, use_vllm=True,
                            vllm_importance_sampling_correction=False)
-    rt = wrap(trainer)  # the check is on by default
+    # The check is on by default. "swap": the states' moves under TRL, which on a GPU "auto" would spare this tiny
+    # model (its states fit beside the engine).
+    rt = wrap(trainer, config=swaprl.SwapConfig(optimizer_states="swap"))
     r = {"phases": [], "syncs": 0, "checks": [], "engine_generate": [], "engine_train": [],
          "optimizer_generate": [], "requests": []}
     llm = trainer.vllm_generation.llm

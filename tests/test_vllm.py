@@ -171,7 +171,7 @@ def test_interrupted_overlapped_switch_loses_nothing(tiny_checkpoint, engine, in
     model, opt = trainer(tiny_checkpoint)
     train_step(model, opt)
     states = [t.clone() for s in opt.state.values() for t in s.values()]
-    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(verify_sync=True))
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(verify_sync=True, optimizer_states="swap"))
 
     grpo.enter_generate_interrupted_after(rt, interrupted_after)
     assert rt.current_phase == "train"

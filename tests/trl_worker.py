@@ -100,8 +100,9 @@ def train(args, run: str) -> dict:
     if run.startswith("wrapped"):
         # "wrapped_host": the states stay in host memory and stream through each step, in chunks of 1 MiB (under
         # FSDP2 the streamed step is installed after train() built the LR scheduler around the optimizer's step).
+        # "swap": the states' moves (on a GPU, "auto" would keep this tiny model's beside the engine).
         config = swaprl.SwapConfig(optimizer_states="host", stream_chunk_bytes=2**20) if run == "wrapped_host" \
-            else None
+            else swaprl.SwapConfig(optimizer_states="swap")
         rt = wrap(trainer, config=config)
         out["current_is_rt"] = swaprl.current() is rt
         try:

@@ -60,7 +60,12 @@ _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torc
 
 
 class EngineWakeError(torch.OutOfMemoryError):
-    """Waking the engine would not fit in the free device memory; nothing was mapped."""
+    """Waking the engine would not fit in the free device memory; nothing was mapped. `short_bytes`: how much more
+    would have to be free (the most any rank lacks), where it is known."""
+
+    def __init__(self, message: str, *, short_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.short_bytes = short_bytes
 
 
 def _external_launcher_environment() -> dict[str, str]:
@@ -371,7 +376,7 @@ class VLLMEngine(Engine):
                     f"{here}. Nothing was mapped; the engine stays asleep. Free device memory first: offload what "
                     "the trainer does not need while generating (SwapConfig grads='free'/'offload', "
                     "params='offload'), delete tensors you hold, or build the engine with a smaller "
-                    "kv_cache_memory_bytes / gpu_memory_utilization.")
+                    "kv_cache_memory_bytes / gpu_memory_utilization.", short_bytes=int(short))
         free0 = self._free()
         if resume_other:
             self.other.resume()

@@ -18,6 +18,8 @@ object a line; every line is written whole and flushed, so a crash leaves a read
     sync    {"type": "sync", "t", "cycle", "weights", "checked", "differing", "stale_since", "sync_seconds",
              "sync_bytes", "verify_seconds", "mismatch": {"tokens", "max_abs", "mean_abs", "kl", "outside"} | null,
              "mismatch_seconds", "probe_engine_seconds", "bounds", "ok"}: the on-policy check after each weight sync (`swaprl.verify`)
+    demote  {"type": "demote", "t", "short_bytes", "bytes"}: optimizer_states="auto" swapped more states after the
+            engine's wake-up lacked `short_bytes` (then rolled back and retried)
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"}
             (the first one, "from": null, is the state when recording started)
     end     {"type": "end", "t", "reason": "detach" | "close" | "exit", "samples"}  ("exit": the process ended with
@@ -185,7 +187,7 @@ class Profiler:
             self._write(self._sample())
         elif kind == "error":  # a transition that failed and was rolled back
             self._write({"type": "error"} | {k: event[k] for k in ("t", "transition", "step", "error")})
-        elif kind == "sync":  # the on-policy check's findings after a weight sync
+        elif kind in ("sync", "demote"):  # the on-policy check after a sync; "auto" states swapped from now on
             self._write(event)
 
     # ---------------------------------------------------------------- plumbing

@@ -542,13 +542,17 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
             rows.append([r.label, b["name"], _b(b["bytes"]), _b(b["locked_bytes"]),
                          "attach, in the background" if b.get("background") else "when first needed",
                          _f(span[0] - t0 if span else None, "{:.1f}"), _f(secs_, "{:.2f}"),
-                         _f(b["bytes"] / secs_ / 1e9 if secs_ else None, "{:.1f}"), _f(b.get("waited_seconds"))])
+                         _f(b["bytes"] / secs_ / 1e9 if secs_ else None, "{:.1f}"),
+                         _f(b.get("attach_waited_seconds")), _f(b.get("waited_seconds"))])
     if rows:
         trans.tables.append(_Table("Host buffers", ["rank", "buffer", "bytes", "page-locked", "prepared",
-                                                    "started at s", "seconds", "GB/s", "waited s"], rows,
-                                   "Allocated and page-locked where it says; \"waited\" is how long switches and "
-                                   "optimizer steps waited for a buffer still being prepared. The memory plot "
-                                   "marks each preparation in a band along its top."))
+                                                    "started at s", "seconds", "GB/s", "attach waited s",
+                                                    "waited s"], rows,
+                                   "Allocated and page-locked where it says. Attach waits for the preparation "
+                                   "before it returns (\"attach waited\": what the engine's start did not "
+                                   "cover); \"waited\" is how long switches and optimizer steps waited for a "
+                                   "buffer still being prepared. The memory plot marks each preparation in a band "
+                                   "along its top."))
     secs.append(trans)
 
     if any(r.syncs for r in live):
