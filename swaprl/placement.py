@@ -76,7 +76,7 @@ class Placement:
         up to `nbytes_needed` or more (fewer if fewer are kept); returns their bytes. For `optimizer_states="auto"`,
         whose measure at attach could not see what the first steps would add."""
         freed = 0
-        for p in reversed(list(dict.fromkeys(p for group in self.optimizer.param_groups for p in group["params"]))):
+        for p in reversed(_parameters(self.optimizer)):
             if freed >= nbytes_needed:
                 break
             if self._homes.get(id(p)) != "device":
@@ -401,6 +401,11 @@ class Placement:
             f"{fix}")
 
 
+def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in its order, each once: the order homes are given in."""
+    return list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))
+
+
 def assign_homes(optimizer: torch.optim.Optimizer, split: dict[str, float]) -> dict[int, StateHome]:
     """id(parameter) -> the home of its optimizer states under `split` (fractions of the states' bytes by home).
 
@@ -408,7 +413,7 @@ def assign_homes(optimizer: torch.optim.Optimizer, split: dict[str, float]) -> d
     optimizer are proportional to: a parameter goes to the home whose share of the running total its middle byte
     falls in, so each home ends within half a parameter of its fraction. "device" takes the first parameters: the
     streamed step then starts with them, and their update runs under the first host chunk's copy in."""
-    params = list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))
+    params = _parameters(optimizer)
     sizes = [nbytes(local_tensor(p)) for p in params]
     total = sum(sizes)
     bounds, edge = [], 0.0
@@ -438,7 +443,7 @@ def resolve_auto(config: SwapConfig, optimizer: torch.optim.Optimizer, device: t
     swapped = dataclasses.replace(config, optimizer_states="swap")
     if unmeasurable is None and device.type != "cuda":
         unmeasurable = "without CUDA there is no device memory to keep them in"
-    params = list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))
+    params = _parameters(optimizer)
     expected = _expected_per_parameter(optimizer)
     needs = []
     for p in params:
