@@ -4,6 +4,8 @@
     python benchmarks/bench_grpo.py --workload W2 --out benchmarks/results/grpo_trl_w2_h100.json
     python benchmarks/bench_grpo.py --workload W3 --out benchmarks/results/grpo_trl_w3_h100.json
     python benchmarks/bench_grpo.py --smoke --out /tmp/grpo_smoke.json     # tiny preset, no vLLM, CPU: plumbing only
+    python benchmarks/bench_grpo.py --workload W3 --presets qwen2.5-7b --ways a,b --nproc 2 --layout fsdp2 \
+        --vllm-tp 2 --out ...                           # ways a and b on two GPUs: accelerate's FSDP2, vLLM TP 2
 
 The ways, each in its own subprocess (vLLM's sleep-mode allocator is one per process, and an OOM can leave CUDA
 state broken):
@@ -37,6 +39,16 @@ measured in the same child before the engine starts: bytes offloaded over pinned
 over pinned host-to-device, and the weight sync's bytes read and written over device-to-device; "floor/switch" is
 that floor over the measured switch time. Way a's switches happen inside vLLM and report no bytes: no floor. The
 table ends with one JSON line; `--out` gets the JSON and a markdown next to it.
+
+Several GPUs (`--nproc N`, ways a and b): each way runs as N ranks under torchrun, one GPU each, the trainer spread
+by accelerate (`--layout ddp`, or `fsdp2`: `GRPOConfig(fsdp=True, fsdp_config={"version": 2})`) and TRL's vLLM
+colocated in groups of `--vllm-tp` ranks. The batch stays the workload's: each rank takes micro-batches of
+`--micro-batch` sequences, with the accumulation that makes prompts x completions per optimizer step over all
+ranks. Step times are rank 0's (the ranks step together); peak memory is the largest over the ranks, per GPU.
+
+Also per way: the peak memory while the engine holds its memory (from its wake-up to its sleep: TRL's in way a,
+swaprl's in way b) and while it does not, and each step's loss as TRL logs it, so a wrapped run can be compared
+with the plain one step by step; `--spread` runs way a a second time, for the run-to-run spread of TRL's own losses.
 """
 
 from __future__ import annotations
@@ -58,7 +70,7 @@ import threading
 import time
 from pathlib import Path
 
-from child import run_child, start
+from child import rank_result_path, run_child, start
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = {"a": "TRL colocate + sleep mode", "b": "TRL + swaprl.wrap", "c": "swaprl loop"}
@@ -72,6 +84,8 @@ OOM_MARKERS = ("out of memory", "OutOfMemoryError", "Free memory on device", "No
                "insufficient memory", "CUDA error")
 
 log = logging.getLogger("bench_grpo")
+# Way b: the runtime's steps after which the engine holds its memory ("generate") or not ("train"), for the peaks.
+ENGINE_STEPS = {"engine wake weights": "generate", "engine sleep": "train"}
 
 
 # ---------------------------------------------------------------- shared by parent and children
@@ -87,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=None, help="override the workload's max completion tokens")
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (byte tokens)")
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward in every way")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="ways a and b as this many ranks under torchrun, one GPU each (way c runs on one)")
+    ap.add_argument("--layout", default="ddp", choices=["ddp", "fsdp2"],
+                    help="with --nproc: how accelerate spreads the trainer (fsdp2: accelerate's FSDP2)")
+    ap.add_argument("--vllm-tp", type=int, default=1, help="with --nproc: TRL's vllm_tensor_parallel_size")
+    ap.add_argument("--spread", action="store_true",
+                    help="run way a once more at its utilization: the run-to-run spread of TRL's own losses, "
+                         "against which the other ways' losses are read")
     ap.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
                     help="ways b and c: bounds on the measured mismatch (SwapConfig.verify_tolerance); default: none")
@@ -134,12 +156,14 @@ def even_tokens(completions, completion_ids, **kwargs) -> list[float]:
 
 
 class PeakSampler:
-    """Most device memory in use (whole device: NVML, else cudaMemGetInfo) seen by a thread polling every 20 ms."""
+    """Most device memory in use (whole device: NVML, else cudaMemGetInfo) seen by a thread polling every 20 ms, in
+    all and per `phase`, which the caller sets as it runs ("setup" until it says otherwise)."""
 
     def __init__(self, interval: float = 0.02):
         import torch
 
         self.interval, self.peak, self.baseline = interval, None, None
+        self.phase, self.peaks = "setup", {}
         self._stop = threading.Event()
         self._thread = None
         if torch.cuda.is_available():
@@ -152,7 +176,9 @@ class PeakSampler:
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self._read())
+            used, phase = self._read(), self.phase
+            self.peak = max(self.peak, used)
+            self.peaks[phase] = max(self.peaks.get(phase, 0), used)
 
     def stop(self) -> int | None:
         if self._thread is not None:
@@ -206,7 +232,7 @@ class SwitchFloor:
                 s["switch_floor_s"] = floor
 
 
-def run_trl(spec: dict) -> dict:
+def run_trl(spec: dict, sampler: PeakSampler) -> dict:
     """Ways a and b: TRL's GRPOTrainer, plain or wrapped; per-step times from a callback and wrapped methods."""
     import torch
     from datasets import Dataset
@@ -217,23 +243,30 @@ def run_trl(spec: dict) -> dict:
 
     cuda, use_vllm = torch.cuda.is_available(), not spec["smoke"]
     floor = SwitchFloor() if spec["way"] == "b" else None
-    seqs = spec["prompts"] * spec["completions"]
-    if seqs % spec["micro_batch"]:
-        raise ValueError(f"{seqs} sequences per step do not split into micro-batches of {spec['micro_batch']}")
+    seqs, world = spec["prompts"] * spec["completions"], int(os.environ.get("WORLD_SIZE", "1"))
+    if seqs % (spec["micro_batch"] * world):
+        raise ValueError(f"{seqs} sequences per step do not split into micro-batches of {spec['micro_batch']} on "
+                         f"{world} rank(s): choose --prompts, --completions and --micro-batch to divide them")
+    spread = {}
+    if spec.get("nproc"):
+        spread["vllm_tensor_parallel_size"] = spec["vllm_tp"]
+        if spec["layout"] == "fsdp2":
+            spread.update(fsdp=True, fsdp_config={"version": 2})
     total_steps = spec["warmup"] + spec["steps"]
     dataset = Dataset.from_dict({"prompt": prompt_texts(spec["prompts"] * total_steps, spec["prompt_tokens"],
                                                         spec["seed"])})
     args = GRPOConfig(
         output_dir=str(Path(spec["result"]).parent / f"trl_{spec['way']}"), seed=spec["seed"],
         model_init_kwargs={"dtype": spec["param_dtype"]}, learning_rate=spec["lr"],
-        per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=seqs // spec["micro_batch"],
+        per_device_train_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=seqs // (spec["micro_batch"] * world),
         num_generations=spec["completions"], max_completion_length=spec["max_tokens"], max_steps=total_steps,
         gradient_checkpointing=True, bf16=cuda, use_cpu=not cuda, beta=0.0, report_to=[], logging_steps=1,
         save_strategy="no", disable_tqdm=True,
         use_vllm=use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode=use_vllm and cuda,
         vllm_gpu_memory_utilization=spec["util"] or 0.3,
         vllm_max_model_length=max_model_len(spec),
-        vllm_importance_sampling_correction=False)
+        vllm_importance_sampling_correction=False, **spread)
     trainer = GRPOTrainer(model=str(checkpoint_dir(spec)), reward_funcs=even_tokens, args=args,
                           train_dataset=dataset)
 
@@ -256,19 +289,31 @@ def run_trl(spec: dict) -> dict:
         @functools.wraps(fn)
         def timed(*a, **k):
             t0, s0 = time.perf_counter(), acc["switch"]
+            if not use_vllm:  # the trainer's own module generates: no engine to wake
+                sampler.phase = "generate"
             try:
                 return fn(*a, **k)
             finally:
+                if not use_vllm:
+                    sampler.phase = "train"
                 acc["generate"] += time.perf_counter() - t0 - (acc["switch"] - s0)
         return timed
+
+    def then_label(fn, phase: str):  # way a: the engine's memory is mapped from TRL's wake-up to its sleep
+        @functools.wraps(fn)
+        def labelled(*a, **k):
+            out = fn(*a, **k)
+            sampler.phase = phase
+            return out
+        return labelled
 
     if use_vllm:
         vg = trainer.vllm_generation
         vg.generate = generate_timer(vg.generate)
         if spec["way"] == "a":
             vg.sync_weights = switch_timer(vg.sync_weights)
-            vg.llm.sleep = switch_timer(vg.llm.sleep)
-            vg.llm.wake_up = switch_timer(vg.llm.wake_up)
+            vg.llm.sleep = switch_timer(then_label(vg.llm.sleep, "train"))
+            vg.llm.wake_up = switch_timer(then_label(vg.llm.wake_up, "generate"))
     else:
         trainer._generate = generate_timer(trainer._generate)  # set before wrap(): swaprl's phase encloses it
     rt, wrap_s = None, None
@@ -281,6 +326,8 @@ def run_trl(spec: dict) -> dict:
             verify_sync=True, grads="free", optimizer_states=states, overlap_optimizer_reload=states != "host",
             verify_tolerance=tuple(float(x) for x in bounds.split(",")) if bounds else None))
         wrap_s = time.perf_counter() - t0
+        rt.add_listener(lambda e: setattr(sampler, "phase", ENGINE_STEPS[e["step"]])
+                        if e["type"] == "step" and e["step"] in ENGINE_STEPS else None)
         rt.add_listener(lambda e: acc.__setitem__("switch", acc["switch"] + e["seconds"])
                         if e["type"] == "phase" else None)
         rt.add_listener(floor.on_event)
@@ -290,6 +337,8 @@ def run_trl(spec: dict) -> dict:
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             acc.update(generate=0.0, switch=0.0, t0=time.perf_counter())
+            if sampler.phase == "setup":  # the model loaded, the engine built (and way b attached)
+                sampler.phase = "train"
 
         def on_step_end(self, args, state, control, **kwargs):
             if cuda:
@@ -301,10 +350,13 @@ def run_trl(spec: dict) -> dict:
     trainer.train()
     lengths = {h["step"]: h["completions/mean_length"] for h in trainer.state.log_history
                if "completions/mean_length" in h}
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     for s in steps:
         s["rollout_tokens"] = s["train_tokens"] = round(lengths[s["step"]] * seqs)
+        s["loss"] = losses.get(s["step"])
         s["train_s"] = s["step_s"] - s["generate_s"] - s["switch_s"]
-    extra = {"torch_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None, "wrap_s": wrap_s}
+    extra = {"torch_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None, "wrap_s": wrap_s,
+             "world_size": world}
     if floor is not None:
         floor.fill(steps)
         extra["floor_GBps"] = floor.gbps
@@ -358,6 +410,10 @@ def run_loop(spec: dict) -> dict:
 def child(spec_path: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     spec = json.loads(Path(spec_path).read_text())
+    if "LOCAL_RANK" in os.environ and not spec["smoke"]:
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before the sampler and the floor pick a device
     if spec["way"] == "write":
         import torch
 
@@ -368,21 +424,30 @@ def child(spec_path: str) -> None:
         return
     sampler = PeakSampler()
     t0 = time.perf_counter()
-    result = run_loop(spec) if spec["way"] == "c" else run_trl(spec)
-    result.update(peak_device_bytes=sampler.stop(), baseline_device_bytes=sampler.baseline,
-                  wall_s=time.perf_counter() - t0)
-    Path(spec["result"]).write_text(json.dumps(result, default=str))
+    result = run_loop(spec) if spec["way"] == "c" else run_trl(spec, sampler)
+    result.update(peak_device_bytes=sampler.stop(), peak_device_bytes_by_phase=sampler.peaks,
+                  baseline_device_bytes=sampler.baseline, wall_s=time.perf_counter() - t0)
+    rank_result_path(spec["result"]).write_text(json.dumps(result, default=str))
 
 
 # ---------------------------------------------------------------- parent: run, search, collect, report
 def launch(spec: dict, run_dir: Path, timeout: float) -> dict:
     """Run one child; returns its result with ok=True, or ok=False and the error line from its log."""
     name = f"{spec['way']}_{spec['preset']}" + (f"_u{spec['util']}" if spec.get("util") else "")
-    child = run_child(__file__, spec, name, run_dir, timeout)
+    nproc = spec.get("nproc") if spec["way"] in ("a", "b") else None  # the checkpoint and way c: one process
+    child = run_child(__file__, spec, name, run_dir, timeout, nproc=nproc)
     attempt = {"way": spec["way"], "preset": spec["preset"], "util": spec.get("util"), "rc": child.rc,
                "seconds": child.seconds, "log": str(child.log)}
     if child.result is not None:
-        return {**attempt, "ok": True, **child.result}
+        result = {**attempt, "ok": True, **child.result}
+        if child.ranks and child.result["peak_device_bytes"] is not None:  # per GPU: the largest, and each rank's
+            ranks = [child.result, *child.ranks]
+            result["peak_device_bytes_per_rank"] = [r["peak_device_bytes"] for r in ranks]
+            result["peak_device_bytes"] = max(result["peak_device_bytes_per_rank"])
+            result["peak_device_bytes_by_phase"] = {
+                phase: max(r["peak_device_bytes_by_phase"].get(phase, 0) for r in ranks)
+                for phase in set().union(*(r["peak_device_bytes_by_phase"] for r in ranks))}
+        return result
     lines = child.log_lines()
     errors = [ln.strip() for ln in lines if re.search(r"Error|error:|Killed", ln)]
     attempt.update(ok=False, oom=any(m in ln for ln in lines for m in OOM_MARKERS),
@@ -467,6 +532,36 @@ def table(result: dict) -> list[str]:
     return lines
 
 
+def phases_and_losses(result: dict) -> list[str]:
+    """Each way's peak memory while generating and otherwise, and its losses step by step against way a's."""
+    ways = {k: w for k, w in result["ways"].items() if w["ok"] and "peak_device_bytes_by_phase" in w["extra"]}
+    if not ways:
+        return []
+    out = ["| way | peak GiB: setup | generate | train | per rank | losses, step by step |",
+           "|---|---:|---:|---:|---|---|"]
+    for way, w in ways.items():
+        by_phase = w["extra"]["peak_device_bytes_by_phase"] or {}
+        per_rank = w["extra"].get("peak_device_bytes_per_rank")
+        losses = ", ".join("n/a" if st.get("loss") is None else f"{st['loss']:.6g}" for st in w["steps"])
+        out.append(f"| {way} | {gib(by_phase.get('setup'))} | {gib(by_phase.get('generate'))} | "
+                   f"{gib(by_phase.get('train'))} | "
+                   f"{', '.join(gib(b) for b in per_rank) if per_rank else '-'} | {losses} |")
+    a = result["ways"].get("a", {})
+    others = [("a run again (the spread)", a["again"]["steps"])] if (a.get("again") or {}).get("ok") else []
+    others += [(way, w["steps"]) for way, w in ways.items() if way != "a" and w["preset"] == a.get("preset")]
+    for label, steps in others if a.get("ok") else []:
+        pairs = [(x.get("loss"), y.get("loss")) for x, y in zip(a["steps"], steps)]
+        diffs = [abs(x - y) for x, y in pairs if x is not None and y is not None]
+        if diffs:
+            same = sum(d == 0 for d in diffs)
+            out.append(f"\nLosses of {label} against a: {same} of {len(diffs)} steps equal, largest difference "
+                       f"{max(diffs):.3g}.")
+    head = ("Peak device memory per phase (\"setup\": loading the model, starting the engine and, in way b, "
+            "attaching; then \"generate\" from the engine's wake-up to its sleep, TRL's in way a, swaprl's in way "
+            "b, whose offload runs under the wake-up, and \"train\" the rest) and the losses TRL logged:")
+    return [head, "", *out, ""]
+
+
 def markdown(result: dict, lines: list[str]) -> str:
     s = result["settings"]
     failed = [f"- {way} {a['preset']} util {a['util']}: {'OOM' if a['oom'] else 'error'}: `{a['error']}`"
@@ -480,9 +575,14 @@ def markdown(result: dict, lines: list[str]) -> str:
                f"{s['warmup']} warm-up steps. Peak memory: whole device, NVML (or cudaMemGetInfo), sampled every "
                "20 ms. TRL runs with bf16=True on a GPU (autocast; with float32 parameters the loop computes in "
                "float32).")
+    if s.get("nproc"):
+        ranks = f"{s['nproc']} rank{'s' if s['nproc'] > 1 else ''}"
+        setting += (f" Ways a and b ran as {ranks} under torchrun, one GPU each, the trainer spread with "
+                    f"accelerate's {s['layout'].upper()}, vLLM tensor-parallel over {s['vllm_tp']} of them per "
+                    "engine; peak memory is per GPU, the largest over the ranks.")
     return "\n".join([
         f"# GRPO, three ways: {result['workload']}", "", "Command:", "", f"    {result['command']}", "",
-        about, "", setting, "", "```", *lines, "```", "",
+        about, "", setting, "", "```", *lines, "```", "", *phases_and_losses(result),
         "Failed attempts (the utilization search and W3's size ladder):" if failed else "No attempt failed.",
         *failed, "",
     ])
@@ -502,7 +602,15 @@ def main(argv: list[str] | None = None) -> dict:
                 "lr": args.lr, "optimizer_states": args.optimizer_states,
                 "verify_tolerance": args.verify_tolerance,
                 "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
-                "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir}
+                "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir,
+                "nproc": args.nproc, "layout": args.layout, "vllm_tp": args.vllm_tp}
+    if args.nproc is not None:
+        if args.nproc < 1 or args.nproc % args.vllm_tp:
+            raise SystemExit(f"--vllm-tp {args.vllm_tp} must divide --nproc {args.nproc} (vLLM's tensor-parallel "
+                             "groups take whole sets of ranks)")
+        if "c" in args.ways.split(","):
+            raise SystemExit("--nproc runs ways a and b under torchrun; way c (examples/grpo.py) runs on one GPU "
+                             "here: pass --ways a,b (swaprl's own loop on several GPUs is examples/qwen72b.py)")
     utils = {way: [None] if args.smoke else [float(u) for u in values.split(",")]
              for way, values in (("a", args.utilizations), ("b", args.utilizations_b or args.utilizations))}
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_grpo_")) / "result.json"
@@ -528,9 +636,15 @@ def main(argv: list[str] | None = None) -> dict:
                 peak_device_bytes=r["peak_device_bytes"], baseline_device_bytes=r["baseline_device_bytes"],
                 switch_measured=way != "a" or not args.smoke,  # TRL without vLLM has no switch to time
                 extra={k: r.get(k) for k in ("torch_max_reserved_bytes", "last_sync_max_abs_diff", "engine",
-                                             "wall_s", "floor_GBps", "wrap_s",
-                                             "optimizer_states")})
+                                             "wall_s", "floor_GBps", "wrap_s", "optimizer_states",
+                                             "peak_device_bytes_by_phase", "peak_device_bytes_per_rank", "world_size")})
     base_a = ways.get("a", {})
+    if args.spread and base_a.get("ok"):
+        log.info("way a again, for the run-to-run spread of its losses")
+        (run_dir / "again").mkdir(exist_ok=True)  # its files beside the first run's, not over them
+        again = launch({**settings, "preset": base_a["preset"], "way": "a", "util": base_a["util"]},
+                       run_dir / "again", args.timeout)
+        base_a["again"] = {"ok": again["ok"], "steps": again.get("steps"), "error": again.get("error")}
     for w in ways.values():
         if w["ok"] and base_a.get("ok") and w["preset"] == base_a["preset"]:
             w["step_ratio_to_trl"] = w["median"]["step_s"] / base_a["median"]["step_s"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,27 +26,40 @@ class Child:
     seconds: float
     log: Path  # the child's stdout and stderr
     result: dict | None  # what it wrote, when it exited 0 and wrote it
+    ranks: tuple[dict, ...] = ()  # under torchrun: what ranks 1.. wrote, in rank order
 
     def log_lines(self) -> list[str]:
         return self.log.read_text(errors="replace").splitlines()
 
 
-def run_child(script: str, spec: dict, name: str, run_dir: Path, timeout: float) -> Child:
-    """Run `script --child` on `spec` (plus `result`, a path in `run_dir`); spec, result and log are `name.*`."""
+def rank_result_path(result: str | Path) -> Path:
+    """Where this process writes its result: `result` on rank 0 (or without torchrun), `result.rank{r}` on rank r."""
+    rank = int(os.environ.get("RANK", "0"))
+    return Path(result) if rank == 0 else Path(f"{result}.rank{rank}")
+
+
+def run_child(script: str, spec: dict, name: str, run_dir: Path, timeout: float, *, nproc: int | None = None) -> Child:
+    """Run `script --child` on `spec` (plus `result`, a path in `run_dir`); spec, result and log are `name.*`.
+    `nproc`: run it as that many ranks under torchrun on this node (1 included: a process group of one); the
+    result is rank 0's, the others' are in `ranks`."""
     spec = {**spec, "result": str(run_dir / f"{name}.json")}
     spec_path, log_path = run_dir / f"{name}.spec.json", run_dir / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
+    launcher = [sys.executable] if nproc is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
         try:
-            rc: int | str = subprocess.run([sys.executable, script, "--child", str(spec_path)], stdout=logf,
+            rc: int | str = subprocess.run([*launcher, script, "--child", str(spec_path)], stdout=logf,
                                            stderr=subprocess.STDOUT, timeout=timeout, check=False).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     seconds = time.perf_counter() - t0
-    result_path = Path(spec["result"])
-    result = json.loads(result_path.read_text()) if rc == 0 and result_path.exists() else None
-    return Child(rc, seconds, log_path, result)
+    paths = [Path(spec["result"])] + [Path(f"{spec['result']}.rank{r}") for r in range(1, nproc or 1)]
+    if rc != 0 or not all(p.exists() for p in paths):
+        return Child(rc, seconds, log_path, None)
+    result, *ranks = (json.loads(p.read_text()) for p in paths)
+    return Child(rc, seconds, log_path, result, tuple(ranks))
 
 
 def result_or_say_why(script: str, spec: dict, name: str, run_dir: Path, timeout: float) -> dict | None:

@@ -73,3 +73,29 @@ def test_switch_floor_counts_each_cycles_copies_at_their_bandwidth(monkeypatch):
 
     floor.fill(extra := [{}])  # the cycles do not line up with the steps: no floor rather than a wrong one
     assert extra == [{}]
+
+
+def test_smoke_on_two_ranks_runs_ways_a_and_b_under_torchrun(tmp_path, monkeypatch, capsys):
+    """--nproc 2: each way is one torchrun launch of two ranks (accelerate's DDP on gloo here), every rank reports,
+    and the losses TRL logged are recorded step by step, the wrapped run's and a second plain run's (--spread) next
+    to the first plain one's."""
+    pytest.importorskip("trl")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_grpo
+
+    out = tmp_path / "grpo.json"
+    result = bench_grpo.main(["--smoke", "--ways", "a,b", "--nproc", "2", "--spread", "--out", str(out),
+                              "--workdir", str(tmp_path / "ck")])
+    for way, w in result["ways"].items():
+        assert w["ok"], (way, w["attempts"])
+        assert w["extra"]["world_size"] == 2
+        assert all(isinstance(s["loss"], float) for s in w["steps"]) and len(w["steps"]) == 2
+    assert result["ways"]["a"]["again"]["ok"] and len(result["ways"]["a"]["again"]["steps"]) == 2
+    md = out.with_suffix(".md").read_text()
+    assert "ran as 2 ranks under torchrun" in md and "Losses of b against a" in md
+    assert "Losses of a run again (the spread) against a" in md
+
+    with pytest.raises(SystemExit, match="--ways a,b"):  # swaprl's own loop is not a torchrun way here
+        bench_grpo.main(["--smoke", "--nproc", "2", "--out", str(out)])
+    with pytest.raises(SystemExit, match="must divide"):
+        bench_grpo.main(["--smoke", "--ways", "a,b", "--nproc", "2", "--vllm-tp", "4", "--out", str(out)])
