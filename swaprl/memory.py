@@ -1,10 +1,11 @@
 """Readings of device and host memory: NVML where present (it sees every allocator, vLLM's pool included),
-`torch.cuda.mem_get_info` otherwise, psutil for the host."""
+`torch.cuda.mem_get_info` otherwise, psutil for the host, and which host NUMA node is the GPU's own."""
 
 from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 
 import psutil
 import torch
@@ -79,6 +80,38 @@ def device_figures(device: torch.device) -> dict[str, int]:
 
 def host_available_bytes() -> int:
     return int(psutil.virtual_memory().available)
+
+
+def numa_nodes() -> list[int]:
+    """The host's online NUMA nodes ([0] where the kernel says nothing)."""
+    try:
+        text = Path("/sys/devices/system/node/online").read_text().strip()
+    except OSError:
+        return [0]
+    nodes: list[int] = []
+    for part in filter(None, text.split(",")):  # "0", "0-1", "0,2-3"
+        first, _, last = part.partition("-")
+        nodes += range(int(first), int(last or first) + 1)
+    return nodes or [0]
+
+
+@functools.cache
+def gpu_numa_node(device_index: int) -> int | None:
+    """The host NUMA node nearest to CUDA device `device_index` (NVML's memory affinity, node scope): where its
+    page-locked buffers belong, since copies to memory on another socket's node cross the link between sockets.
+    None on a host with one node (nothing to choose) or when NVML cannot tell."""
+    nodes = numa_nodes()
+    if len(nodes) < 2 or not nvml_available():
+        return None
+    nvml = _nvml()
+    try:
+        mask = nvml.nvmlDeviceGetMemoryAffinity(_nvml_handle(torch.device("cuda", device_index)),
+                                                max(nodes) // 64 + 1, nvml.NVML_AFFINITY_SCOPE_NODE)
+    except Exception as exc:  # an old driver or NVML without the call
+        logger.debug("NVML memory affinity unavailable: %s", exc)
+        return None
+    near = [n for n in nodes if mask[n // 64] >> (n % 64) & 1]
+    return near[0] if near else None
 
 
 def gib(n: float) -> float:

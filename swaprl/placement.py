@@ -140,7 +140,8 @@ class Placement:
                                "buffers": [{"name": b.name, "bytes": b.capacity, "locked_bytes": b.locked_bytes,
                                             "lock_seconds": b.lock_seconds, "lock_span": b.lock_span,
                                             "background": b.background, "waited_seconds": b.waited_seconds,
-                                            "attach_waited_seconds": b.attach_waited_seconds}
+                                            "attach_waited_seconds": b.attach_waited_seconds,
+                                            "numa_node": b.numa_node}
                                            for b in buffers if b.capacity]}
         return out
 
