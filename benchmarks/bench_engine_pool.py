@@ -22,6 +22,11 @@ Reported, per run:
 - the tokens of every cycle's generation: equal across cycles within a run (graphs replayed after every pause)
   and equal between the two runs (same tokens for the same seed, with and without the pool);
 - whether every sync's check passed.
+
+`--nproc N` runs each as N ranks under torchrun, one engine per GPU (TP 1), with the default process group started
+as examples/grpo.py starts it, its device bound (`init_process_group(device_id=...)`): then torch creates each new
+process group's NCCL communicator at once, and vLLM makes several while it starts (`compat.torch.lazy_new_groups`
+is what keeps them from holding memory). The figures are the largest over the ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import swaprl  # noqa: E402
 from swaprl.checkpoints import write_random_checkpoint  # noqa: E402
 
-from child import result_or_say_why, start_runs  # noqa: E402
+from child import rank_result_path, result_or_say_why, start_runs  # noqa: E402
 
 # A small rollout: 16 prompts of 64 tokens, 4 completions of up to 64 tokens each.
 PROMPTS = [[(31 * i + 7 * j) % 500 + 1 for j in range(64)] for i in range(16)]
@@ -56,15 +62,28 @@ def run_one(spec_path: str) -> None:
     from swaprl import memory
     from swaprl.engines.vllm import VLLMEngine
 
+    ranks = "LOCAL_RANK" in os.environ  # under torchrun: a process group as a training script starts it
+    if ranks:
+        import torch.distributed as dist
+
+        local = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=local)
     floors = copy_floor(256 << 20)
     torch.cuda.empty_cache()
-    path = write_random_checkpoint(spec["preset"], Path(spec["workdir"]) / spec["preset"], dtype=torch.bfloat16)
+    path = Path(spec["workdir"]) / spec["preset"]
+    if not ranks or dist.get_rank() == 0:
+        write_random_checkpoint(spec["preset"], path, dtype=torch.bfloat16)
+    if ranks:
+        dist.barrier()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     torch.cuda.empty_cache()
     engine = VLLMEngine(path, max_model_len=1024, release_other=spec["release_other"],
                         compilation_config={"cudagraph_mode": spec["cudagraph_mode"]})
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     profile = Path(spec["result"]).with_suffix(".profile.jsonl")
+    written = profile.with_name(f"{profile.stem}.rank{dist.get_rank()}{profile.suffix}") \
+        if ranks and dist.get_world_size() > 1 else profile  # the profiler's file per rank
     rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(sleep_level=2, grads="free", profile=profile))
     with swaprl.phase("train"):
         make_states(model, opt, grad=torch.zeros_like)
@@ -85,7 +104,7 @@ def run_one(spec_path: str) -> None:
     st = rt.status()
     swaprl.detach()
 
-    train_attr = [r["attribution"] for r in map(json.loads, profile.read_text().splitlines())
+    train_attr = [r["attribution"] for r in map(json.loads, written.read_text().splitlines())
                   if r.get("type") == "phase" and r.get("phase") == "train"]
     warm = spec["warmup"]
     wake = {k: v for k, v in steps.items() if k.startswith("engine wake") or k == "engine sleep"}
@@ -112,7 +131,10 @@ def run_one(spec_path: str) -> None:
         "vllm": vllm.__version__, "swaprl": swaprl.__version__, "date": time.strftime("%Y-%m-%d"),
     }
     engine.close()
-    Path(spec["result"]).write_text(json.dumps(result, indent=1, default=str))
+    rank_result_path(spec["result"]).write_text(json.dumps(result, indent=1, default=str))
+    if ranks:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main(argv=None) -> dict | None:
@@ -124,6 +146,8 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY",
                     help="vLLM's cudagraph_mode for both runs (VLLMEngine's default with the pools: FULL_DECODE_ONLY)")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="each run as this many ranks under torchrun, the process group's device bound (module doc)")
     started = start_runs(ap, argv, run_one, timeout=900)
     if started is None:
         return None
@@ -134,7 +158,8 @@ def main(argv=None) -> dict | None:
         cycles = args.cycles if release or args.baseline_cycles is None else args.baseline_cycles
         runs[name] = result_or_say_why(__file__, {"preset": args.preset, "release_other": release, "cycles": cycles,
                                                   "warmup": args.warmup, "workdir": args.workdir,
-                                                  "cudagraph_mode": args.cudagraph_mode}, name, out, args.timeout)
+                                                  "cudagraph_mode": args.cudagraph_mode}, name, out, args.timeout,
+                                       nproc=args.nproc)
     summary = summarize(args.preset, runs)
     (out / f"{args.preset}_summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
@@ -148,7 +173,7 @@ def summarize(preset: str, runs: dict) -> dict:
         if r is None:
             out[name] = None
             continue
-        asleep = r["asleep_engine_other_bytes"]
+        asleep = [b for rank in (r, *r.get("other_ranks", ())) for b in rank["asleep_engine_other_bytes"]]
         out[name] = {"asleep_engine_other_MiB_max": max(asleep) / 2**20 if asleep else None,
                      "asleep_engine_other_MiB_median": statistics.median(asleep) / 2**20 if asleep else None,
                      "train_growth_MiB": (r["train_growth_bytes"] or 0) / 2**20, "cycles": r["cycles"],

@@ -62,12 +62,15 @@ def run_child(script: str, spec: dict, name: str, run_dir: Path, timeout: float,
     return Child(rc, seconds, log_path, result, tuple(ranks))
 
 
-def result_or_say_why(script: str, spec: dict, name: str, run_dir: Path, timeout: float) -> dict | None:
-    """`run_child`'s result, or None after printing why there is none (the exit status, the log's last lines)."""
-    child = run_child(script, spec, name, run_dir, timeout)
+def result_or_say_why(script: str, spec: dict, name: str, run_dir: Path, timeout: float, *,
+                      nproc: int | None = None) -> dict | None:
+    """`run_child`'s result, or None after printing why there is none (the exit status, the log's last lines); under
+    torchrun (`nproc`) rank 0's, with the other ranks' under "other_ranks"."""
+    child = run_child(script, spec, name, run_dir, timeout, nproc=nproc)
     if child.result is None:
         print(f"{name}: failed ({child.rc}); last lines of {child.log}:\n" + "\n".join(child.log_lines()[-30:]))
-    return child.result
+        return None
+    return {**child.result, "other_ranks": list(child.ranks)} if child.ranks else child.result
 
 
 def start_runs(parser: argparse.ArgumentParser, argv: list[str] | None, run_one: Callable[[str], None], *,

@@ -8,9 +8,12 @@ all were checked against torch 2.11 (CUDA) and 2.13 (CPU), the `SUPPORTED` range
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from . import in_range
 
@@ -76,3 +79,28 @@ def stop_routing(device: int, pool_id: tuple[int, int]) -> None:
 def start_routing(device: int, pool_id: tuple[int, int]) -> None:
     """Route this thread's allocations to the pool `pool_id` again, as entering `torch.cuda.use_mem_pool` does."""
     torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool_id)
+
+
+@contextlib.contextmanager
+def lazy_new_groups() -> Iterator[bool]:
+    """While it runs, a new process group creates its NCCL communicator at its first collective, as it does when the
+    default group was started without `init_process_group(device_id=...)`; yields whether that changed anything.
+
+    With a device bound to the default group, `new_group` creates every new group's communicator at once
+    (`ncclCommSplit`, `distributed_c10d._get_split_source`), on every rank of the default group. vLLM makes six
+    groups while it starts (world, TP, PP, DP and two context-parallel ones, most of a single rank), and each of
+    those communicators held 388-390 MiB on the H100 (NCCL 2.28 maps each of its small per-channel buffers in a
+    2 MiB granule): 2.3 GiB that no sleep releases. Started lazily, a group that never communicates holds nothing.
+    This clears the default group's `bound_device_id` (what `init_process_group(device_id=)` sets) and puts it back.
+    Left alone where vLLM splits its groups from the default one (VLLM_DISTRIBUTED_USE_SPLIT_GROUP=1), which
+    needs the bound device."""
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    bound = getattr(group, "bound_device_id", None)
+    if bound is None or os.environ.get("VLLM_DISTRIBUTED_USE_SPLIT_GROUP", "0") not in ("", "0"):
+        yield False
+        return
+    group.bound_device_id = None
+    try:
+        yield True
+    finally:
+        group.bound_device_id = bound

@@ -49,6 +49,7 @@ import torch
 
 from .. import distributed, fingerprint
 from ..checkpoints import checkpoint_dir_of
+from ..compat import torch as torch_compat
 from ..compat import vllm as vllm_compat
 from ..fingerprint import WeightPrint, sum_over_group
 from ..memory import default_reserve_bytes, gib
@@ -244,7 +245,10 @@ class VLLMEngine(Engine):
         cuda_rng = torch.cuda.get_rng_state_all() if self.cuda else None
         free0 = torch.cuda.mem_get_info()[0] if self.cuda else 0
         start = time.perf_counter()
-        with vllm_compat.startup_environment(env), self._other("capturing"):
+        with vllm_compat.startup_environment(env), torch_compat.lazy_new_groups() as lazy, self._other("capturing"):
+            if lazy:
+                logger.info("the default process group has a bound device: vLLM's process groups are started "
+                            "without it, so that those it never uses hold no NCCL memory")
             llm = LLM(**args)
         self.stats["start_s"] = time.perf_counter() - start
         if self.other is not None:
