@@ -428,6 +428,13 @@ def child(spec_path: str) -> None:
     result.update(peak_device_bytes=sampler.stop(), peak_device_bytes_by_phase=sampler.peaks,
                   baseline_device_bytes=sampler.baseline, wall_s=time.perf_counter() - t0)
     rank_result_path(spec["result"]).write_text(json.dumps(result, default=str))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # Torn down here, not by the interpreter's exit: a gloo group left to it aborted a CPU rank
+        # ("terminate called without an active exception") after the results were written.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- parent: run, search, collect, report
