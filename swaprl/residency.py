@@ -238,14 +238,19 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
+def _whole_pages(buf: torch.Tensor, page: int) -> tuple[int, int]:
+    """The addresses [start, end) of the whole `page`-sized pages inside `buf` (start >= end when there are none):
+    the kernel's memory-policy calls take page-aligned ranges, and the pages at either edge may hold other data."""
+    return (buf.data_ptr() + page - 1) // page * page, (buf.data_ptr() + buf.numel()) // page * page
+
+
 def _advise_huge_pages(buf: torch.Tensor) -> None:
     """Ask the kernel for transparent huge pages over `buf` (Linux; a no-op where THP is off or unknown): a 2 MiB page
     is faulted in at once instead of 512 small ones. Measured on the H100 host (benchmarks/results/host_lock_h100):
     touching 16 GiB with 16 threads ran at 23 GB/s in 4 KiB pages, 37-46 GB/s with huge pages."""
     if not sys.platform.startswith("linux") or buf.numel() < 2 * _HUGE_PAGE:
         return
-    start = (buf.data_ptr() + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
-    end = (buf.data_ptr() + buf.numel()) // _HUGE_PAGE * _HUGE_PAGE
+    start, end = _whole_pages(buf, _HUGE_PAGE)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
@@ -286,9 +291,7 @@ def _prefer_node(buf: torch.Tensor, node: int | None) -> bool:
     the whole pages inside it); True if it agreed. Preferred, not bound: when that node runs out the kernel takes
     pages from another rather than failing the fault. A no-op (False) for `node` None or off Linux."""
     number = _SYS_MBIND.get(os.uname().machine) if sys.platform.startswith("linux") else None
-    page = os.sysconf("SC_PAGE_SIZE") if number else 0
-    start = (buf.data_ptr() + page - 1) // page * page if page else 0
-    end = (buf.data_ptr() + buf.numel()) // page * page if page else 0
+    start, end = _whole_pages(buf, os.sysconf("SC_PAGE_SIZE")) if number else (0, 0)
     if node is None or number is None or end <= start or not 0 <= node < 64:
         return False
     mask = ctypes.c_ulong(1 << node)
