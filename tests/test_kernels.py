@@ -280,4 +280,7 @@ def test_under_torchrun_with_a_bound_device_the_sleeping_engine_still_keeps_almo
                                 "--out", str(tmp_path), "--workdir", str(tmp_path / "ck")])
     assert s["pool"], s
     assert s["pool"]["asleep_engine_other_MiB_max"] <= 256, s["pool"]
+    # Not nothing either: the loaded kernels stay. A 0 is the figure clamped, the start footprint undercounted
+    # because vLLM's start handed the trainer's cached blocks back to the driver (836 MiB here, once).
+    assert s["pool"]["asleep_engine_other_MiB_max"] > 0, s["pool"]
     assert s["pool"]["tokens_same_every_cycle"] and s["pool"]["checks_passed"], s["pool"]

@@ -243,7 +243,7 @@ class VLLMEngine(Engine):
             args["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         rng = torch.random.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self.cuda else None
-        free0 = torch.cuda.mem_get_info()[0] if self.cuda else 0
+        free0 = self._free(settled=True)
         start = time.perf_counter()
         with vllm_compat.startup_environment(env), torch_compat.lazy_new_groups() as lazy, self._other("capturing"):
             if lazy:
@@ -340,7 +340,7 @@ class VLLMEngine(Engine):
             if level == 2:
                 self._weights_valid = False
             return
-        free0 = self._free()
+        free0 = self._free(settled=True)
         self.llm.sleep(level=level)
         self._sleeping = {"weights", "kv_cache"}
         self._level = level
@@ -479,8 +479,16 @@ class VLLMEngine(Engine):
         """`OtherMemory.capturing()` / `.running()` when the pools are on, else nothing."""
         return getattr(self.other, what)() if self.other is not None else contextlib.nullcontext()
 
-    def _free(self) -> int:
-        return torch.cuda.mem_get_info()[0] if self.cuda else 0
+    def _free(self, *, settled: bool = False) -> int:
+        """The device's free bytes. `settled`: after handing torch's cached free blocks back to the driver first, as
+        vLLM itself does while it starts (memory profiling) and in its sleep: the blocks the trainer's allocator
+        held would otherwise count as the engine's own, making its start footprint too small and its sleep's
+        release too large (836 MiB on one H100 under torchrun), and what it keeps asleep would read as nothing."""
+        if not self.cuda:
+            return 0
+        if settled:
+            torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info()[0]
 
 
 def _sources(name: str, packed: dict[str, list[str]]) -> tuple[str, ...]:
