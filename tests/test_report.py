@@ -21,8 +21,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 
 def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool = True,
-                      leak_per_cycle: int = 0) -> Path:
-    """A CUDA profile as the recorder writes it: 8 GiB params, 16 GiB optimizer states offloaded in 1 s."""
+                      leak_per_cycle: int = 0, free_cached: int = GiB, alloc_conf: str | None = None) -> Path:
+    """A CUDA profile as the recorder writes it: 8 GiB params, 16 GiB optimizer states offloaded in 1 s; torch's
+    allocator holds `free_cached` bytes of free blocks throughout."""
     t0 = 1_700_000_000.0
     bw = {"h2d_GBps": 25.0, "d2h_GBps": 20.0, "bytes": 256 * MiB}
     header = {"schema": "swaprl.profile", "version": 1, "type": "header", "rank": rank, "world_size": 2, "pid": 1,
@@ -31,6 +32,8 @@ def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool 
               "host_total": 1024 * GiB, "python": "3.11", "torch": "2.11", "swaprl": swaprl.__version__,
               "nvml": nvml, "device_used_source": "nvml" if nvml else "cuda_driver", "copy_bandwidth": bw,
               "interval_s": 0.05, "engine": "VLLMEngine", "config": {}, "t0": t0}
+    if alloc_conf is not None:
+        header["alloc_conf"] = alloc_conf
     recs: list[dict] = [header]
     t = t0
     context = GiB // 2
@@ -43,7 +46,7 @@ def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool 
                   {"location": "device", "bytes": 40 * GiB, "weights_bytes": 8 * GiB, "kv_cache_bytes": 31 * GiB,
                    "other_bytes": GiB})
         params, opt = 8 * GiB, (16 * GiB if train and cycle >= 2 else 0)
-        reserved = params + opt + 2 * GiB + leak
+        reserved = params + opt + GiB + free_cached + leak
         used = reserved + engine["bytes"] + context
         return {"phase": phase, "device": "cuda:0", "params": {"location": "device", "bytes": params, "host_bytes": 0},
                 "grads": {"location": "host", "bytes": 0, "host_bytes": 0},
@@ -52,7 +55,7 @@ def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool 
                     {"name": "optimizer", "bytes": 16 * GiB, "locked_bytes": 16 * GiB, "lock_seconds": 0.9,
                      "lock_span": [t0 + 0.1, t0 + 1.0], "background": True, "waited_seconds": 0.0,
                      "attach_waited_seconds": 0.25}]},
-                "device_memory": {"used": used, "total": 80 * GiB, "torch_allocated": reserved - GiB,
+                "device_memory": {"used": used, "total": 80 * GiB, "torch_allocated": reserved - free_cached,
                                   "torch_reserved": reserved}}
 
     def boundary(phase, src, cycle, seconds, moved):
@@ -238,6 +241,24 @@ def test_residual_growth_is_flagged(tmp_path, capsys):
 def test_two_cycles_are_too_few_for_growth(tmp_path, capsys):
     report(capsys, synthetic_profile(tmp_path / "run.jsonl", cycles=2), "-o", tmp_path / "rep")
     assert "needs at least 3 cycles" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_cached_free_blocks_at_a_peak_are_shown_and_the_allocator_setting_named(tmp_path, capsys):
+    # 8 GiB of free blocks at every sample: 10% of the 80 GiB device, over the 5% worth a note
+    rc, _, _ = report(capsys, synthetic_profile(tmp_path / "frag.jsonl", free_cached=8 * GiB, alloc_conf=""),
+                      "-o", tmp_path / "frag")
+    md = (tmp_path / "frag" / "report.md").read_text()
+    assert rc == 0 and "| rank 0 | train | 5 | 33.75 GiB | 2 | 33.00 GiB | 25.00 GiB | 8.00 GiB |" in md
+    assert "train: at the device peak torch's allocator held 8.00 GiB of free cached blocks (10% of the device)." in md
+    assert md.count("Start the run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True") == 1
+    # already on: the figure, no advice; the default 1 GiB: no note; a profile from before the setting was recorded
+    # (no alloc_conf in its header): the figure, no advice
+    for name, kw in (("on", dict(free_cached=8 * GiB, alloc_conf="expandable_segments:True")),
+                     ("small", dict(alloc_conf="")), ("old", dict(free_cached=8 * GiB))):
+        report(capsys, synthetic_profile(tmp_path / f"{name}.jsonl", **kw), "-o", tmp_path / name)
+        md = (tmp_path / name / "report.md").read_text()
+        assert "expandable_segments" not in md, name
+        assert ("free cached blocks" in md) == (name != "small"), name
 
 
 def test_missing_nvml_is_noted(tmp_path, capsys):

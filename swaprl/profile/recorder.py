@@ -145,7 +145,9 @@ class Profiler:
                 "host_total": int(psutil.virtual_memory().total), "python": platform.python_version(),
                 "torch": torch.__version__, "swaprl": __version__, "nvml": self._nvml,
                 "device_used_source": self._source(), "copy_bandwidth": bandwidth, "interval_s": self.interval_s,
-                "engine": type(runtime.engine).__name__, "config": config}
+                "engine": type(runtime.engine).__name__, "config": config,
+                # torch's allocator settings: expandable segments change how much cached memory a peak carries
+                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))}
         if self._cuda:
             props = torch.cuda.get_device_properties(self._device)
             head["device_name"] = props.name

@@ -188,9 +188,33 @@ def peaks(run: Run) -> list[dict]:
                     row[k] = s[k]
                     if k == "device_used" or (k == "host_rss" and "device_used" not in s):
                         row["cycle"] = iv.cycle
+                    if k == "device_used" and "torch_reserved" in s:
+                        # torch's cached blocks that held nothing when the device peaked: fragmentation
+                        row["free_cached"] = s["torch_reserved"] - s["torch_allocated"]
     # transitions usually fall between two samples: list them only when a sample caught one
     return [best[k] for k in ("train", "generate", "transition") if k in best and (k != "transition" or
                                                                                   best[k]["samples"])]
+
+
+FRAGMENTATION_SHARE = 0.05  # of the device: cached free blocks at a peak worth a note
+
+
+def _fragmentation_notes(run: Run) -> list[str]:
+    """A note for each phase whose device peak had more than `FRAGMENTATION_SHARE` of the device in torch's cached
+    free blocks, and the allocator setting that returns them when the run did not have it."""
+    total = run.header.get("device_total")
+    if not total:
+        return []
+    large = [p for p in peaks(run)
+             if p["phase"] != "transition" and p.get("free_cached", 0) > FRAGMENTATION_SHARE * total]
+    notes = [f"{run.label}, {p['phase']}: at the device peak torch's allocator held {_b(p['free_cached'])} of free "
+             f"cached blocks ({100 * p['free_cached'] / total:.0f}% of the device)." for p in large]
+    conf = run.header.get("alloc_conf")  # None: recorded before the setting was
+    if notes and conf is not None and "expandable_segments:true" not in conf.replace(" ", "").lower():
+        notes.append("Start the run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: torch then grows its "
+                     "segments in place and unmaps what it frees, instead of keeping blocks of the sizes it first "
+                     "cut.")
+    return notes
 
 
 def transition_rows(run: Run) -> list[dict]:
@@ -480,13 +504,15 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
         for p in peaks(r):
             rows.append([r.label, p["phase"], str(p["intervals"]), _b(p.get("device_used")),
                          "—" if p["cycle"] is None else str(p["cycle"]), _b(p.get("torch_reserved")),
-                         _b(p.get("torch_allocated")), _b(p.get("host_rss"))])
+                         _b(p.get("torch_allocated")), _b(p.get("free_cached")), _b(p.get("host_rss"))])
+        peak.text.extend(_fragmentation_notes(r))
     peak.tables.append(_Table("", ["rank", "phase", "spans", "peak device used", "at cycle", "peak torch reserved",
-                                   "peak torch allocated", "peak host RSS"], rows,
+                                   "peak torch allocated", "cached free at the peak", "peak host RSS"], rows,
                               "Peaks over the samples taken in each kind of span; transitions are listed when a "
                               "sample fell inside one. Torch's reserved and allocated counters include the engine's "
                               "sleep-mode pool, which torch keeps counting while the engine sleeps, so in train they "
-                              "can exceed the device's own figure."))
+                              "can exceed the device's own figure. Cached free: torch's reserved less allocated in "
+                              "the sample of the device peak, blocks its allocator held but could not hand out."))
     secs.append(peak)
 
     attr = _Section("Attribution at phase boundaries", [
