@@ -8,7 +8,7 @@ object a line; every line is written whole and flushed, so a crash leaves a read
 
     header  {"schema": "swaprl.profile", "version": 1, "type": "header", "rank", "world_size", "device", "host",
              "torch", "swaprl", "nvml", "device_used_source", "copy_bandwidth": {"h2d_GBps", "d2h_GBps"} | null,
-             "interval_s", "engine", "config", "t0", ...}
+             "interval_s", "engine", "config", "alloc_conf", "t0", ...}  (alloc_conf: PYTORCH_CUDA_ALLOC_CONF)
     sample  {"type": "sample", "t", "host_rss", "host_buffers"[, "device_used", "torch_allocated", "torch_reserved"]}
     step    {"type": "step", "t", "transition", "step", "bytes", "seconds"[, "span_seconds"]}  (span_seconds: an
             overlapped copy's time from the step that queued it to this one, which waited for it); also each
@@ -20,8 +20,9 @@ object a line; every line is written whole and flushed, so a crash leaves a read
              "mismatch_seconds", "probe_engine_seconds", "bounds", "ok"}: the on-policy check after each weight sync (`swaprl.verify`)
     demote  {"type": "demote", "t", "short_bytes", "bytes"}: optimizer_states="auto" swapped more states after the
             engine's wake-up lacked `short_bytes` (then rolled back and retried)
-    phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"}
-            (the first one, "from": null, is the state when recording started)
+    phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"
+            [, "torch_private_free"]} (the first one, "from": null, is the state when recording started;
+            torch_private_free: bytes of torch's private pools that no block holds)
     end     {"type": "end", "t", "reason": "detach" | "close" | "exit", "samples"}  ("exit": the process ended with
             the runtime still attached: the normal end when host-resident optimizer states do not fit on the device
             for `detach()`, or an uncaught exception; a profile without an end record was cut short: a kill, a
@@ -168,15 +169,18 @@ class Profiler:
         status = event["status"]
         self._host_buffers = int(status["host_buffers"]["bytes"])
         source = self._source() or "runtime"
+        extra = {}
         if self._cuda:
-            attribution = attribute(status, source=source, private_pool_bytes=_private_pool_bytes(self._device),
+            private, private_free = _private_pools(self._device)
+            attribution = attribute(status, source=source, private_pool_bytes=private,
                                     process_used_bytes=self._process_used_bytes(),
                                     driver_reserved_bytes=memory.device_reserved_bytes(self._device))
+            extra["torch_private_free"] = private_free  # the report tells these from the default pool's free blocks
         else:
             attribution = attribute(status, source=source)
         return {"type": "phase", "t": event["t"], "phase": event["phase"], "from": event["from"],
                 "cycle": event["cycle"], "seconds": event["seconds"], "bytes": event["bytes"],
-                "host_rss": int(self._proc.memory_info().rss), "status": status, "attribution": attribution}
+                "host_rss": int(self._proc.memory_info().rss), "status": status, "attribution": attribution, **extra}
 
     def _on_event(self, event: dict) -> None:
         kind = event.get("type")
@@ -273,8 +277,9 @@ def _rank_path(path: Path) -> Path:
     return path
 
 
-def _private_pool_bytes(device: torch.device) -> int:
-    """Bytes torch reserves on `device` in private pools (MemPool, CUDA graphs) rather than its default pool."""
+def _private_pools(device: torch.device) -> tuple[int, int]:
+    """Bytes torch reserves on `device` in private pools (MemPool, CUDA graphs) rather than its default pool, and how
+    many of them no block holds (a graph's freed intermediates, a paused pool's cached blocks)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
         try:
@@ -283,9 +288,10 @@ def _private_pool_bytes(device: torch.device) -> int:
             segments = torch.cuda.memory_snapshot()
     except Exception as exc:  # e.g. a pluggable allocator replacing torch's
         logger.debug("torch.cuda.memory_snapshot failed (%s); counting no private pools", exc)
-        return 0
-    return sum(int(s["total_size"]) for s in segments
-               if s.get("device") == index and tuple(s.get("segment_pool_id") or (0, 0)) != (0, 0))
+        return 0, 0
+    private = [s for s in segments if s.get("device") == index and tuple(s.get("segment_pool_id") or (0, 0)) != (0, 0)]
+    reserved = sum(int(s["total_size"]) for s in private)
+    return reserved, reserved - sum(int(s.get("allocated_size", s["total_size"])) for s in private)
 
 
 def _copy_bandwidth(device: torch.device) -> dict | None:

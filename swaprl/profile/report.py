@@ -177,6 +177,13 @@ def peaks(run: Run) -> list[dict]:
     best: dict[str, dict] = {}
     ordered = sorted(run.samples, key=lambda s: s["t"])
     times = [s["t"] for s in ordered]
+    bounds = sorted(run.phases, key=lambda r: r["t"])
+    bound_times = [b["t"] for b in bounds]
+
+    def private_free(t: float) -> int:
+        """The private pools' free bytes at the last boundary before `t` (they change with captures, not steps)."""
+        i = bisect.bisect_right(bound_times, t) - 1
+        return int(bounds[i].get("torch_private_free", 0)) if i >= 0 else 0
     for iv in intervals(run):
         lo, hi = bisect.bisect_left(times, iv.start), bisect.bisect_right(times, iv.end)
         row = best.setdefault(iv.kind, {"phase": iv.kind, "intervals": 0, "samples": 0, "cycle": None})
@@ -189,8 +196,8 @@ def peaks(run: Run) -> list[dict]:
                     if k == "device_used" or (k == "host_rss" and "device_used" not in s):
                         row["cycle"] = iv.cycle
                     if k == "device_used" and "torch_reserved" in s:
-                        # torch's cached blocks that held nothing when the device peaked: fragmentation
-                        row["free_cached"] = s["torch_reserved"] - s["torch_allocated"]
+                        # the default pool's cached blocks that held nothing when the device peaked: fragmentation
+                        row["free_cached"] = max(s["torch_reserved"] - s["torch_allocated"] - private_free(s["t"]), 0)
     # transitions usually fall between two samples: list them only when a sample caught one
     return [best[k] for k in ("train", "generate", "transition") if k in best and (k != "transition" or
                                                                                   best[k]["samples"])]
@@ -512,7 +519,9 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
                               "sample fell inside one. Torch's reserved and allocated counters include the engine's "
                               "sleep-mode pool, which torch keeps counting while the engine sleeps, so in train they "
                               "can exceed the device's own figure. Cached free: torch's reserved less allocated in "
-                              "the sample of the device peak, blocks its allocator held but could not hand out."))
+                              "the sample of the device peak, less the private pools' free bytes at the boundary "
+                              "before it (CUDA graphs, paused pools): blocks of its default pool it held but could "
+                              "not hand out."))
     secs.append(peak)
 
     attr = _Section("Attribution at phase boundaries", [
