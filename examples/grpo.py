@@ -149,8 +149,8 @@ def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.op
 def expandable_segments() -> None:
     """Have torch's CUDA allocator grow its segments in place and unmap what it frees, unless the caller chose its
     allocator settings (set PYTORCH_CUDA_ALLOC_CONF, even empty, to keep torch's default). Without it, torch keeps
-    freed blocks of the sizes it first cut: at 72B-20L's train peak on 2 x H200 that was 15.6-26.6 GiB per GPU that
-    neither phase could use. Must run before the first CUDA allocation; swaprl's pausable pools and vLLM's
+    freed blocks of the sizes it first cut: at 72B-20L's train peak on 2 x H200 it held 15.6-26.6 GiB per GPU
+    reserved but unallocated. Must run before the first CUDA allocation; swaprl's pausable pools and vLLM's
     sleep-mode pool bring their own allocators and are not affected."""
     if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
