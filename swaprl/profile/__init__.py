@@ -14,4 +14,4 @@ from __future__ import annotations
 from .attribution import CATEGORIES, attribute
 from .recorder import Profiler, attach_configured, attach_profiler
 
-__all__ = ["attach_profiler", "Profiler", "attribute", "CATEGORIES"]
+__all__ = ["attach_profiler", "attach_configured", "Profiler", "attribute", "CATEGORIES"]

@@ -17,7 +17,8 @@ object a line; every line is written whole and flushed, so a crash leaves a read
     error   {"type": "error", "t", "transition", "step", "error"}: a transition that failed and was rolled back
     sync    {"type": "sync", "t", "cycle", "weights", "checked", "differing", "stale_since", "sync_seconds",
              "sync_bytes", "verify_seconds", "mismatch": {"tokens", "max_abs", "mean_abs", "kl", "outside"} | null,
-             "mismatch_seconds", "probe_engine_seconds", "bounds", "ok"}: the on-policy check after each weight sync (`swaprl.verify`)
+             "mismatch_seconds", "probe_engine_seconds", "bounds", "ok"}: the on-policy check after each weight sync
+            (`swaprl.verify`)
     demote  {"type": "demote", "t", "short_bytes", "bytes"}: optimizer_states="auto" swapped more states after the
             engine's wake-up lacked `short_bytes` (then rolled back and retried)
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"

@@ -139,7 +139,8 @@ def load_run(path: str | Path) -> Run:
         run.warnings.append(f"{path.name}: {bad} unreadable line(s) skipped inside the file")
     if run.end is None and not run.empty:
         run.warnings.append(f"{path.name}: no end record: the run neither detached nor closed the profiler "
-                            "and the process did not exit (killed, crashed hard, or still running); figures stop at the last record")
+                            "and the process did not exit (killed, crashed hard, or still running); figures stop "
+                            "at the last record")
     return run
 
 
@@ -525,8 +526,8 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
     secs.append(peak)
 
     attr = _Section("Attribution at phase boundaries", [
-        "Device memory split by holder at each phase boundary; the categories sum to the device figure exactly, and "
-        "unattributed (hatched) is whatever they do not explain, negative when they overcount."])
+        ("Device memory split by holder at each phase boundary; the categories sum to the device figure exactly, "
+         "and unattributed (hatched) is whatever they do not explain, negative when they overcount.")])
     rows = []
     for r in live:
         if not r.phases:
@@ -566,9 +567,9 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
     trans.tables.append(_Table("Steps", ["rank", "transition", "step", "count", "bytes (median)", "first s",
                                          "later s (median)", "GB/s (median)", "copy ceiling GB/s", "of ceiling"],
                                rows, "Host buffers are reused from one transition to the next (their preparation: "
-                                     "the Host buffers table). The ceiling is the pinned-copy speed measured at start-up "
-                                     "(device to host for offloads, host to device for reloads, both at once for the streamed "
-                                     "optimizer step)."))
+                                     "the Host buffers table). The ceiling is the pinned-copy speed measured at "
+                                     "start-up (device to host for offloads, host to device for reloads, both at once "
+                                     "for the streamed optimizer step)."))
     rows = []
     for r in live:
         t0 = r.header.get("t0", 0.0)
@@ -621,9 +622,9 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
 def _check_section(live: list[Run], figures: dict[str, bytes], warnings: list[str]) -> _Section:
     """The on-policy check after each sync: were the engine's weights the trainer's, at what cost, how far apart."""
     sec = _Section("On-policy check", [
-        "After each weight sync every tensor the engine holds is fingerprinted and compared with the trainer's "
-        "(bit-exact, no tolerance); then the engine samples a short probe and the trainer scores the same tokens: the "
-        "rollout-training mismatch, measured rather than judged."])
+        ("After each weight sync every tensor the engine holds is fingerprinted and compared with the trainer's "
+         "(bit-exact, no tolerance); then the engine samples a short probe and the trainer scores the same tokens: "
+         "the rollout-training mismatch, measured rather than judged.")])
     rows = []
     for r in live:
         recs = sorted(r.syncs, key=lambda x: x["t"])
