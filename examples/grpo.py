@@ -148,7 +148,8 @@ def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.op
 
 def expandable_segments() -> None:
     """Have torch's CUDA allocator grow its segments in place and unmap what it frees, unless the caller chose its
-    allocator settings (set PYTORCH_CUDA_ALLOC_CONF, even empty, to keep torch's default). Without it, torch keeps
+    allocator settings (set PYTORCH_CUDA_ALLOC_CONF, even empty, to keep torch's default). The scripts call it when
+    run, not `main()`, which leaves the environment of a process that imports it alone. Without it, torch keeps
     freed blocks of the sizes it first cut: at 72B-20L's train peak on 2 x H200 it held 15.6-26.6 GiB per GPU
     reserved but unallocated. Must run before the first CUDA allocation; swaprl's pausable pools and vLLM's
     sleep-mode pool bring their own allocators and are not affected."""
@@ -211,7 +212,6 @@ def load_sharded(path: Path, dtype: torch.dtype, device: str, compute: torch.dty
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    expandable_segments()
     rank, world, device = init_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
@@ -354,4 +354,5 @@ def all_ranks_sum(values: list[float], device: str) -> list[float]:
 
 
 if __name__ == "__main__":
+    expandable_segments()  # a run of the script, not a caller's process (tests call main() in theirs)
     main()

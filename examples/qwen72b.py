@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="release vLLM's CUDA graphs, buffers and workspaces while it sleeps (needs swaprl.kernels)")
     ap.add_argument("--out", default="out/qwen72b")
     args = ap.parse_args(argv)
-    grpo.expandable_segments()  # before the plan reads the GPU
 
     # torchrun sets these; a plain `python` run is one rank.
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -133,4 +132,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    grpo.expandable_segments()  # before the plan reads the GPU; a run of the script only, as in grpo.py
     sys.exit(main())

@@ -18,11 +18,14 @@ def _examples_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
 
 
-def test_grpo_example_trains_and_reports(tmp_path):
+def test_grpo_example_trains_and_reports(tmp_path, monkeypatch):
     import grpo
 
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     summary = grpo.main(["--steps", "3", "--engine", "hf", "--out", str(tmp_path / "out"),
                          "--checkpoint-dir", str(tmp_path / "ck")])
+    # the allocator setting is the script's, not main()'s: a process that calls main() keeps its environment
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     assert len(summary["steps"]) == 3
     assert all(s["rollout_tokens"] > 0 for s in summary["steps"])
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
