@@ -78,6 +78,31 @@ def device_figures(device: torch.device) -> dict[str, int]:
             "torch_reserved": torch.cuda.memory_reserved(device)}
 
 
+def private_pool_bytes(device: torch.device) -> tuple[int, int]:
+    """Bytes torch reserves on `device` in private pools (MemPool, CUDA graphs) rather than its default pool, and how
+    many of them no block holds (a graph's freed intermediates, a paused pool's cached blocks): free in torch's
+    counters, but not for the default pool to hand out."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        try:
+            segments = torch.cuda.memory_snapshot(include_traces=False)
+        except TypeError:  # torch < 2.10 has no include_traces
+            segments = torch.cuda.memory_snapshot()
+    except Exception as exc:  # e.g. a pluggable allocator replacing torch's
+        logger.debug("torch.cuda.memory_snapshot failed (%s); counting no private pools", exc)
+        return 0, 0
+    private = [s for s in segments if s.get("device") == index and tuple(s.get("segment_pool_id") or (0, 0)) != (0, 0)]
+    reserved = sum(int(s["total_size"]) for s in private)
+    return reserved, reserved - sum(int(s.get("allocated_size", s["total_size"])) for s in private)
+
+
+def default_pool_free_bytes(device: torch.device) -> int:
+    """What torch's default pool holds cached and free on `device`: reserved less allocated, less the private pools'
+    free bytes. Memory the trainer's next allocations can take without asking the driver."""
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(cached - private_pool_bytes(device)[1], 0)
+
+
 def host_available_bytes() -> int:
     return int(psutil.virtual_memory().available)
 

@@ -460,7 +460,7 @@ def resolve_auto(config: SwapConfig, optimizer: torch.optim.Optimizer, device: t
     if unmeasurable is not None:
         return swapped, f"all swapped: {unmeasurable}"
     free, total = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    cached = memory.default_pool_free_bytes(device)  # not the private pools' (the awake engine's graphs')
     existing = sum(n for p, n in zip(params, needs) if p in optimizer.state)  # on the device now, counted in use
     grads = sum(nbytes(local_tensor(p)) for p in params if p.requires_grad and p.grad is None) \
         if config.grads == "keep" else 0

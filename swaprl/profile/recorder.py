@@ -172,7 +172,7 @@ class Profiler:
         source = self._source() or "runtime"
         extra = {}
         if self._cuda:
-            private, private_free = _private_pools(self._device)
+            private, private_free = memory.private_pool_bytes(self._device)
             attribution = attribute(status, source=source, private_pool_bytes=private,
                                     process_used_bytes=self._process_used_bytes(),
                                     driver_reserved_bytes=memory.device_reserved_bytes(self._device))
@@ -276,23 +276,6 @@ def _rank_path(path: Path) -> Path:
     if world > 1:
         return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
     return path
-
-
-def _private_pools(device: torch.device) -> tuple[int, int]:
-    """Bytes torch reserves on `device` in private pools (MemPool, CUDA graphs) rather than its default pool, and how
-    many of them no block holds (a graph's freed intermediates, a paused pool's cached blocks)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    try:
-        try:
-            segments = torch.cuda.memory_snapshot(include_traces=False)
-        except TypeError:  # torch < 2.10 has no include_traces
-            segments = torch.cuda.memory_snapshot()
-    except Exception as exc:  # e.g. a pluggable allocator replacing torch's
-        logger.debug("torch.cuda.memory_snapshot failed (%s); counting no private pools", exc)
-        return 0, 0
-    private = [s for s in segments if s.get("device") == index and tuple(s.get("segment_pool_id") or (0, 0)) != (0, 0)]
-    reserved = sum(int(s["total_size"]) for s in private)
-    return reserved, reserved - sum(int(s.get("allocated_size", s["total_size"])) for s in private)
 
 
 def _copy_bandwidth(device: torch.device) -> dict | None:
