@@ -179,7 +179,7 @@ class PausablePool:
                                                              f"swaprl_vmm_free_{self.slot}")
         self._allocator = allocator  # the MemPool holds only a raw pointer to it: keep it alive as long
         self.pool = torch.cuda.MemPool(allocator.allocator())
-        self.host = HostBuffer(f"pool {name}", pin=True)
+        self.host = HostBuffer(f"pool {name}", pin=True, device=self.device)
         self.kept_bytes = 0  # what the last pause copied to the host
         self.sealed = False
         self._routing = 0  # use() contexts open

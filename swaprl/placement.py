@@ -57,14 +57,15 @@ class Placement:
         self.model, self.optimizer, self.device, self.config = model, optimizer, device, config
         self._mover = Mover(device)
         pin = config.pin_memory and device.type == "cuda"
-        self._res = {name: _Resource(name, HostBuffer(name, pin=pin)) for name in RESOURCES}
+        gpu = device.index if device.type == "cuda" else None
+        self._res = {name: _Resource(name, HostBuffer(name, pin=pin, device=gpu)) for name in RESOURCES}
         self._pending_reload: torch.cuda.Event | None = None
         self._homes = assign_homes(optimizer, config.state_split())
         self.swaps_states = "swap" in self._homes.values()
         """Some states move at each switch (the "optimizer" resource is not empty)."""
         self.streamer: StateStreamer | None = None
         if "host" in self._homes.values():
-            self.streamer = StateStreamer(optimizer, device, HostBuffer("streamed optimizer", pin=pin),
+            self.streamer = StateStreamer(optimizer, device, HostBuffer("streamed optimizer", pin=pin, device=gpu),
                                           owns=lambda p: self.home(p) == "host",
                                           chunk_bytes=config.stream_chunk_bytes,
                                           check_budget=self.check_budget_for_states, on_step=on_streamed_step)

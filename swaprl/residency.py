@@ -81,9 +81,10 @@ class HostBuffer:
     (`ensure`, `span`) waits for the thread, the time it waited kept in `waited_seconds`.
     """
 
-    def __init__(self, name: str, *, pin: bool) -> None:
+    def __init__(self, name: str, *, pin: bool, device: int | None = None) -> None:
         self.name = name
         self.pin = pin and torch.cuda.is_available()
+        self._device = device  # the GPU it copies to and from (None: the current one when it allocates)
         self._buf: torch.Tensor | None = None
         self._registered = False
         self._thread: threading.Thread | None = None
@@ -119,7 +120,7 @@ class HostBuffer:
         """Run `make` (which returns the buffer and whether it registered it) in a thread on this process's current
         device; `_settle` takes its result."""
         self._pending, self._made = size, None
-        device = torch.cuda.current_device() if self.pin else None
+        device = self._gpu() if self.pin else None
 
         def run() -> None:
             start, wall = time.perf_counter(), time.time()
@@ -186,9 +187,13 @@ class HostBuffer:
                     " pinned" if self.pin and lock else "", self.lock_seconds)
         return self._buf
 
+    def _gpu(self) -> int:
+        return torch.cuda.current_device() if self._device is None else self._device
+
     def _node(self) -> int | None:
-        """The NUMA node this buffer's pages belong on: the current GPU's, for a buffer it copies to and from."""
-        return memory.gpu_numa_node(torch.cuda.current_device()) if self.pin else None
+        """The NUMA node this buffer's pages belong on: its GPU's, the one it copies to and from (which need not be
+        the current device of the thread that allocates it)."""
+        return memory.gpu_numa_node(self._gpu()) if self.pin else None
 
     def lock(self, *, background: bool = False) -> None:
         """Page-lock a buffer that `ensure(..., lock=False)` allocated; nothing to do if it is locked already.

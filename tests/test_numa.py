@@ -70,3 +70,18 @@ def test_a_pinned_host_buffer_lives_on_the_gpus_node():
     assert node in memory.numa_nodes()
     page = os.sysconf("SC_PAGE_SIZE")
     assert _policy_at((buf.ensure(1).data_ptr() + page - 1) // page * page) == f"prefer:{node}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_a_buffer_for_another_gpu_lives_on_that_gpus_node_whatever_the_current_device():
+    torch.cuda.set_device(0)
+    buf = residency.HostBuffer("numa 1", pin=True, device=1)
+    buf.prepare(64 * 2**20)
+    buf.settle()
+    assert buf.numa_node == memory.gpu_numa_node(1) and buf.locked_bytes == 64 * 2**20
+    assert torch.cuda.current_device() == 0  # the background thread's device is its own
+    data = torch.arange(1024, device="cuda:1", dtype=torch.uint8)
+    host = buf.ensure(1024)[:1024]
+    host.copy_(data)
+    assert torch.equal(host, data.cpu())
