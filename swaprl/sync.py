@@ -2,7 +2,8 @@
 
 Buckets bound the transient memory: a bucket holds at most about `bucket_bytes` of parameters cast to the
 engine's dtype (an fp32 trainer feeding a bf16 engine sends bf16), and under FSDP2 each parameter of a bucket is
-gathered (`DTensor.full_tensor`) only when its bucket is built, so the whole model is never gathered at once.
+gathered (`DTensor.full_tensor`, after the cast) only when its bucket is built, so the whole model is never gathered
+at once.
 Names are the trainer's Hugging Face names; the engine's `load_weights` maps them (vLLM stacks q/k/v and gate/up).
 Before anything is sent, names and shapes are checked against what the engine's checkpoint holds.
 """
@@ -99,10 +100,13 @@ def buckets(model: torch.nn.Module, bucket_bytes: int,
                 yield bucket
                 bucket, filled = [], 0
             layer = _layer_of(name)
-            t = _full(param.detach())
+            t = param.detach()
             want = (dtypes or {}).get(name)
             if want is not None and t.dtype != want:
+                # Cast before the gather (elementwise, so the same bits): an fp32 trainer's shards cross the link
+                # between GPUs in the engine's dtype, half the bytes.
                 t = t.to(want)
+            t = _full(t)
             bucket.append((name, t))
             filled += t.numel() * t.element_size()
     if bucket:

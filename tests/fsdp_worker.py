@@ -26,6 +26,7 @@ import swaprl
 from swaprl.engines.base import Sampling, sequence_logprobs
 from swaprl.compat.torch import local_tensor
 from swaprl.residency import nbytes
+from swaprl.sync import push_weights
 from tests.grpo import ReplicaEngine
 
 N = 4  # completions per prompt
@@ -35,7 +36,8 @@ def shard(model: torch.nn.Module, mixed: bool = False) -> torch.nn.Module:
     """FSDP2 over the layers and the whole; `mixed`: bf16 compute over the fp32 shards (MixedPrecisionPolicy)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs = {"mp_policy": policy} if mixed else {}
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -156,6 +158,13 @@ def fsdp(args) -> dict:
     except ValueError as exc:
         out["params_offload_error"] = str(exc)
     swaprl.detach()
+
+    # fp32 shards into a bf16 engine: each shard is cast before it is gathered, which must give the same bits as
+    # casting the gathered tensor.
+    half = ReplicaEngine(random_model("tiny", device="cpu").to(torch.bfloat16))
+    push_weights(model, half, bucket_bytes=2**20)
+    out["sync_cast_before_gather"] = sorted({str(t.dtype) for t in half.loaded.values()}) == ["torch.bfloat16"] and \
+        all(torch.equal(half.loaded[n], full[n].to(torch.bfloat16)) for n in full)
 
     # The weight sync gathers each parameter's shards into full tensors; the on-policy check spans the ranks.
     torch.manual_seed(123)  # a replica with other weights: only the sync can make it agree

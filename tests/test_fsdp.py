@@ -84,6 +84,7 @@ def test_fsdp2_mixed_precision_over_fp32_shards_streams_fp32_states(ranks):
 def test_weight_sync_gathers_full_tensors_and_the_check_spans_ranks(ranks):
     for r in ranks:
         assert r["sync_full_tensors"]
+        assert r["sync_cast_before_gather"]  # fp32 shards into a bf16 engine: cast, then gathered
         # The trainer's fingerprints are its shards' summed over the ranks: nothing gathered, and exact.
         assert r["sync"]["before"][1:] == [True, "exact"] and r["sync"]["after"][1:] == [True, "exact"]
         assert r["sync"]["engine_moved"] > 1e-3  # the engine follows the trainer's step
