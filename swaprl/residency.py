@@ -117,8 +117,8 @@ class HostBuffer:
         self._in_background(lambda: _host_empty(size, pin=self.pin, node=self.numa_node), size)
 
     def _in_background(self, make: Callable[[], tuple[torch.Tensor, bool]], size: int) -> None:
-        """Run `make` (which returns the buffer and whether it registered it) in a thread on this process's current
-        device; `_settle` takes its result."""
+        """Run `make` (which returns the buffer and whether it registered it) in a thread on the buffer's GPU;
+        `_settle` takes its result."""
         self._pending, self._made = size, None
         device = self._gpu() if self.pin else None
 
