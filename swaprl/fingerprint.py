@@ -18,14 +18,17 @@ CUDA kernel near the speed of reading memory: on the H100, 4 GiB of bf16 in 1.6-
 (benchmarks/results/verify_cost_h100), where a 64-bit mix for every element took 2.38 ms, limited by the integer
 multiplies.
 
-On CUDA the mix-and-sum is one Triton kernel per tensor (a single read of the tensor, results accumulated on the
-device and read back once, past any copies a transition has queued: `swaprl.readback`); elsewhere, and where Triton
-is missing, the same arithmetic runs as torch integer ops in chunks. Both give the same numbers.
+On CUDA the mix-and-sum is one Triton kernel launch per element width for all the tensors of a call (a single read
+of each tensor, results accumulated on the device and read back once, past any copies a transition has queued:
+`swaprl.readback`); elsewhere, and where Triton is missing, the same arithmetic runs as torch integer ops in chunks.
+Both give the same numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -35,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from .compat import cuda as cuda_compat
-from .readback import to_list
+from .readback import to_device, to_list
 from .sync import trainer_weights
 
 logger = logging.getLogger(__name__)
@@ -51,8 +54,10 @@ _M2 = 0xC2B2AE35
 _LOW32 = (1 << 32) - 1
 _CHUNK = 1 << 24  # elements per torch-path chunk: bounds its int64 temporaries to 128 MiB
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_ALIGN = 16  # bytes, and elements per kernel length: the alignment Triton specializes on
-_LAUNCH = 1 << 30  # elements per kernel launch at most: lengths stay 32-bit integers (one more variant otherwise)
+_ALIGN = 16  # bytes, and elements per kernel length: what lets the kernel's loads be 16 bytes wide
+_BLOCK = 4096  # elements per load of the kernel
+_STEPS = 16  # loads per program: 64 Ki elements, one binary search and one atomic add each
+_CAST_BYTES = 1 << 28  # casts to the engine's dtype held at once by the check (it runs beside the KV cache)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -98,78 +103,115 @@ def _triton_kernel():
     except ImportError:
         return None
 
-    # Triton compiles one variant per specialization of the arguments: integers equal to 1 or divisible by 16,
-    # pointers aligned to 16 bytes. `_fold_triton` hands it only aligned pointers and lengths divisible by 16 (what
-    # lets its loads be 16 bytes wide), and `iters` is left unspecialized, so one variant per element width serves
-    # every tensor, and the one `warm_up` compiles is the one the check uses.
-    @triton.jit(do_not_specialize=["iters"])
-    def fold(x_ptr, out_ptr, n, iters, K1: tl.constexpr, K2: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
-             WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-        # Persistent: each program folds every `programs`-th block into its own accumulator and adds it to the
-        # result once, so the atomics are a few per SM rather than one per block.
-        pid = tl.program_id(0).to(tl.int64)
-        programs = tl.num_programs(0).to(tl.int64)
+    # One launch folds every tensor of one element width, so a check of a model's few hundred tensors is a few
+    # launches, not a few hundred: one launch per tensor cost about 70 us of Python and launching each, 25 ms for
+    # Qwen2.5-1.5B's 340 tensors against 1.1 ms of reading them (benchmarks/results/verify_cost_h100).
+    # `table` lists, for each of the `items` tensors, its first program (and, last, the grid's size), its address,
+    # its length and its output slot; a program finds its tensor by a binary search over the first programs and
+    # folds STEPS * BLOCK of its elements. `_Folder` hands it only 16-byte-aligned addresses and lengths divisible
+    # by 16: the hints below let the loads be 16 bytes wide. `items` is left unspecialized, so one variant per
+    # element width serves every call, and the ones `warm_up` compiles are the ones the check uses.
+    @triton.jit(do_not_specialize=["items"])
+    def fold(table_ptr, out_ptr, items, K1: tl.constexpr, K2: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
+             WIDTH: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        g = tl.program_id(0).to(tl.int64)
+        lo = items * 0
+        hi = items - 1
+        while lo < hi:  # the last tensor whose first program is at most g
+            mid = (lo + hi + 1) // 2
+            if tl.load(table_ptr + mid) <= g:
+                lo = mid
+            else:
+                hi = mid - 1
+        address = tl.load(table_ptr + items + 1 + lo)
+        if WIDTH == 8:
+            x_ptr = address.to(tl.pointer_type(tl.uint8))
+        elif WIDTH == 16:
+            x_ptr = address.to(tl.pointer_type(tl.uint16))
+        elif WIDTH == 32:
+            x_ptr = address.to(tl.pointer_type(tl.uint32))
+        else:
+            x_ptr = address.to(tl.pointer_type(tl.uint64))
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        n = tl.multiple_of(tl.load(table_ptr + 2 * items + 1 + lo), 16)
+        start = (g - tl.load(table_ptr + lo)) * (STEPS * BLOCK)
         lanes = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.uint64)
-        for i in range(iters):
-            base = (i * programs + pid) * BLOCK
+        for i in range(STEPS):
+            base = start + i * BLOCK
             x = tl.load(x_ptr + base + lanes, mask=lanes < n - base, other=0)
             if WIDTH == 64:
-                z = x.to(tl.uint64, bitcast=True)
-                z = z * tl.full([BLOCK], K1, tl.uint64)
+                z = x * tl.full([BLOCK], K1, tl.uint64)
                 z = z ^ (z >> 31)
                 z = z * tl.full([BLOCK], K2, tl.uint64)
                 z = z ^ (z >> 29)
                 acc += z
             else:
-                if WIDTH == 8:
-                    w = x.to(tl.uint8, bitcast=True).to(tl.uint32)
-                elif WIDTH == 16:
-                    w = x.to(tl.uint16, bitcast=True).to(tl.uint32)
-                else:
-                    w = x.to(tl.uint32, bitcast=True)
+                w = x.to(tl.uint32)  # unsigned: zero-extended, the bits
                 w = w ^ (w >> 16)
                 w = w * M1  # uint32 products wrap, as fmix32 wants
                 w = w ^ (w >> 13)
                 w = w * M2
                 w = w ^ (w >> 16)
                 acc += w.to(tl.uint64)
-        tl.atomic_add(out_ptr, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
+        slot = tl.load(table_ptr + 3 * items + 1 + lo)
+        tl.atomic_add(out_ptr + slot, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
 
     return triton, fold
 
 
-def _fold_triton(t: torch.Tensor, out: torch.Tensor) -> bool:
-    """Fold `t` into `out` (a 16-byte-aligned slot) with the kernel: the 16-byte-aligned bulk of its elements, in
-    launches of at most `_LAUNCH` elements (32-bit lengths); the few elements before and after it in torch ops."""
-    found = _triton_kernel()
-    if found is None:
-        return False
-    triton, kernel = found
-    flat = _bits(t)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    head = min((-flat.data_ptr() % _ALIGN) // flat.element_size(), flat.numel())
-    bulk = (flat.numel() - head) // _ALIGN * _ALIGN
-    if bulk == 0:
-        return False
-    for part in (flat[:head], flat[head + bulk:]):
-        if part.numel():
-            _fold_torch(part, out)
-    block = 4096
-    for lo in range(head, head + bulk, _LAUNCH):
-        piece = flat[lo: min(lo + _LAUNCH, head + bulk)]
-        programs = min(triton.cdiv(piece.numel(), block), _programs(flat.device))
-        iters = triton.cdiv(piece.numel(), block * programs)
-        kernel[(programs,)](piece, out, piece.numel(), iters, K1=_K1, K2=_K2, M1=_M1, M2=_M2,
-                            WIDTH=flat.element_size() * 8, BLOCK=block, num_warps=8)
-    return True
+class _Folder:
+    """Folds tensors into `out[slot]` (int64 sums that wrap, exact mod 2**64). With the kernel, the 16-byte-aligned
+    bulk of each waits for `flush`, which folds all of one element width in one launch; the few elements before
+    and after the bulk fold at once in torch ops. Without it, everything folds at once in torch ops."""
 
+    def __init__(self, out: torch.Tensor, use_kernel: bool) -> None:
+        self.out = out
+        self.kernel = _triton_kernel() if use_kernel else None
+        self.pending: dict[int, list[tuple[torch.Tensor, int]]] = {}  # element width -> (aligned bulk, slot)
+        self.cast_bytes = 0  # held by pending casts
+        self.keep: list[torch.Tensor] = []  # the launches' tables in page-locked memory, read after the launch
 
-@functools.cache
-def _programs(device: torch.device) -> int:
-    """Programs of the persistent kernel: enough resident blocks to keep every SM's loads in flight."""
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    def add(self, t: torch.Tensor, slot: int) -> None:
+        flat = _bits(t)
+        if self.kernel is None:
+            _fold_torch(flat, self.out[slot: slot + 1])
+            return
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        head = min((-flat.data_ptr() % _ALIGN) // flat.element_size(), flat.numel())
+        bulk = (flat.numel() - head) // _ALIGN * _ALIGN
+        for part in (flat[:head], flat[head + bulk:]):
+            if part.numel():
+                _fold_torch(part, self.out[slot: slot + 1])
+        if bulk:
+            self.pending.setdefault(flat.element_size(), []).append((flat[head: head + bulk], slot))
+
+    def add_cast(self, t: torch.Tensor, dtype: torch.dtype, slot: int) -> None:
+        """Fold `t` cast to `dtype`. A cast lives until its launch: the pending ones hold at most `_CAST_BYTES`."""
+        nbytes = t.numel() * dtype.itemsize
+        if self.cast_bytes + nbytes > _CAST_BYTES:
+            self.flush()
+        self.cast_bytes += nbytes
+        self.add(t.to(dtype), slot)
+
+    def flush(self) -> None:
+        """Launch the kernel over what is pending. `out` holds the sums once the current stream has passed it."""
+        if self.kernel is not None:
+            triton, kernel = self.kernel
+            per_program = _BLOCK * _STEPS
+            for size, items in self.pending.items():
+                firsts = list(itertools.accumulate((triton.cdiv(x.numel(), per_program) for x, _ in items),
+                                                   initial=0))
+                table, host = to_device(firsts + [x.data_ptr() for x, _ in items] + [x.numel() for x, _ in items]
+                                        + [slot for _, slot in items], self.out.device)
+                with torch.cuda.device(self.out.device) if self.out.is_cuda else contextlib.nullcontext():
+                    kernel[(firsts[-1],)](table, self.out, len(items), K1=_K1, K2=_K2, M1=_M1, M2=_M2,
+                                          WIDTH=size * 8, BLOCK=_BLOCK, STEPS=_STEPS, num_warps=8)
+                if host is not None:
+                    self.keep.append(host)
+        self.pending.clear()
+        self.cast_bytes = 0
 
 
 _warm_ups: dict[torch.device, threading.Thread] = {}
@@ -223,27 +265,23 @@ def fold_into(tensors: Sequence[torch.Tensor | None], *, cast: Sequence[torch.dt
     warming = _warm_ups.get(where) if use_triton else None
     if warming is not None and warming is not threading.current_thread():
         warming.join()  # one compilation of the kernel, not two racing
-    # One 16-byte row per tensor: every slot the kernel adds into is aligned alike (see `_triton_kernel`).
-    out = torch.zeros(len(tensors), 2, dtype=torch.int64, device=where)
+    out = torch.zeros(len(tensors), dtype=torch.int64, device=where)
+    folder = _Folder(out, use_triton)
     with torch.no_grad():
         for i, t in enumerate(tensors):
             if t is None or t.numel() == 0:
                 continue
-            slot = out[i, :1]
             want = cast[i] if cast is not None else None
             if want is not None and t.dtype != want:
-                # Cast a chunk at a time: a whole fp32 embedding cast to bf16 at once could need gigabytes.
+                # Cast a piece at a time: a whole fp32 embedding cast to bf16 at once could need gigabytes.
                 flat = t.detach().reshape(-1)
-                for lo in range(0, flat.numel(), _CHUNK * 8):
-                    _fold_one(flat[lo: lo + _CHUNK * 8].to(want), slot, use_triton)
+                step = _CAST_BYTES // want.itemsize
+                for lo in range(0, flat.numel(), step):
+                    folder.add_cast(flat[lo: lo + step], want, i)
             else:
-                _fold_one(t, slot, use_triton)
-    return [v & MASK for v in to_list(out[:, 0])]
-
-
-def _fold_one(t: torch.Tensor, out: torch.Tensor, use_triton: bool) -> None:
-    if not (use_triton and _fold_triton(t, out)):
-        _fold_torch(t, out)
+                folder.add(t, i)
+        folder.flush()
+    return [v & MASK for v in to_list(out)]
 
 
 def fingerprint(t: torch.Tensor) -> int:

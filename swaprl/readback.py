@@ -1,4 +1,4 @@
-"""Reading a few numbers back from the device without waiting behind a transition's copies.
+"""Moving a few numbers between host and device without waiting behind a transition's copies.
 
 A switch to `generate` queues the optimizer's device-to-host copies on a side stream and lets them run under the
 engine's wake-up, the weight sync and the weight check. A small result read with `tensor.tolist()` is a
@@ -10,7 +10,8 @@ of about 0.03 s.
 
 `to_list` has a one-line kernel store the values into page-locked host memory (the device reaches it through
 unified addressing), waits for the current stream only, and reads them there. Without CUDA or Triton it is
-`tensor.tolist()`.
+`tensor.tolist()`. `to_device` goes the other way, for a kernel's small table of arguments: the same kernel loads
+the values from page-locked memory into device memory.
 """
 
 from __future__ import annotations
@@ -52,3 +53,18 @@ def to_list(t: torch.Tensor) -> list:
         store[(triton.cdiv(src.numel(), _BLOCK),)](src, host, src.numel(), BLOCK=_BLOCK)
         torch.cuda.current_stream(src.device).synchronize()
     return host.tolist()
+
+
+def to_device(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`torch.tensor(values, dtype=torch.int64, device=device)`, written by a kernel on the current stream rather
+    than by a host-to-device copy. Returns the tensor and the page-locked block it is read from: keep that alive
+    until the stream has passed the kernel (nothing tells the host allocator it is in use)."""
+    found = _store_kernel() if device.type == "cuda" else None
+    if found is None or not values:
+        return torch.tensor(values, dtype=torch.int64, device=device), None
+    triton, store = found
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    out = torch.empty(len(values), dtype=torch.int64, device=device)
+    with torch.cuda.device(device):
+        store[(triton.cdiv(len(values), _BLOCK),)](host, out, len(values), BLOCK=_BLOCK)
+    return out, host

@@ -66,22 +66,30 @@ def test_one_changed_element_always_moves_the_fingerprint():
 
 
 def test_the_device_kernel_does_the_torch_paths_arithmetic_in_tritons_interpreter():
-    """The CUDA kernel's arithmetic, run by Triton's CPU interpreter, against the torch path (the GPU test below
-    compares the two on a GPU)."""
+    """The CUDA kernel's arithmetic and its table of tensors, run by Triton's CPU interpreter, against the torch path
+    (the GPU test below compares the two on a GPU)."""
     pytest.importorskip("triton")
     code = """
 import torch
 from swaprl import fingerprint as F
-F._programs = lambda device: 3  # the persistent grid without a GPU to ask for its SM count
 g = torch.Generator().manual_seed(0)
-for t in [torch.randn(10000, generator=g).to(torch.bfloat16), torch.randn(9001, generator=g),
-          torch.randint(0, 256, (4097,), dtype=torch.uint8, generator=g), torch.randn(5000, generator=g).double(),
-          torch.randint(-2**62, 2**62, (19,), generator=g), torch.randn(9001, generator=g)[5:]]:
-    # (the last two: a tail after the kernel's 16-element bulk; a view whose first elements precede it)
-    out, ref = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    assert F._fold_triton(t, out)
-    F._fold_torch(t, ref)
-    assert int(out) & F.MASK == int(ref) & F.MASK, t.dtype
+tensors = [torch.randn(10000, generator=g).to(torch.bfloat16), torch.randn(9001, generator=g),
+           torch.randint(0, 256, (4097,), dtype=torch.uint8, generator=g), torch.randn(5000, generator=g).double(),
+           torch.randint(-2**62, 2**62, (19,), generator=g), torch.randn(9001, generator=g)[5:],
+           torch.randn(70000, generator=g).to(torch.bfloat16), torch.randn(16, generator=g).to(torch.bfloat16)]
+# (a tail after the kernel's 16-element bulk; a view whose first elements precede it; a tensor of two programs;
+# tensors of one width that share a launch, and a slot that two of them add into)
+slots = [0, 1, 2, 3, 4, 5, 6, 0]
+out = torch.zeros(7, dtype=torch.int64)
+folder = F._Folder(out, use_kernel=True)
+for t, slot in zip(tensors, slots):
+    folder.add(t, slot)
+assert sorted(len(v) for v in folder.pending.values()) == [1, 2, 2, 3], folder.pending
+folder.flush()
+ref = torch.zeros(7, dtype=torch.int64)
+for t, slot in zip(tensors, slots):
+    F._fold_torch(t, ref[slot: slot + 1])
+assert [v & F.MASK for v in out.tolist()] == [v & F.MASK for v in ref.tolist()], (out, ref)
 print("same")
 """
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -353,6 +361,22 @@ def test_the_device_kernel_computes_the_same_fingerprints_as_the_torch_path(dtyp
     assert fingerprint.fingerprint(strided) == fingerprint.fingerprint(strided.cpu())
     offset = t[3:]  # starts off a 16-byte boundary: its first elements fold in torch ops, the rest in the kernel
     assert fingerprint.fingerprint(offset) == fingerprint.fingerprint(offset.cpu())
+
+
+@pytest.mark.gpu
+def test_one_call_over_many_tensors_folds_each_into_its_own_slot_on_the_device():
+    """A check's call folds all its tensors of one element width in one launch (a table of tensors, a binary search
+    per program): each fingerprint must still be its own tensor's, whatever its size, width, offset or cast."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(n, device="cuda", generator=gen).to(d) for n, d in
+               [(3 * 2**20 + 17, torch.bfloat16), (16, torch.bfloat16), (70001, torch.float32), (5, torch.float16),
+                (2**16, torch.bfloat16), (4097, torch.float64), (2**17 + 16, torch.float32)]]
+    tensors += [tensors[0][3:], None, torch.randint(0, 256, (999,), dtype=torch.uint8, device="cuda", generator=gen)]
+    casts = [None, None, torch.bfloat16, None, None, None, torch.bfloat16, None, None, None]
+    want = [0 if t is None else fingerprint.fingerprint((t if c is None else t.to(c)).cpu())
+            for t, c in zip(tensors, casts)]
+    assert fingerprint.fold_into(tensors, cast=casts) == want
+    assert len(set(want)) == len(want) - 1  # (None's 0 and the others all differ: no slot was summed twice)
 
 
 _COMPILE_SCRIPT = """
