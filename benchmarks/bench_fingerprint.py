@@ -9,7 +9,7 @@ whole model's tensors, and reading its result back while a transition's device-t
 2. Models (`--models`, then only this part): `fold_into` over every tensor of a model as the trainer holds them
    (q, k and v apart; random bits), bf16, and fp32 cast to bf16 (master weights) where they fit, against the floor
    of the bytes it moves (reads, and the cast's write and read back) at the device's copy rate. `NAME:LAYERS` cuts
-   the depth. What a check costs beyond reading memory is here: one launch per tensor cost ~70 us each.
+   the depth. What a check costs beyond reading memory is here: one launch per tensor cost ~35 us each.
 3. Readback: `--queued-gib` GiB of device-to-host copies are queued on a side stream (as `start_offload` queues the
    optimizer's states), then a 1 GiB bf16 tensor is fingerprinted on the compute stream and its result read with
    `tolist()` (a device-to-host copy, behind the queued ones) and with `swaprl.readback.to_list` (stores into

@@ -105,8 +105,8 @@ def _triton_kernel():
         return None
 
     # One launch folds every tensor of one element width, so a check of a model's few hundred tensors is a few
-    # launches, not a few hundred: one launch per tensor cost about 70 us of Python and launching each, 25 ms for
-    # Qwen2.5-1.5B's 340 tensors against 1.1 ms of reading them (benchmarks/results/verify_cost_h100).
+    # launches, not a few hundred: one launch per tensor cost about 35 us of Python and launching each, 12 ms for
+    # Qwen2.5-1.5B's 338 tensors against 1.0 ms of reading them (benchmarks/results/verify_cost_h100).
     # `table` lists, for each of the `items` tensors, its first program (and, last, the grid's size), its address,
     # its length and its output slot; a program finds its tensor by a binary search over the first programs and
     # folds `steps` * BLOCK of its elements. `_Folder` hands it only 16-byte-aligned addresses and lengths divisible
@@ -177,7 +177,9 @@ class _Folder:
         # element size -> (tensor, kept alive until its launch; its aligned bulk's address and length; slot)
         self.pending: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
         self.cast_bytes = 0  # held by pending casts
-        self.keep: list[torch.Tensor] = []  # the launches' tables in page-locked memory, read after the launch
+        # The launches' tables in page-locked memory, which the kernels read: kept as long as the folder, which
+        # `fold_into` holds until its readback has waited for the stream.
+        self.keep: list[torch.Tensor] = []
 
     def add(self, t: torch.Tensor, slot: int) -> None:
         if self.kernel is None:
