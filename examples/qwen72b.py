@@ -1,5 +1,9 @@
 """Qwen2.5-72B GRPO with swaprl: print the memory plan, refuse if it cannot fit, else run the GRPO loop.
 
+Whatever the machine, the first thing printed is the plan of the target this example stands for: the full model
+on one 8 x H200 node with fp32 AdamW states (`swaprl plan qwen2.5-72b --cluster 8xH200 --tp 4`). Then comes the
+plan of what this machine runs, and the run.
+
     python examples/qwen72b.py                          # no GPU: the same loop on the tiny preset, on the CPU
     python examples/qwen72b.py --layers 2               # one GPU: 72B's layer shapes cut to 2 of its 80 layers
     python examples/qwen72b.py --model /path/to/Qwen2.5-72B    # a local checkpoint
@@ -35,6 +39,25 @@ import grpo  # noqa: E402  (the loop itself)
 
 from swaprl import plan as planner  # noqa: E402
 from swaprl.config import format_optimizer_states  # noqa: E402
+
+
+# The mission: Qwen2.5-72B, full-parameter, trained and served on the same GPUs of one 8-GPU node.
+TARGET = ["qwen2.5-72b", "--cluster", "8xH200", "--tp", "4"]
+
+
+def print_target() -> None:
+    """The target's verdicts (bf16 parameters, then fp32 master weights), in a few lines before this run's plan."""
+    parser = argparse.ArgumentParser()
+    planner.add_arguments(parser)
+    target = planner.from_args(parser.parse_args(TARGET))
+    r = target.inputs["rollout"]
+    print(f"the target: Qwen2.5-72B, all {target.layers} layers, on one 8 x H200 node, vLLM TP 4, "
+          f"{r['prompts']} prompts x {r['completions_per_prompt']} completions of {r['prompt_tokens']} + "
+          f"{r['completion_tokens']} tokens per step (`swaprl plan {' '.join(TARGET)}` for the whole plan)")
+    print(f"  bf16 parameters, fp32 AdamW states: {target.verdict}")
+    if target.full_precision:
+        print(f"  fp32 master weights: {target.full_precision}")
+    print("\nthis run:")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if the_plan.ok:
             break
     if rank == 0:
+        print_target()
         print(the_plan.table())
     if not the_plan.ok:
         if rank == 0:

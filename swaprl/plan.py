@@ -1037,7 +1037,7 @@ def _build(s: _Spec) -> Plan:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add `swaprl plan`'s arguments to `parser` (cli.py calls this, then `run(args)`)."""
+    """Add `swaprl plan`'s arguments to `parser` (cli.py calls this, then `run(args)`; `from_args` gives the plan)."""
     parser.add_argument("model", help="preset name (tiny, qwen2.5-0.5b ... qwen2.5-72b) or a checkpoint directory")
     parser.add_argument("--cluster", default="8xH200", help=f"one of {', '.join(CLUSTERS)} (default 8xH200); "
                         "the flags below override its fields")
@@ -1084,34 +1084,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
+def from_args(args: argparse.Namespace) -> Plan:
+    """The plan of `swaprl plan`'s parsed arguments; ValueError on bad input."""
+    cluster = get_cluster(args.cluster)
+    overrides = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
+                 "gpu_memory_bytes": None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
+                 "host_memory_bytes": None if args.host_memory_gib is None else int(args.host_memory_gib * GiB),
+                 "copy_bytes_per_s": None if args.copy_gb_per_s is None else args.copy_gb_per_s * 1e9}
+    cluster = dataclasses.replace(cluster, **{k: v for k, v in overrides.items() if v is not None})
+    pinned = {k: getattr(args, k) for k in ("grads", "params", "sleep_level") if getattr(args, k) is not None}
+    if args.optimizer_states is not None:
+        pinned["optimizer_states"] = parse_optimizer_states(args.optimizer_states)
+    if args.activation_checkpointing is not None:
+        pinned["activation_checkpointing"] = args.activation_checkpointing == "on"
+    return plan(
+        args.model, cluster=cluster, layers=args.layers, shard_degree=args.shard_degree, tp=args.tp,
+        rollout=Rollout(prompts=args.prompts, completions_per_prompt=args.completions,
+                        prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens),
+        micro_batch_tokens=args.micro_batch_tokens, param_dtype=args.param_dtype, grad_dtype=args.grad_dtype,
+        optimizer_dtype=args.optimizer_dtype, master_weights=args.master_weights, optimizer=args.optimizer,
+        compute_dtype=args.compute_dtype, engine_dtype=args.engine_dtype, kv_dtype=args.kv_dtype,
+        engine_max_batched_tokens=args.max_num_batched_tokens, engine_max_seqs=args.max_num_seqs,
+        cuda_graphs=not args.enforce_eager, release_other=args.release_other,
+        processes_per_gpu=args.processes_per_gpu,
+        gpu_utilization_cap=args.gpu_utilization,
+        engine_reserve_bytes=None if args.engine_reserve_gib is None else int(args.engine_reserve_gib * GiB),
+        host_margin_bytes=None if args.host_margin_gib is None else int(args.host_margin_gib * GiB),
+        settings=pinned)
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan of `args` (a table, or JSON with --json); 0 if a setting fits, 1 if none does, 2 on bad input."""
     try:
-        cluster = get_cluster(args.cluster)
-        overrides = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
-                     "gpu_memory_bytes": None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
-                     "host_memory_bytes": None if args.host_memory_gib is None else int(args.host_memory_gib * GiB),
-                     "copy_bytes_per_s": None if args.copy_gb_per_s is None else args.copy_gb_per_s * 1e9}
-        cluster = dataclasses.replace(cluster, **{k: v for k, v in overrides.items() if v is not None})
-        pinned = {k: getattr(args, k) for k in ("grads", "params", "sleep_level") if getattr(args, k) is not None}
-        if args.optimizer_states is not None:
-            pinned["optimizer_states"] = parse_optimizer_states(args.optimizer_states)
-        if args.activation_checkpointing is not None:
-            pinned["activation_checkpointing"] = args.activation_checkpointing == "on"
-        result = plan(
-            args.model, cluster=cluster, layers=args.layers, shard_degree=args.shard_degree, tp=args.tp,
-            rollout=Rollout(prompts=args.prompts, completions_per_prompt=args.completions,
-                            prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens),
-            micro_batch_tokens=args.micro_batch_tokens, param_dtype=args.param_dtype, grad_dtype=args.grad_dtype,
-            optimizer_dtype=args.optimizer_dtype, master_weights=args.master_weights, optimizer=args.optimizer,
-            compute_dtype=args.compute_dtype, engine_dtype=args.engine_dtype, kv_dtype=args.kv_dtype,
-            engine_max_batched_tokens=args.max_num_batched_tokens, engine_max_seqs=args.max_num_seqs,
-            cuda_graphs=not args.enforce_eager, release_other=args.release_other,
-            processes_per_gpu=args.processes_per_gpu,
-            gpu_utilization_cap=args.gpu_utilization,
-            engine_reserve_bytes=None if args.engine_reserve_gib is None else int(args.engine_reserve_gib * GiB),
-            host_margin_bytes=None if args.host_margin_gib is None else int(args.host_margin_gib * GiB),
-            settings=pinned)
+        result = from_args(args)
     except ValueError as exc:
         print(f"swaprl plan: error: {exc}", file=sys.stderr)
         return 2

@@ -56,7 +56,10 @@ def test_qwen72b_example_plans_then_runs_on_the_tiny_preset(tmp_path, capsys):
 
     assert qwen72b.main(["--steps", "2", "--out", str(tmp_path / "q")]) == 0
     out = capsys.readouterr().out
-    assert "per GPU (GiB)" in out and "fits" in out  # the plan is printed first
+    # First the target's plan (the full model on one 8 x H200 node, whatever this machine is), then this run's.
+    target = out.index("the target: Qwen2.5-72B, all 80 layers, on one 8 x H200 node")
+    assert "bf16 parameters, fp32 AdamW states: fits" in out and "fp32 master weights:" in out
+    assert target < out.index("this run:") < out.index("model     tiny") < out.index("per GPU (GiB)")
     assert (tmp_path / "q" / "report" / "report.md").exists()
     sys.modules.pop("grpo", None)
 
@@ -70,7 +73,7 @@ def test_qwen72b_example_under_torchrun_shards_over_two_cpu_ranks(tmp_path):
                            str(EXAMPLES / "qwen72b.py"), "--steps", "2", "--out", str(tmp_path / "q")], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("per GPU (GiB)") == 1  # rank 0 only
+    assert proc.stdout.count("per GPU (GiB)") == 1 and proc.stdout.count("the target:") == 1  # rank 0 only
     assert {f.name for f in (tmp_path / "q").glob("profile*.jsonl")} == {"profile.rank0.jsonl", "profile.rank1.jsonl"}
     assert json.loads((tmp_path / "q" / "metrics.json").read_text())["world_size"] == 2
     assert "rank 1" in (tmp_path / "q" / "report" / "report.md").read_text()
