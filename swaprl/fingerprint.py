@@ -58,7 +58,7 @@ _ALIGN = 16  # bytes, and elements per kernel length: what lets the kernel's loa
 _BLOCK = 4096  # elements per load of the kernel
 _STEPS = 64  # loads per program at most: 256 Ki elements (on the H100, 72B-20L: 0.95 of the floor; 256: 0.87)
 _PROGRAMS_PER_SM = 8  # at least, where a launch has that many blocks
-_CAST_BYTES = 1 << 28  # casts to the engine's dtype held at once by the check (it runs beside the KV cache)
+_TEMP_BYTES = 1 << 28  # casts and copies held at once by the check (it runs beside the KV cache)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -176,7 +176,7 @@ class _Folder:
         self.kernel = _triton_kernel() if use_kernel else None
         # element size -> (tensor, kept alive until its launch; its aligned bulk's address and length; slot)
         self.pending: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
-        self.cast_bytes = 0  # held by pending casts
+        self.temp_bytes = 0  # held by the pending temporaries
         # The launches' tables in page-locked memory, which the kernels read: kept as long as the folder, which
         # `fold_into` holds until its readback has waited for the stream.
         self.keep: list[torch.Tensor] = []
@@ -186,6 +186,7 @@ class _Folder:
             _fold_torch(t, self.out[slot: slot + 1])
             return
         if not t.is_contiguous():
+            self._room_for(t.numel() * t.element_size())
             t = t.contiguous()
         # The kernel needs only the address: no views on this path, which runs for every tensor of a model.
         size, n, address = t.element_size(), t.numel(), t.data_ptr()
@@ -200,12 +201,16 @@ class _Folder:
             self.pending.setdefault(size, []).append((t, address + head * size, bulk, slot))
 
     def add_cast(self, t: torch.Tensor, dtype: torch.dtype, slot: int) -> None:
-        """Fold `t` cast to `dtype`. A cast lives until its launch: the pending ones hold at most `_CAST_BYTES`."""
-        nbytes = t.numel() * dtype.itemsize
-        if self.cast_bytes + nbytes > _CAST_BYTES:
-            self.flush()
-        self.cast_bytes += nbytes
+        """Fold `t` cast to `dtype`."""
+        self._room_for(t.numel() * dtype.itemsize)
         self.add(t.to(dtype), slot)
+
+    def _room_for(self, nbytes: int) -> None:
+        """A temporary (a cast, a contiguous copy of a strided tensor) lives until its launch: launch what is
+        pending first if the temporaries would hold more than `_TEMP_BYTES`."""
+        if self.temp_bytes + nbytes > _TEMP_BYTES:
+            self.flush()
+        self.temp_bytes += nbytes
 
     def flush(self) -> None:
         """Launch the kernel over what is pending. `out` holds the sums once the current stream has passed it."""
@@ -225,7 +230,7 @@ class _Folder:
                 if host is not None:
                     self.keep.append(host)
         self.pending.clear()
-        self.cast_bytes = 0
+        self.temp_bytes = 0
 
 
 _warm_ups: dict[torch.device, threading.Thread] = {}
@@ -289,7 +294,7 @@ def fold_into(tensors: Sequence[torch.Tensor | None], *, cast: Sequence[torch.dt
             if want is not None and t.dtype != want:
                 # Cast a piece at a time: a whole fp32 embedding cast to bf16 at once could need gigabytes.
                 flat = t.detach().reshape(-1)
-                step = _CAST_BYTES // want.itemsize
+                step = _TEMP_BYTES // want.itemsize
                 for lo in range(0, flat.numel(), step):
                     folder.add_cast(flat[lo: lo + step], want, i)
             else:

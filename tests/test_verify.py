@@ -98,6 +98,35 @@ print("same")
     assert done.returncode == 0 and "same" in done.stdout, done.stderr[-2000:]
 
 
+def test_strided_tensors_copied_for_the_kernel_are_held_within_the_temporaries_budget():
+    """A strided tensor is copied contiguous for the kernel and held until its launch: like the casts, those copies
+    launch what is pending before they would hold more than `_TEMP_BYTES` beside the KV cache."""
+    pytest.importorskip("triton")
+    code = """
+import torch
+from swaprl import fingerprint as F
+F._TEMP_BYTES = 100_000  # two 40 KB copies at most
+g = torch.Generator().manual_seed(0)
+tensors = [torch.randn(100, 100, generator=g).t() for _ in range(6)]
+out = torch.zeros(6, dtype=torch.int64)
+folder = F._Folder(out, use_kernel=True)
+held = []
+for i, t in enumerate(tensors):
+    folder.add(t, i)
+    held.append(sum(x.numel() * x.element_size() for items in folder.pending.values() for x, *_ in items))
+assert max(held) <= F._TEMP_BYTES and folder.temp_bytes <= F._TEMP_BYTES, held
+folder.flush()
+ref = torch.zeros(6, dtype=torch.int64)
+for i, t in enumerate(tensors):
+    F._fold_torch(t, ref[i: i + 1])
+assert out.tolist() == ref.tolist()
+print("bounded")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "bounded" in done.stdout, done.stderr[-2000:]
+
+
 def test_fold_into_casts_as_the_sync_does():
     t = torch.randn(4097) * 10
     assert fingerprint.fold_into([t], cast=[torch.bfloat16]) == [fingerprint.fingerprint(t.to(torch.bfloat16))]
