@@ -114,12 +114,14 @@ class SwapConfig:
     verify_sync: bool = True
     """After every weight sync, prove that the engine holds the trainer's weights bit for bit (fingerprints of
     every tensor on both sides, no tolerance; `swaprl.verify`) and raise `EngineStateError` naming the tensors if it
-    does not; then measure the rollout-training mismatch on a short probe the engine samples (`runtime.last_sync`,
-    the memory profile, TRL's logs). Costs a read of both sides' weights on the device and one short generation;
-    turn it off only to measure without it."""
+    does not; then measure the rollout-training mismatch on a short probe the engine samples while awake and the
+    trainer scores as training starts (`runtime.last_sync`, the memory profile, TRL's logs). Costs a read of both
+    sides' weights on the device, one short generation and one short forward; turn it off only to measure without
+    it."""
 
     verify_tolerance: tuple[float, float] | None = None
-    """(max, mean) bounds on |log p_trainer - log p_engine| over the probe's tokens, past which the check raises.
+    """(max, mean) bounds on |log p_trainer - log p_engine| over the probe's tokens, past which leaving `generate`
+    raises `EngineStateError` (in `train`, before the loop trains on the rollouts).
     None (the default): the figures are reported, never judged. Two correct forward passes differ more the deeper
     the model (bf16 vLLM against the trainer, before any update: max 0.13 at Qwen2.5-1.5B, 0.25 at 14B, 0.38 at 20 of
     72B's layers), and stale weights are caught exactly by the weight check, so a bound is only for a run that

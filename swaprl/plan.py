@@ -619,17 +619,6 @@ def _unit_params(m: Preset) -> tuple[int, int]:
     return layer, m.vocab_size * h * (1 if m.tie_word_embeddings else 2) + h
 
 
-def _probe_forward_bytes(s: _Spec) -> int:
-    """§Phases: the on-policy check scores its probe with the trainer while the engine is awake (docs/verify.md):
-    under FSDP a forward gathers the root's parameters and two layers (the one running and the one prefetched).
-    Twice those bytes: on 2 x H200 at 72B-20L over fp32 shards the probe held 7.9 GiB of gathered units, asked for
-    2.3 GiB more, and torch's allocator kept 2.0 GiB it could not reuse (blocks of the all-gather's stream)."""
-    if s.shard_degree == 1:
-        return 0
-    layer, root = _unit_params(s.model)
-    return 2 * (2 * layer + root) * dtype_bytes(s.compute_dtype)[1]
-
-
 def _cuda_context_bytes(s: _Spec) -> int:
     """§Constants: one CUDA context per process, plus NCCL buffers per communicator this GPU is in."""
     groups = int(s.cluster.gpus > 1) + int(s.tp > 1)
@@ -701,7 +690,7 @@ def _phase_bytes(s: _Spec, st: Settings) -> dict[str, dict[str, int]]:
         "generate": {**zero, "params": state["params"] if st.params == "keep" else 0,
                      "grads": state["grads"] if st.grads == "keep" else 0, "engine_weights": engine_weights,
                      "engine_other": _ENGINE_RESIDENT_BYTES + graphs + _engine_profile_peak(s),
-                     "activations": _probe_forward_bytes(s), "cuda_context": ctx},
+                     "cuda_context": ctx},
         "host_train": {**dict.fromkeys(HOST_CATEGORIES, 0),
                        "engine_weights": engine_weights * gpn if st.sleep_level == 1 else 0},
         "host_generate": {**dict.fromkeys(HOST_CATEGORIES, 0),

@@ -248,11 +248,21 @@ def probe_prompts(model: torch.nn.Module, max_len: int | None) -> tuple[list[lis
     return torch.randint(0, min(vocab, 256), (PROBE_PROMPTS, prompt), generator=gen).tolist(), completion
 
 
-def measure_mismatch(model: torch.nn.Module, engine: Engine, prompts: list[list[int]] | None = None, *,
-                     times: dict[str, float] | None = None) -> Mismatch:
-    """The engine samples continuations of `prompts` (default: the probe) with their log-probabilities; the trainer
-    scores the same tokens. Collective under torchrun: every rank must pass the same number of prompts. `times`, if
-    given, gets the engine's part in seconds under "engine"."""
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """The engine's half of a mismatch measurement: its continuations of the probe's prompts, with the
+    log-probability of each sampled token, waiting for the trainer to score the same tokens (`score_probe`)."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    engine_logprobs: list[torch.Tensor]
+    seconds: float
+    """The engine's sampling time."""
+
+
+def sample_probe(model: torch.nn.Module, engine: Engine, prompts: list[list[int]] | None = None) -> Probe:
+    """The engine samples continuations of `prompts` (default: the probe) with their log-probabilities. Every rank
+    must pass the same number of prompts under torchrun (the trainer's forward that scores them is collective)."""
     default, completion = probe_prompts(model, engine.max_sequence_length)
     prompts = [list(p) for p in (prompts or default)]
     most, neg_fewest = distributed.all_reduce([len(prompts), -len(prompts)], "max")
@@ -270,12 +280,19 @@ def measure_mismatch(model: torch.nn.Module, engine: Engine, prompts: list[list[
     start = time.perf_counter()
     with torch.random.fork_rng(devices=devices):
         tokens, engine_logps = engine.generate_scored(prompts, sampling)
-    if times is not None:
-        times["engine"] = time.perf_counter() - start
-    sequences = [p + t for p, t in zip(prompts, tokens)]
-    scored = sequence_logprobs(model, sequences)
-    trainer_logps = [s[len(p) - 1:] for s, p in zip(scored, prompts)]
-    return mismatch(trainer_logps, engine_logps, all_ranks=True)
+    return Probe(prompts, [list(t) for t in tokens], list(engine_logps), time.perf_counter() - start)
+
+
+def score_probe(model: torch.nn.Module, probe: Probe) -> Mismatch:
+    """The trainer scores the tokens the engine sampled; their mismatch figures over all ranks (collective)."""
+    scored = sequence_logprobs(model, [p + t for p, t in zip(probe.prompts, probe.tokens)])
+    trainer_logps = [s[len(p) - 1:] for s, p in zip(scored, probe.prompts)]
+    return mismatch(trainer_logps, probe.engine_logprobs, all_ranks=True)
+
+
+def measure_mismatch(model: torch.nn.Module, engine: Engine, prompts: list[list[int]] | None = None) -> Mismatch:
+    """Both halves at once: the engine samples the probe, the trainer scores it (collective under torchrun)."""
+    return score_probe(model, sample_probe(model, engine, prompts))
 
 
 # ---------------------------------------------------------------- the check's state across syncs
@@ -288,6 +305,7 @@ class Verifier:
         self.last: SyncReport | None = None
         self._proved: dict[str, int] = {}  # engine tensor -> fingerprint at the last sync that checked out
         self._proved_cycle: int | None = None
+        self._probe: Probe | None = None  # sampled by the engine, not yet scored by the trainer
         self._warned_unchecked = False
 
     def check_weights(self, cycle: int, *, sync_seconds: float | None = None,
@@ -320,19 +338,42 @@ class Verifier:
                     f", {len(report.differing)} differ" if report.differing else "", seconds)
         return report
 
-    def add_mismatch(self, prompts: list[list[int]] | None = None) -> SyncReport:
+    @property
+    def probe_pending(self) -> bool:
+        """The engine has sampled the probe of the last sync and the trainer has not scored it yet."""
+        return self._probe is not None
+
+    def sample_mismatch(self, prompts: list[list[int]] | None = None) -> None:
+        """The engine's half of the last sync's mismatch (needs it awake); `score_mismatch` completes it."""
+        self._probe = sample_probe(self.model, self.engine, prompts)
+
+    def drop_probe(self) -> None:
+        self._probe = None
+
+    def score_mismatch(self) -> SyncReport:
+        """The trainer scores the pending probe (needs its parameters on the device, not the engine awake); the
+        figures complete the last sync's report."""
+        if self._probe is None:
+            raise RuntimeError("score_mismatch() without a probe sampled since the last score; call "
+                               "sample_mismatch() first, while the engine is awake")
+        probe = self._probe
         start = time.perf_counter()
-        times: dict[str, float] = {}
-        figures = measure_mismatch(self.model, self.engine, prompts, times=times)
-        seconds = time.perf_counter() - start
+        figures = score_probe(self.model, probe)
+        self._probe = None
+        seconds = probe.seconds + time.perf_counter() - start
         base = self.last
         if base is None:
             base = SyncReport(-1, "unchecked", 0, bounds=self.bounds)
-        self.last = replace(base, mismatch=figures, mismatch_seconds=seconds, probe_engine_seconds=times["engine"])
+        self.last = replace(base, mismatch=figures, mismatch_seconds=seconds, probe_engine_seconds=probe.seconds)
         logger.info("rollout-training mismatch: max |dlogp| %.4g, mean %.4g, KL %.3g, %.2f%% of tokens outside "
                     "[0.5, 2] over %d tokens (%.3f s, the engine's part %.3f s)", figures.max_abs, figures.mean_abs,
-                    figures.kl, 100 * figures.outside, figures.tokens, seconds, times["engine"])
+                    figures.kl, 100 * figures.outside, figures.tokens, seconds, probe.seconds)
         return self.last
+
+    def add_mismatch(self, prompts: list[list[int]] | None = None) -> SyncReport:
+        """Both halves now: the engine awake and the trainer's parameters on the device."""
+        self.sample_mismatch(prompts)
+        return self.score_mismatch()
 
 
 def raise_if_failed(report: SyncReport) -> None:

@@ -173,8 +173,8 @@ def fsdp(args) -> dict:
                                                                     optimizer_states="swap"))
     with rt.phase("generate"):
         out["sync_full_tensors"] = all(torch.equal(engine.loaded[n], full[n]) for n in full)
-        before = rt.last_sync
         probe_before = torch.cat(engine.logprobs(rank_prompts(rank, 99)))
+    before = rt.last_sync  # complete once the trainer has scored the probe, as training starts
     with rt.phase("train"):
         prompts = rank_prompts(rank, 0)
         completions = [[(i + 2 * j) % 256 for j in range(4)] for i in range(len(prompts) * N)]  # rewards 1, 0, ..
@@ -182,8 +182,8 @@ def fsdp(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     with rt.phase("generate"):
-        after = rt.last_sync
         probe_after = torch.cat(engine.logprobs(rank_prompts(rank, 99)))
+    after = rt.last_sync
     out["sync"] = {"before": [before.max_abs_diff, before.ok, before.weights],
                    "after": [after.max_abs_diff, after.ok, after.weights],
                    "engine_moved": float((probe_after - probe_before).abs().max())}
@@ -298,9 +298,9 @@ def vllm(args) -> dict:
         opt_bytes = sum(nbytes(local_tensor(t)) for t in optimizer_states(opt) if local_tensor(t).device == device)
         with rt.phase("generate"):
             completions = engine.generate(prompts, Sampling(max_tokens=16, n=N, seed=step))
-            sync = rt.last_sync
             engine_probe = engine.logprobs(probe)
             trainer_probe = sequence_logprobs(model, probe)
+        sync = rt.last_sync  # its mismatch scored as training starts
         with rt.phase("train"):
             loss = policy_loss(model, prompts, completions)
             loss.backward()

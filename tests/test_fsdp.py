@@ -87,6 +87,8 @@ def test_weight_sync_gathers_full_tensors_and_the_check_spans_ranks(ranks):
         assert r["sync_cast_before_gather"]  # fp32 shards into a bf16 engine: cast, then gathered
         # The trainer's fingerprints are its shards' summed over the ranks: nothing gathered, and exact.
         assert r["sync"]["before"][1:] == [True, "exact"] and r["sync"]["after"][1:] == [True, "exact"]
+        # the mismatch is measured on sharded trainers too: scored by the FSDP2 forward as training starts
+        assert r["sync"]["before"][0] is not None and r["sync"]["after"][0] is not None
         assert r["sync"]["engine_moved"] > 1e-3  # the engine follows the trainer's step
         assert "same number of prompts on every rank" in r["uneven_verify_error"]
 

@@ -194,9 +194,9 @@ def test_72b_on_8xh100_fits_one_node_by_streaming_most_states_each_rank_its_own_
     # the staging chunks hold one rank's shard of the embedding's states: 152064 x 8192 x 8 B / 8 ranks > 1 GiB
     m = get_preset("qwen2.5-72b")
     assert p.gpu["train"]["optimizer"] == homes["swap"] + 2 * (m.vocab_size * m.hidden_size * 8 // 8)
-    # while generating, the check's probe forward gathers the root and two layers (twice their bf16 bytes, as
-    # measured at 72B-20L): 80 GB GPUs keep less KV cache than the rollout's one wave needs
-    assert p.gpu["generate"]["activations"] > 15 * GiB and p.waves > 1
+    # generate runs no trainer forward (the check's probe is scored as training starts), yet 80 GB GPUs keep less KV
+    # cache than the rollout's one wave needs
+    assert p.gpu["generate"]["activations"] == 0 and p.waves > 1
     assert f"the rollout needs {p.waves} waves" in p.verdict
     assert p.moved_bytes == 2 * (homes["swap"] + homes["host"])
     assert p.copy_seconds == pytest.approx((2 * homes["swap"] + homes["host"]) / 36e9)
@@ -289,9 +289,12 @@ def test_less_host_memory_keeps_more_states_on_the_device_until_none_fits(capsys
         kv.append(p.kv_cache_bytes)
     assert shares[0] < shares[1] < shares[2] < 1.0 and kv[0] > kv[1] > kv[2]
     assert p.waves > 1 and f"the rollout needs {p.waves} waves" in p.verdict
-    # generate cannot hold every state beside the engine and the check's probe forward: less host, nothing fits
-    rc, data = planned(80)
-    assert rc == 1 and sp.Plan.from_dict(data).verdict.startswith("nothing fits; closest:")
+    # with bf16 parameters generate holds every state beside the engine: with too little host memory to pin any,
+    # they all stay on the device, at the cost of KV cache, and nothing crosses PCIe
+    rc, data = planned(20)
+    p = sp.Plan.from_dict(data)
+    assert rc == 0 and p.settings.optimizer_states == {"device": 1.0, "swap": 0.0, "host": 0.0}
+    assert p.moved_bytes == 0 and p.kv_cache_bytes < kv[2]
     # fp32 master weights leave train too little room for the share 200 GiB of host memory would need on the device
     rc, data = planned(200, "--param-dtype", "float32")
     p = sp.Plan.from_dict(data)

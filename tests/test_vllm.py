@@ -164,7 +164,7 @@ def test_mismatched_trainer_is_refused_and_rolled_back(tmp_path, engine):
 
 
 @pytest.mark.parametrize("interrupted_after", ["start offload optimizer", "sync weights", "verify weights",
-                                               "finish offload optimizer", "engine wake kv_cache", "measure mismatch"])
+                                               "finish offload optimizer", "engine wake kv_cache", "sample probe"])
 def test_interrupted_overlapped_switch_loses_nothing(tiny_checkpoint, engine, interrupted_after):
     """Ctrl-C anywhere in the overlapped train->generate (offload copies in flight under the wake-up and sync): the
     runtime stays in train with every optimizer state intact, and the next switch works and passes the check."""
@@ -184,8 +184,8 @@ def test_interrupted_overlapped_switch_loses_nothing(tiny_checkpoint, engine, in
 
 
 def test_on_policy_check_runs_with_params_offloaded(tiny_checkpoint, engine):
-    """The weights are proved before the trainer's parameters leave; the mismatch, which needs the trainer to score
-    what the awake engine samples, is not measured then."""
+    """The weights are proved before the trainer's parameters leave; the engine samples the probe while they are
+    away, and the trainer scores it once they are back."""
     model, opt = trainer(tiny_checkpoint)
     train_step(model, opt)
     rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(params="offload"))
@@ -193,6 +193,8 @@ def test_on_policy_check_runs_with_params_offloaded(tiny_checkpoint, engine):
         assert rt.status()["params"]["location"] == "host"
         assert rt.last_sync.ok and rt.last_sync.weights == "exact" and rt.last_sync.mismatch is None
         assert engine.generate([[1, 2, 3]], swaprl.Sampling(max_tokens=4))
+    assert rt.status()["params"]["location"] == "device"
+    assert rt.last_sync.ok and rt.last_sync.mismatch.tokens > 0 and rt.last_sync.mismatch.max_abs > 0
 
 
 # ---------------------------------------------------------------- GPU: sleep mode and memory
@@ -269,12 +271,14 @@ def test_train_phase_memory_does_not_grow_over_50_cycles(tiny_checkpoint, engine
 
 
 def test_verify_tolerance_sets_the_check_bounds(tiny_checkpoint, engine):
-    """Bounds below the engine's rounding stop the switch, saying the weights are exact; nothing moves."""
+    """Bounds below the engine's rounding stop the run before it trains on the rollouts, saying the weights are
+    exact; the optimizer states are back on the device."""
     model, opt = trainer(tiny_checkpoint)
     train_step(model, opt)
     rt = swaprl.attach(model, opt, engine)
     with swaprl.phase("generate"):
-        measured = rt.last_sync
+        pass
+    measured = rt.last_sync  # scored as training started
     assert measured.ok and measured.max_abs_diff > 0  # two implementations of the forward pass round differently
     swaprl.detach()
     tight = measured.max_abs_diff / 2, measured.mean_abs_diff / 2
