@@ -467,9 +467,8 @@ class Runtime:
         if self._verifier is not None and self._verifier.probe_pending:
             # Last, with the engine asleep: the trainer's forward (under FSDP it gathers the root's parameters and
             # two layers, 8 GiB in bf16 at 72B's width, and the allocator keeps about as much again) takes room
-            # training has anyway rather than the KV cache's,
-            # its parameters are back even when they left for generate, and a model whose forward replays graphs
-            # from a paused region finds them resumed.
+            # training has anyway rather than the KV cache's; its parameters are back even when they left for
+            # generate; and a model whose forward replays graphs from a paused region finds them resumed.
             steps.append(_Step("score probe", self._score_probe))
         return steps
 

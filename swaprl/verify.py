@@ -290,11 +290,6 @@ def score_probe(model: torch.nn.Module, probe: Probe) -> Mismatch:
     return mismatch(trainer_logps, probe.engine_logprobs, all_ranks=True)
 
 
-def measure_mismatch(model: torch.nn.Module, engine: Engine, prompts: list[list[int]] | None = None) -> Mismatch:
-    """Both halves at once: the engine samples the probe, the trainer scores it (collective under torchrun)."""
-    return score_probe(model, sample_probe(model, engine, prompts))
-
-
 # ---------------------------------------------------------------- the check's state across syncs
 class Verifier:
     """Runs the check for one runtime and remembers what it needs across syncs (the last proved fingerprints, to
