@@ -23,7 +23,7 @@ from typing import Literal, get_args
 
 import torch
 
-from . import checks, fingerprint, memory, regions
+from . import checks, distributed, fingerprint, memory, regions
 from .config import SwapConfig
 from .engines.base import Engine
 from .errors import PhaseError
@@ -512,6 +512,11 @@ class Runtime:
         try:
             report = self._verifier.score_mismatch()
         except torch.OutOfMemoryError as exc:
+            if distributed.is_distributed():
+                # The other ranks may wait in this forward's collectives: going on would pair them with training's.
+                raise type(exc)(f"{exc} This was the on-policy check's probe, scored by the trainer as training "
+                                "starts (a forward smaller than a training micro batch's): leave training more room, "
+                                "or SwapConfig(verify_sync=False) skips the check") from exc
             # A figure, not a proof (the weights were proved before generating): the switch goes on without it.
             self._verifier.drop_probe()
             report = self._verifier.last

@@ -209,6 +209,23 @@ def fsdp(args) -> dict:
     engine.load_weights = load
     with rt.phase("generate"):
         out["after_fault"] = rt.last_sync.weights
+    # The probe's forward runs out of memory on every rank (before its first collective). Under torchrun the switch
+    # to train raises and rolls back rather than going on without the figure: a rank still in that forward's
+    # collectives would pair them with training's. The next switch to train scores the probe.
+    def out_of_memory(module, args, kwargs):
+        if not module.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB.")
+
+    hook = model.register_forward_pre_hook(out_of_memory, prepend=True, with_kwargs=True)
+    try:
+        with rt.phase("generate"):
+            pass
+        out["probe_oom"] = None
+    except torch.OutOfMemoryError as exc:
+        out["probe_oom"] = {"message": str(exc), "phase": rt.current_phase}
+    hook.remove()
+    with rt.phase("train"):
+        out["probe_oom"]["scored_after"] = rt.last_sync.mismatch is not None
     swaprl.detach()
 
     # The engine's tensor-parallel group gathers its ranks' prompts; each rank keeps its own share.

@@ -93,6 +93,14 @@ def test_weight_sync_gathers_full_tensors_and_the_check_spans_ranks(ranks):
         assert "same number of prompts on every rank" in r["uneven_verify_error"]
 
 
+def test_a_probe_out_of_memory_under_torchrun_raises_on_every_rank_and_the_next_switch_scores_it(ranks):
+    for r in ranks:
+        oom = r["probe_oom"]
+        assert oom and oom["phase"] == "generate", oom  # the switch to train rolled back
+        assert "2.32 GiB" in oom["message"] and "on-policy check's probe" in oom["message"]
+        assert "verify_sync=False" in oom["message"] and oom["scored_after"]
+
+
 def test_a_fault_on_one_rank_stops_every_rank(ranks):
     """Rank 1's engine misses layer 0: rank 1 names the tensors, rank 0 says another rank failed; both stay in
     train, and the next switch checks out on both."""
