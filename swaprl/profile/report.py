@@ -623,8 +623,8 @@ def _check_section(live: list[Run], figures: dict[str, bytes], warnings: list[st
     """The on-policy check after each sync: were the engine's weights the trainer's, at what cost, how far apart."""
     sec = _Section("On-policy check", [
         ("After each weight sync every tensor the engine holds is fingerprinted and compared with the trainer's "
-         "(bit-exact, no tolerance); then the engine samples a short probe and the trainer scores the same tokens: "
-         "the rollout-training mismatch, measured rather than judged.")])
+         "(bit-exact, no tolerance); then the engine samples a short probe and, once it sleeps, the trainer scores "
+         "the same tokens: the rollout-training mismatch, measured rather than judged.")])
     rows = []
     for r in live:
         recs = sorted(r.syncs, key=lambda x: x["t"])
