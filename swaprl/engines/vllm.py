@@ -182,7 +182,9 @@ class VLLMEngine(Engine):
         self.kv_cache_bytes = facts.kv_cache_bytes
         self.max_sequence_length = facts.max_model_len
         self.expected = {n: (shape, self.dtype) for n, (shape, _) in _read_checkpoint_index(self.path).items()}
-        if built and self.cuda:  # a caller's LLM may be asleep already (TRL puts its own to sleep when it starts)
+        # A caller's LLM only when vLLM says it is awake: TRL puts its own to sleep when it starts, and swaprl's
+        # wrapper wakes it before adopting it. Unwarmed, the first probe paid 0.6-0.9 s under TRL (7B, H100).
+        if self.cuda and (built or vllm_compat.is_sleeping(llm) is False):
             self._warm_log_probs()
         logger.info("vLLM engine ready: weights %.2f GiB, KV cache %.2f GiB, footprint %.2f GiB",
                     gib(self.weights_bytes), gib(self.kv_cache_bytes), gib(self.stats.get("footprint_bytes", 0)))
