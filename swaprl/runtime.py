@@ -512,18 +512,17 @@ class Runtime:
         try:
             report = self._verifier.score_mismatch()
         except torch.OutOfMemoryError as exc:
+            fix = ("The trainer scores 8 short sequences as training starts, a forward smaller than a training micro "
+                   "batch's: leave training more room (a smaller micro batch, more of the optimizer states swapped), "
+                   "or SwapConfig(verify_sync=False) skips the check")
             if distributed.is_distributed():
                 # The other ranks may wait in this forward's collectives: going on would pair them with training's.
-                raise type(exc)(f"{exc} This was the on-policy check's probe, scored by the trainer as training "
-                                "starts (a forward smaller than a training micro batch's): leave training more room, "
-                                "or SwapConfig(verify_sync=False) skips the check") from exc
+                raise type(exc)(f"{exc} This was the on-policy check's probe. {fix}") from exc
             # A figure, not a proof (the weights were proved before generating): the switch goes on without it.
             self._verifier.drop_probe()
             report = self._verifier.last
             logger.warning("the on-policy check's probe ran out of memory (%s); this sync's mismatch is not measured. "
-                           "The trainer scores 8 short sequences as training starts, a forward smaller than a "
-                           "training micro batch's: leave training more room (a smaller micro batch, more of the "
-                           "optimizer states swapped), or SwapConfig(verify_sync=False) skips the check", exc)
+                           "%s", exc, fix)
         self._emit({"type": "sync", **report.as_dict()})
         self._judged = report  # bounds set by the user are applied once the switch to train stands
 
