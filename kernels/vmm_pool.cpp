@@ -305,10 +305,11 @@ int swaprl_vmm_pause(int s, const uint64_t* ptrs, const uint64_t* sizes, int n, 
 }
 
 // Map new physical memory under every segment of slot s at its old address (with `kept_only`, under the granules
-// that hold the kept ranges only: see "Sealed pools" above) and copy the kept ranges back. Returns 0, or -1 with
-// swaprl_vmm_error() set; on failure (out of device memory) everything this call mapped is released again and the
-// pool stays paused, its kept bytes still in the host buffer.
-int swaprl_vmm_resume(int s, int device, int kept_only) {
+// that hold the kept ranges only: see "Sealed pools" above) and copy the kept ranges back. `fill` (0-255, or -1 for
+// none) is written over the new memory first: what the pause did not keep then reads as that byte, not as whatever
+// the physical memory held before. Returns 0, or -1 with swaprl_vmm_error() set; on failure (out of device memory)
+// everything this call mapped is released again and the pool stays paused, its kept bytes still in the host buffer.
+int swaprl_vmm_resume(int s, int device, int kept_only, int fill) {
   std::lock_guard<std::mutex> guard(mu);
   if (s < 0 || s >= kSlots) {
     last_error = "no such pool slot";
@@ -332,6 +333,9 @@ int swaprl_vmm_resume(int s, int device, int kept_only) {
       runs.push_back({0, seg.size});
     for (const auto& [offset, size] : runs) {
       if (!map(ptr, seg, offset, size)) return undo();
+      if (fill >= 0 && !check(cuMemsetD8Async(ptr + offset, static_cast<unsigned char>(fill), size, nullptr),
+                              "cuMemsetD8Async"))
+        return undo();
       mapped += size;
     }
   }

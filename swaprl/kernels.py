@@ -25,6 +25,11 @@ persistent buffers, workspaces) to a page-locked host buffer and back; "nothing"
 contents are rewritten before they are read (a CUDA graph's private pool: its replay writes every intermediate
 before reading it, and its inputs live elsewhere). Free blocks the caching allocator holds in the pool are never
 copied.
+
+To check that claim for a given program, set `SWAPRL_POOL_FILL=0xff` (any byte): every resume then writes that byte
+over the memory it maps before restoring what was kept, so a read of memory the pause dropped sees NaN (in bf16 and
+fp32) instead of stale bytes that may happen to be right. It costs a device memset per resume; leave it unset
+otherwise.
 """
 
 from __future__ import annotations
@@ -126,9 +131,25 @@ def _load() -> ctypes.CDLL:
         lib.swaprl_vmm_pause.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64),
                                          ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_void_p,
                                          ctypes.c_uint64, ctypes.c_int]
-        lib.swaprl_vmm_resume.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.swaprl_vmm_resume.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         _state["lib"], _state["path"], _state["slots"] = lib, path, set()
         return lib
+
+
+def _resume_fill() -> int:
+    """The byte `SWAPRL_POOL_FILL` names (e.g. "0xff"), written over what a resume maps and the pause did not keep;
+    -1 without it."""
+    raw = os.environ.get("SWAPRL_POOL_FILL", "").strip()
+    if not raw:
+        return -1
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 255:
+        raise ValueError(f"SWAPRL_POOL_FILL={raw!r} is not a byte: set it to 0-255 (e.g. 0xff, which reads as NaN "
+                         "in bf16 and fp32) or unset it")
+    return value
 
 
 def available() -> bool:
@@ -279,9 +300,10 @@ class PausablePool:
         of memory) nothing stays mapped, the pool stays paused and raises `torch.OutOfMemoryError`."""
         if not self.paused:
             return
-        if self._lib.swaprl_vmm_resume(self.slot, self.device, self.sealed) != 0:
+        fill = _resume_fill()
+        if self._lib.swaprl_vmm_resume(self.slot, self.device, self.sealed, fill) != 0:
             torch.cuda.empty_cache()  # as torch's allocator does when cudaMalloc fails: hand back its cache, retry
-        if self.paused and self._lib.swaprl_vmm_resume(self.slot, self.device, self.sealed) != 0:
+        if self.paused and self._lib.swaprl_vmm_resume(self.slot, self.device, self.sealed, fill) != 0:
             raise torch.OutOfMemoryError(
                 f"resuming pool {self.name!r} ({self.resume_bytes} bytes) failed: "
                 f"{self._lib.swaprl_vmm_error().decode()}; free device memory and resume again (nothing was lost)")

@@ -140,6 +140,46 @@ def test_freed_blocks_are_not_copied(pool):
 
 
 @gpu
+def test_a_fill_byte_shows_what_a_pause_dropped_and_leaves_what_it_kept(pool, monkeypatch):
+    """With SWAPRL_POOL_FILL, memory a resume maps but the pause did not keep reads as the byte (NaN for 0xff in
+    fp32), so a program that reads dropped memory shows it; kept tensors come back as they were."""
+    monkeypatch.setenv("SWAPRL_POOL_FILL", "0xff")
+    dropped = kernels.PausablePool("test dropped", keep="nothing")
+    try:
+        with pool.use():
+            kept = torch.arange(4 * MiB, dtype=torch.float32, device="cuda")
+            freed = torch.zeros(4 * MiB, dtype=torch.float32, device="cuda")
+        with dropped.use():
+            lost = torch.zeros(4 * MiB, dtype=torch.float32, device="cuda")
+        freed_address = freed.data_ptr()
+        del freed
+        for p in (pool, dropped):
+            p.pause()
+            p.resume()
+        assert torch.equal(kept, torch.arange(4 * MiB, dtype=torch.float32, device="cuda"))
+        assert bool(lost.isnan().all())
+        with pool.use():
+            again = torch.empty(4 * MiB, dtype=torch.float32, device="cuda")  # the freed block, not copied
+        assert again.data_ptr() == freed_address and bool(again.isnan().all())
+        del again, lost
+    finally:
+        dropped.close()
+
+
+def test_a_fill_that_is_not_a_byte_names_the_fix(monkeypatch):
+    monkeypatch.setenv("SWAPRL_POOL_FILL", "nan")
+    with pytest.raises(ValueError, match="0-255"):
+        kernels._resume_fill()
+    monkeypatch.setenv("SWAPRL_POOL_FILL", "0x1ff")
+    with pytest.raises(ValueError, match="unset it"):
+        kernels._resume_fill()
+    monkeypatch.setenv("SWAPRL_POOL_FILL", "255")
+    assert kernels._resume_fill() == 255
+    monkeypatch.delenv("SWAPRL_POOL_FILL")
+    assert kernels._resume_fill() == -1
+
+
+@gpu
 def test_allocating_in_a_paused_pool_is_refused(pool):
     pool.pause()
     with pytest.raises(RuntimeError, match="paused: resume"):
