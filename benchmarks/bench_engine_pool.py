@@ -8,10 +8,10 @@ pools cost at wake-up.
 Two runs per model, each in a process of its own (vLLM's sleep-mode allocator is one per process): the engine with
 `release_other=True` and with `release_other=False`, both with the same CUDA-graph mode (`--cudagraph-mode`,
 default FULL_DECODE_ONLY, what VLLMEngine picks when the pools are on), level-2 sleep, the trainer
-in bf16 beside it (a random checkpoint of the preset's shape). Each run takes one optimizer step with lr=0 (the
-states exist, the weights do not move), then `--cycles` train -> generate cycles through swaprl's phases, the
-on-policy check on at every sync, and one generation per cycle with the same prompts and seed (16 prompts of 64 tokens, 4
-completions of up to 64 tokens each).
+in bf16 beside it (a random checkpoint of the preset's shape, cut to `--layers`). Each run takes one optimizer step
+with lr=0 (AdamW's states exist, the weights do not move; `--optimizer sgd` has no states), then `--cycles`
+train -> generate cycles through swaprl's phases, the on-policy check on at every sync, and one generation per cycle
+with the same prompts and seed (16 prompts of 64 tokens, 4 completions of up to 64 tokens each).
 
 Reported, per run:
 - the engine's memory while asleep as the memory profile attributes it (`engine_other` at each train phase) and
@@ -71,16 +71,20 @@ def run_one(spec_path: str) -> None:
         dist.init_process_group("nccl", device_id=local)
     floors = copy_floor(256 << 20)
     torch.cuda.empty_cache()
-    path = Path(spec["workdir"]) / spec["preset"]
+    layers = spec.get("layers")
+    path = Path(spec["workdir"]) / (spec["preset"] + (f"-{layers}l" if layers else ""))
     if not ranks or dist.get_rank() == 0:
-        write_random_checkpoint(spec["preset"], path, dtype=torch.bfloat16)
+        write_random_checkpoint(spec["preset"], path, layers=layers, dtype=torch.bfloat16)
     if ranks:
         dist.barrier()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     torch.cuda.empty_cache()
     engine = VLLMEngine(path, max_model_len=1024, release_other=spec["release_other"],
                         compilation_config={"cudagraph_mode": spec["cudagraph_mode"]})
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    # Plain SGD keeps no states: what a sleeping engine keeps does not depend on them, and at 72B-20L AdamW's
+    # would not fit one GPU beside the engine.
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0) if spec.get("optimizer", "adamw") == "adamw" \
+        else torch.optim.SGD(model.parameters(), lr=0.0)
     profile = Path(spec["result"]).with_suffix(".profile.jsonl")
     written = profile.with_name(f"{profile.stem}.rank{dist.get_rank()}{profile.suffix}") \
         if ranks and dist.get_world_size() > 1 else profile  # the profiler's file per rank
@@ -107,11 +111,11 @@ def run_one(spec_path: str) -> None:
     train_attr = [r["attribution"] for r in map(json.loads, written.read_text().splitlines())
                   if r.get("type") == "phase" and r.get("phase") == "train"]
     warm = spec["warmup"]
-    wake = {k: v for k, v in steps.items() if k.startswith("engine wake") or k == "engine sleep"}
     import vllm
 
     result = {
-        "preset": spec["preset"], "release_other": spec["release_other"], "cycles": spec["cycles"],
+        "preset": spec["preset"], "layers": layers, "optimizer": spec.get("optimizer", "adamw"),
+        "release_other": spec["release_other"], "cycles": spec["cycles"],
         "engine": {"start_s": engine.stats.get("start_s"), "footprint_bytes": engine.stats.get("footprint_bytes"),
                    "weights_bytes": engine.weights_bytes, "kv_cache_bytes": engine.kv_cache_bytes,
                    "pool_at_start_bytes": engine._other_at_start,
@@ -121,7 +125,7 @@ def run_one(spec_path: str) -> None:
         "train_device_used_bytes": used_in_train,
         "train_growth_bytes": max(used_in_train[2:]) - used_in_train[1] if len(used_in_train) > 2 else None,
         "steps": {k: {"first_s": v[0], "median_s": statistics.median(v[warm:]) if len(v) > warm else None,
-                      "n": len(v)} for k, v in wake.items()},
+                      "n": len(v)} for k, v in steps.items()},
         "generate": {"first_s": generate_s[0], "median_s": statistics.median(generate_s[warm:] or generate_s),
                      "tokens": sum(map(len, tokens[0]))},
         "cudagraph_mode": spec["cudagraph_mode"], "floor_GBps": floors, "tokens_first": tokens[0],
@@ -140,9 +144,14 @@ def run_one(spec_path: str) -> None:
 def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen2.5-1.5b")
+    ap.add_argument("--layers", type=int, default=None, help="cut the preset to this many of its layers")
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                    help="adamw (lr 0, its states exist) or sgd (no states: for models whose states do not fit)")
     ap.add_argument("--cycles", type=int, default=12)
     ap.add_argument("--baseline-cycles", type=int, default=None,
                     help="cycles of the run without the pool (default: --cycles)")
+    ap.add_argument("--pools", choices=("both", "on", "off"), default="both",
+                    help="which runs: with the pools, without them, or both (a large model's run each in a call)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY",
                     help="vLLM's cudagraph_mode for both runs (VLLMEngine's default with the pools: FULL_DECODE_ONLY)")
@@ -153,15 +162,19 @@ def main(argv=None) -> dict | None:
         return None
     args, out = started
     runs = {}
-    for release in (True, False) if args.baseline_cycles != 0 else (True,):
-        name = f"{args.preset}_{'pool' if release else 'nopool'}"
+    wanted = {"both": (True, False), "on": (True,), "off": (False,)}[args.pools]
+    for release in wanted if args.baseline_cycles != 0 else (True,):
+        name = f"{args.preset}{f'-{args.layers}l' if args.layers else ''}_{'pool' if release else 'nopool'}"
         cycles = args.cycles if release or args.baseline_cycles is None else args.baseline_cycles
-        runs[name] = result_or_say_why(__file__, {"preset": args.preset, "release_other": release, "cycles": cycles,
+        runs[name] = result_or_say_why(__file__, {"preset": args.preset, "layers": args.layers,
+                                                  "optimizer": args.optimizer, "release_other": release,
+                                                  "cycles": cycles,
                                                   "warmup": args.warmup, "workdir": args.workdir,
                                                   "cudagraph_mode": args.cudagraph_mode}, name, out, args.timeout,
                                        nproc=args.nproc)
-    summary = summarize(args.preset, runs)
-    (out / f"{args.preset}_summary.json").write_text(json.dumps(summary, indent=1))
+    label = args.preset + (f"-{args.layers}l" if args.layers else "")
+    summary = summarize(label, runs)
+    (out / f"{label}_summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return summary
 
