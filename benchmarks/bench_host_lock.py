@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
                 row[f"{part}_GBps"] = nbytes / statistics.median(p[part] for p, _ in runs) / 1e9
         rows[method] = row
         print(f"{method:24s} {row['seconds']:7.2f} s  {row['GBps']:6.2f} GB/s  floor/method {row['floor_ratio']:.2f}"
-              f"  touch {row.get('touch_GBps', float('nan')):6.2f}  register {row.get('register_GBps', float('nan')):6.2f}"
+              f"  touch {row.get('touch_GBps', float('nan')):6.2f}"
+              f"  register {row.get('register_GBps', float('nan')):6.2f}"
               f"  H2D from it {row['h2d_GBps'] or float('nan'):5.1f} GB/s {errors or ''}", flush=True)
     result = {"bench": "host_lock", "gib": args.gib, "repeats": args.repeats, "write_floor_GBps": floor,
               "methods": rows, "cpu_threads": torch.get_num_threads(), "page_size": mmap.PAGESIZE,

@@ -14,9 +14,10 @@ is on the GPU, before the first optimizer step: it sizes itself), `AdamW(fused=T
 `SwapConfig` the plan chose (`Settings.swap_config()`: the optimizer states' split, gradients, parameters, sleep
 level; gradient checkpointing only if the plan chose it), then `--cycles` GRPO cycles: generate the rollout
 (`--prompts` x `--completions`, `--prompt-tokens` + `--completion-tokens`), then `examples/grpo.py`'s loss over it
-in micro-batches of `--micro-batch` sequences and one optimizer step. The same choices go to the plan: parameters, gradients, AdamW states (torch keeps them in the
-parameters' dtype) and compute in `--dtype`, micro batch = `--micro-batch` sequences, the engine's batch limits, CUDA
-graphs off unless `--cuda-graphs` (they add minutes to the engine's start).
+in micro-batches of `--micro-batch` sequences and one optimizer step. The same choices go to the plan: parameters,
+gradients, AdamW states (torch keeps them in the parameters' dtype) and compute in `--dtype`, micro batch =
+`--micro-batch` sequences, the engine's batch limits, CUDA graphs off unless `--cuda-graphs` (they add minutes to the
+engine's start).
 
 Measured, for the last cycle (the first creates the optimizer states and page-locks the host buffers), per phase:
 the peak of the device figure, the larger of (a) NVML sampled every `--interval` s by swaprl's profiler inside the

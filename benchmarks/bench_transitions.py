@@ -9,9 +9,10 @@ train cycles (a small generation in each) and reports the median of each step af
 
 Floors: host copies (optimizer offload/reload, level-1 sleep and wake of weights) are bytes over the pinned copy
 bandwidth; the weight sync is (bytes read from the trainer + bytes written into the engine) over the device copy
-bandwidth (read + write); mapping steps (level-2 wake, KV cache wake, level-2 sleep) move no bytes and have no floor. With the optimizer
-offload overlapped with the engine's wake-up and sync (the default), "finish offload optimizer" is only the wait left
-at its end; the row "offload optimizer: copies (overlapped)" is the copies' whole span against the floor.
+bandwidth (read + write); mapping steps (level-2 wake, KV cache wake, level-2 sleep) move no bytes and have no floor.
+With the optimizer offload overlapped with the engine's wake-up and sync (the default), "finish offload optimizer" is
+only the wait left at its end; the row "offload optimizer: copies (overlapped)" is the copies' whole span against the
+floor.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@
     python benchmarks/bench_verify.py --preset qwen2.5-7b --out benchmarks/results/verify_qwen2.5-7b_h200.json
     python benchmarks/bench_verify.py --preset qwen2.5-72b --layers 20 --out benchmarks/results/verify_72b-20l_h200.json
 
-One process per model (vLLM's sleep-mode allocator is one per process). Writes a random checkpoint, loads a bf16
-trainer with plain SGD (no optimizer states: only the sync and the check move anything; `--optimizer adamw` adds
-AdamW's states, swapped to the host, whose copies run under the sync and the check as they do in a real run), builds a colocated vLLM
-engine with swaprl's defaults (the check on, no bounds), and runs `--warmup + --cycles` cycles: the engine generates
-a batch, the trainer takes a policy-gradient step on it, and the next switch syncs the moved weights, proves them
+One process per model (vLLM's sleep-mode allocator is one per process). Writes a random checkpoint, loads a bf16 trainer
+with plain SGD (no optimizer states: only the sync and the check move anything; `--optimizer adamw` adds AdamW's states,
+swapped to the host, whose copies run under the sync and the check as they do in a real run), builds a colocated vLLM
+engine with swaprl's defaults (the check on, no bounds), and runs `--warmup + --cycles` cycles: the engine generates a
+batch, the trainer takes a policy-gradient step on it, and the next switch syncs the moved weights, proves them
 bit-exact and measures the mismatch on the probe. Times are the runtime's own step times; medians after warm-up.
 
 Floors, measured in the same run: the sync is (trainer bytes read + engine bytes written) over the device copy rate

@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="vLLM: release its CUDA graphs, buffers and workspaces while it sleeps (VLLMEngine's "
                          "release_other, needs swaprl.kernels)")
     ap.add_argument("--warmup", type=int, default=2,
-                    help="steps left out of the medians (first-time costs: kernel compilations, buffers not prepared at attach)")
+                    help="steps left out of the medians (first-time costs: kernel compilations, buffers not "
+                         "prepared at attach)")
     ap.add_argument("--out", default=None, help="directory for metrics.json, profile.jsonl and the report")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-dir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"),
@@ -260,8 +261,9 @@ def main(argv: list[str] | None = None) -> dict:
     # engine's start rather than before the first step.
     rt = swaprl.attach(model, optimizer, lambda: make_engine(args, path, config, optimizer), config=config)
     engine = rt.engine
-    log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__, str(dtype).removeprefix("torch."),
-             f" computing in {args.dtype}" if args.master_weights else "", device, args.optimizer_states)
+    log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__,
+             str(dtype).removeprefix("torch."), f" computing in {args.dtype}" if args.master_weights else "", device,
+             args.optimizer_states)
 
     switch = {"s": 0.0}
     rt.add_listener(lambda e: switch.__setitem__("s", switch["s"] + e["seconds"]) if e["type"] == "phase" else None)

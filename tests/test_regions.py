@@ -34,7 +34,8 @@ def test_a_region_on_a_cpu_trainer_is_refused_with_the_reason(tiny_checkpoint):
     model = _model(tiny_checkpoint)
     rt = swaprl.attach(model, torch.optim.AdamW(model.parameters()), engine="hf")
     try:
-        with pytest.raises(RuntimeError, match=r"needs swaprl's pausable pool on a CUDA device \(the trainer is on cpu"):
+        with pytest.raises(RuntimeError,
+                           match=r"needs swaprl's pausable pool on a CUDA device \(the trainer is on cpu"):
             rt.pausable("graph", keep="nothing")
         assert "regions" not in rt.status()
     finally:

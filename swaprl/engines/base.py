@@ -121,8 +121,8 @@ def sequence_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]
     tokens before it, so padding after a sequence's end cannot change its numbers and needs no attention mask.
     One forward for the probe's 8 sequences rather than 8 (0.23-0.45 s of a 7B probe on the H100, and under FSDP2
     each forward gathers every unit); the logits of up to 8 sequences are held at once. In eval mode and without
-    gradients; the module's training mode is put back afterwards. An FSDP2 module's forward is collective: every rank must call this with the same number of
-    sequences.
+    gradients; the module's training mode is put back afterwards. An FSDP2 module's forward is collective: every
+    rank must call this with the same number of sequences.
     """
     if any(len(s) == 0 for s in sequences):
         raise ValueError("sequence_logprobs() got an empty sequence; every sequence needs at least one token (the "
