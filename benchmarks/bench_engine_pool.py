@@ -23,6 +23,11 @@ Reported, per run:
   and equal between the two runs (same tokens for the same seed, with and without the pool);
 - whether every sync's check passed.
 
+vLLM's own tokens can differ from one process to the next (at 72B's size, 20 layers: three token sets in five
+processes without the pools, benchmarks/results/engine_pool_h200_72b20l). `--repeats N` runs each kind N times and
+the summary then says whether every pooled run's tokens are those of some unpooled run (`pool_tokens_among_unpooled`,
+with `token_sets` numbering the distinct ones).
+
 `--nproc N` runs each as N ranks under torchrun, one engine per GPU (TP 1), with the default process group started
 as examples/grpo.py starts it, its device bound (`init_process_group(device_id=...)`): then torch creates each new
 process group's NCCL communicator at once, and vLLM makes several while it starts (`compat.torch.lazy_new_groups`
@@ -152,6 +157,9 @@ def main(argv=None) -> dict | None:
                     help="cycles of the run without the pool (default: --cycles)")
     ap.add_argument("--pools", choices=("both", "on", "off"), default="both",
                     help="which runs: with the pools, without them, or both (a large model's run each in a call)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run each this many times, each in a process of its own: at 72B's size vLLM's tokens differ "
+                         "between processes, so the pooled runs' tokens are compared with every unpooled run's")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY",
                     help="vLLM's cudagraph_mode for both runs (VLLMEngine's default with the pools: FULL_DECODE_ONLY)")
@@ -163,16 +171,18 @@ def main(argv=None) -> dict | None:
     args, out = started
     runs = {}
     wanted = {"both": (True, False), "on": (True,), "off": (False,)}[args.pools]
-    for release in wanted if args.baseline_cycles != 0 else (True,):
-        name = f"{args.preset}{f'-{args.layers}l' if args.layers else ''}_{'pool' if release else 'nopool'}"
-        cycles = args.cycles if release or args.baseline_cycles is None else args.baseline_cycles
-        runs[name] = result_or_say_why(__file__, {"preset": args.preset, "layers": args.layers,
-                                                  "optimizer": args.optimizer, "release_other": release,
-                                                  "cycles": cycles,
-                                                  "warmup": args.warmup, "workdir": args.workdir,
-                                                  "cudagraph_mode": args.cudagraph_mode}, name, out, args.timeout,
-                                       nproc=args.nproc)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: give 1 or more")
     label = args.preset + (f"-{args.layers}l" if args.layers else "")
+    for release in wanted if args.baseline_cycles != 0 else (True,):
+        cycles = args.cycles if release or args.baseline_cycles is None else args.baseline_cycles
+        for repeat in range(args.repeats):
+            name = f"{label}_{'pool' if release else 'nopool'}{f'_{repeat + 1}' if repeat else ''}"
+            runs[name] = result_or_say_why(__file__, {"preset": args.preset, "layers": args.layers,
+                                                      "optimizer": args.optimizer, "release_other": release,
+                                                      "cycles": cycles, "warmup": args.warmup,
+                                                      "workdir": args.workdir, "cudagraph_mode": args.cudagraph_mode},
+                                           name, out, args.timeout, nproc=args.nproc)
     summary = summarize(label, runs)
     (out / f"{label}_summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
@@ -195,6 +205,15 @@ def summarize(preset: str, runs: dict) -> dict:
                      "other_stats": r["engine"]["other_stats"], "cudagraph_mode": r["cudagraph_mode"]}
     if pool and plain:
         out["tokens_equal_with_and_without_pool"] = pool["tokens_first"] == plain["tokens_first"]
+        # With --repeats: the distinct token lists of all runs, and whether each pooled run's is an unpooled run's.
+        pooled = [r["tokens_first"] for n, r in runs.items() if r and n.startswith(f"{preset}_pool")]
+        unpooled = [r["tokens_first"] for n, r in runs.items() if r and n.startswith(f"{preset}_nopool")]
+        sets: list = []
+        for tokens in pooled + unpooled:
+            if tokens not in sets:
+                sets.append(tokens)
+        out["token_sets"] = {"pool": [sets.index(t) for t in pooled], "nopool": [sets.index(t) for t in unpooled]}
+        out["pool_tokens_among_unpooled"] = all(t in unpooled for t in pooled)
         h2d = pool["floor_GBps"]["h2d"]
         kept = pool["engine"]["other_stats"].get("other_kept_bytes", 0)
         out["pool_resume_floor_s"] = kept / (h2d * 1e9)

@@ -324,3 +324,24 @@ def test_under_torchrun_with_a_bound_device_the_sleeping_engine_still_keeps_almo
     # because vLLM's start handed the trainer's cached blocks back to the driver (836 MiB here, once).
     assert s["pool"]["asleep_engine_other_MiB_max"] > 0, s["pool"]
     assert s["pool"]["tokens_same_every_cycle"] and s["pool"]["checks_passed"], s["pool"]
+
+
+def test_the_engine_pool_bench_compares_pooled_tokens_with_every_unpooled_run(monkeypatch):
+    """At 72B's size vLLM's tokens differ from one process to the next, pools or not: with --repeats the summary says
+    whether each pooled run's tokens are those of some unpooled run, not only of the first."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_engine_pool
+
+    def run(tokens):
+        return {"asleep_engine_other_bytes": [MiB], "train_growth_bytes": 0, "cycles": 2, "checks": 2,
+                "tokens_same_every_cycle": True, "checks_passed": True, "steps": {}, "generate": {},
+                "engine": {"other_stats": {"other_kept_bytes": 0}}, "cudagraph_mode": "FULL_DECODE_ONLY",
+                "tokens_first": tokens, "floor_GBps": {"h2d": 50.0}}
+
+    runs = {"m_pool": run([[1]]), "m_pool_2": run([[2]]), "m_nopool": run([[2]]), "m_nopool_2": run([[1]])}
+    s = bench_engine_pool.summarize("m", runs)
+    assert not s["tokens_equal_with_and_without_pool"]  # the first pair differs
+    assert s["pool_tokens_among_unpooled"] and s["token_sets"] == {"pool": [0, 1], "nopool": [1, 0]}
+    runs["m_pool_3"] = run([[3]])
+    s = bench_engine_pool.summarize("m", runs)
+    assert not s["pool_tokens_among_unpooled"] and s["token_sets"]["pool"] == [0, 1, 2]
