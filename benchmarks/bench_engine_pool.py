@@ -23,7 +23,7 @@ Reported, per run:
   and equal between the two runs (same tokens for the same seed, with and without the pool);
 - whether every sync's check passed.
 
-vLLM's own tokens can differ from one process to the next (at 72B's size, 20 layers: three token sets in five
+vLLM's own tokens can differ from one process to the next (at 72B's size, 20 layers: three token sets in nine
 processes without the pools, benchmarks/results/engine_pool_h200_72b20l). `--repeats N` runs each kind N times and
 the summary then says whether every pooled run's tokens are those of some unpooled run (`pool_tokens_among_unpooled`,
 with `token_sets` numbering the distinct ones).
