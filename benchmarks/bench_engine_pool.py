@@ -59,6 +59,11 @@ PROMPTS = [[(31 * i + 7 * j) % 500 + 1 for j in range(64)] for i in range(16)]
 SAMPLING = dict(max_tokens=64, n=4, temperature=1.0, seed=7)
 
 
+def label(preset: str, layers: int | None) -> str:
+    """The model's name in file names: the preset, and its depth when cut ("qwen2.5-72b-20l")."""
+    return preset + (f"-{layers}l" if layers else "")
+
+
 def run_one(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from transformers import AutoModelForCausalLM
@@ -77,7 +82,7 @@ def run_one(spec_path: str) -> None:
     floors = copy_floor(256 << 20)
     torch.cuda.empty_cache()
     layers = spec.get("layers")
-    path = Path(spec["workdir"]) / (spec["preset"] + (f"-{layers}l" if layers else ""))
+    path = Path(spec["workdir"]) / label(spec["preset"], layers)
     if not ranks or dist.get_rank() == 0:
         write_random_checkpoint(spec["preset"], path, layers=layers, dtype=torch.bfloat16)
     if ranks:
@@ -173,18 +178,18 @@ def main(argv=None) -> dict | None:
     wanted = {"both": (True, False), "on": (True,), "off": (False,)}[args.pools]
     if args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: give 1 or more")
-    label = args.preset + (f"-{args.layers}l" if args.layers else "")
+    model = label(args.preset, args.layers)
     for release in wanted if args.baseline_cycles != 0 else (True,):
         cycles = args.cycles if release or args.baseline_cycles is None else args.baseline_cycles
         for repeat in range(args.repeats):
-            name = f"{label}_{'pool' if release else 'nopool'}{f'_{repeat + 1}' if repeat else ''}"
+            name = f"{model}_{'pool' if release else 'nopool'}{f'_{repeat + 1}' if repeat else ''}"
             runs[name] = result_or_say_why(__file__, {"preset": args.preset, "layers": args.layers,
                                                       "optimizer": args.optimizer, "release_other": release,
                                                       "cycles": cycles, "warmup": args.warmup,
                                                       "workdir": args.workdir, "cudagraph_mode": args.cudagraph_mode},
                                            name, out, args.timeout, nproc=args.nproc)
-    summary = summarize(label, runs)
-    (out / f"{label}_summary.json").write_text(json.dumps(summary, indent=1))
+    summary = summarize(model, runs)
+    (out / f"{model}_summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return summary
 
