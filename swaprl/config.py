@@ -128,46 +128,55 @@ class SwapConfig:
     must stop when the mismatch grows past what its importance-sampling correction is tuned for."""
 
     def __post_init__(self) -> None:
-        if self.grads not in GRAD_POLICIES:
-            raise ValueError(f"SwapConfig.grads={self.grads!r}; use one of {GRAD_POLICIES}")
-        if self.params not in PARAM_POLICIES:
-            raise ValueError(f"SwapConfig.params={self.params!r}; use one of {PARAM_POLICIES}")
+        # Every field's type first, naming the field: a wrong type must not surface later as a bare comparison error
+        # (`'<' not supported`) or pass as something else (True is an int, NaN compares false with everything).
+        _choice("grads", self.grads, GRAD_POLICIES)
+        _choice("params", self.params, PARAM_POLICIES)
         if isinstance(self.optimizer_states, Mapping):
             self.optimizer_states = _check_split(self.optimizer_states)
-        elif self.optimizer_states not in ("auto", *OPTIMIZER_STATES):
+        elif not isinstance(self.optimizer_states, str) or self.optimizer_states not in ("auto", *OPTIMIZER_STATES):
             raise ValueError(f"SwapConfig.optimizer_states={self.optimizer_states!r}; use 'auto' (on the device what "
                              "fits beside the engine, the rest swapped), 'swap' (states on the device for 'train', in "
                              "host memory for 'generate'), 'host' (always in host memory, streamed through the device "
                              "by optimizer.step()) or a split such as {'device': 0.2, 'swap': 0.5, 'host': 0.3}")
-        if isinstance(self.stream_chunk_bytes, bool) or not isinstance(self.stream_chunk_bytes, int):
-            raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes!r}; give a byte count as an int, "
-                             "e.g. 2**30")
+        _byte_count("stream_chunk_bytes", self.stream_chunk_bytes, "e.g. 2**30")
         if self.stream_chunk_bytes < 2**20:
             raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes} is under 1 MiB; chunks that "
                              "small make the streamed step launch-bound: use 256 MiB or more")
+        for name in ("pin_memory", "overlap_optimizer_reload", "overlap_offload", "verify_sync"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"SwapConfig.{name}={value!r}; give True or False")
         if self.optimizer_states != "auto" and self.state_split()["swap"] == 0 and self.overlap_optimizer_reload:
             raise ValueError(f"SwapConfig(optimizer_states={self.optimizer_states!r}, overlap_optimizer_reload=True): "
                              "no state is swapped, so there is no reload to overlap (host-resident states never "
                              "come back for 'train': the streamed optimizer.step() overlaps its own copies); drop "
                              "overlap_optimizer_reload")
-        if self.sleep_level not in SLEEP_LEVELS:
+        if isinstance(self.sleep_level, bool) or self.sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"SwapConfig.sleep_level={self.sleep_level!r}; use 1, 2 or 'auto'")
-        if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
-            raise ValueError(f"SwapConfig.host_budget_bytes={self.host_budget_bytes} is negative; "
-                             "give a byte count, or None to use what the OS reports available")
-        if self.host_margin_bytes < 0:
-            raise ValueError(f"SwapConfig.host_margin_bytes={self.host_margin_bytes} is negative")
+        if self.host_budget_bytes is not None:
+            _byte_count("host_budget_bytes", self.host_budget_bytes,
+                        "or None to use what the OS reports available")
+        _byte_count("host_margin_bytes", self.host_margin_bytes, "e.g. 4 * 2**30")
+        _byte_count("sync_bucket_bytes", self.sync_bucket_bytes, "e.g. 512 * 2**20")
         if self.sync_bucket_bytes < 2**20:
             raise ValueError(f"SwapConfig.sync_bucket_bytes={self.sync_bucket_bytes} is under 1 MiB; "
                              "buckets that small make the weight sync launch-bound: use 64 MiB or more")
+        if self.profile is not None and not isinstance(self.profile, str | os.PathLike):
+            raise ValueError(f"SwapConfig.profile={self.profile!r}; give the path of the profile to write (a str or "
+                             "a pathlib.Path), or None for no profile")
         if self.verify_tolerance is not None:
             bounds = self.verify_tolerance
             if (not isinstance(bounds, tuple | list) or len(bounds) != 2
-                    or not all(isinstance(b, int | float) and b > 0 for b in bounds)):
+                    or not all(_finite_number(b) and b > 0 for b in bounds)):
                 raise ValueError(f"SwapConfig.verify_tolerance={bounds!r}; give (max, mean) as two positive "
                                  "numbers, e.g. (0.5, 0.12), or None for the defaults")
-        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"SwapConfig.gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]")
+            self.verify_tolerance = (float(bounds[0]), float(bounds[1]))
+        if self.gpu_memory_utilization is not None:
+            value = self.gpu_memory_utilization
+            if not _finite_number(value) or not 0.0 < value <= 1.0:
+                raise ValueError(f"SwapConfig.gpu_memory_utilization={value!r} is outside (0, 1]; give a fraction, "
+                                 "e.g. 0.5, or None to size the engine from the free memory")
 
     def state_split(self) -> dict[str, float]:
         """The optimizer states' fractions by home, {"device": d, "swap": s, "host": h}; "swap" is {"swap": 1.0}, and
@@ -176,6 +185,23 @@ class SwapConfig:
             named = "swap" if self.optimizer_states == "auto" else self.optimizer_states
             return {home: float(home == named) for home in STATE_HOMES}
         return dict(self.optimizer_states)
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"SwapConfig.{name}={value!r}; use one of {choices}")
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _byte_count(name: str, value: object, example: str) -> None:
+    """Refuse anything but a non-negative int (bools, floats, NaN and strings included), naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"SwapConfig.{name}={value!r}; give a byte count as an int, {example}")
+    if value < 0:
+        raise ValueError(f"SwapConfig.{name}={value} is negative; give a byte count, {example}")
 
 
 def _check_split(split: Mapping[str, float]) -> dict[str, float]:
@@ -188,7 +214,7 @@ def _check_split(split: Mapping[str, float]) -> dict[str, float]:
     out = {}
     for home in STATE_HOMES:
         value = split.get(home, 0.0)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        if not _finite_number(value) or not 0.0 <= value <= 1.0:
             raise ValueError(f"SwapConfig.optimizer_states[{home!r}]={value!r}; give a fraction in [0, 1] of the "
                              f"states' bytes, {example}")
         out[home] = float(value)
