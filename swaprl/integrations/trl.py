@@ -395,7 +395,8 @@ def sync_metrics(report) -> dict[str, float]:
     """The last sync's check as flat numbers for a training log ({} before the first sync)."""
     if report is None:
         return {}
-    out = {"swaprl/weights_exact": float(report.weights == "exact"), "swaprl/verify_seconds": report.verify_seconds}
+    out = {"swaprl/weights_exact": float(report.weights == "exact"),
+           "swaprl/weights_unreadable": float(len(report.unreadable)), "swaprl/verify_seconds": report.verify_seconds}
     if report.sync_seconds is not None:
         out["swaprl/sync_seconds"] = report.sync_seconds
     if report.mismatch is not None:

