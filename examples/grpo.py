@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import swaprl
 from swaprl import memory
+from swaprl.profile import attach_profiler
 from swaprl.config import parse_optimizer_states
 
 log = logging.getLogger("grpo")
@@ -255,11 +256,12 @@ def main(argv: list[str] | None = None) -> dict:
                                overlap_optimizer_reload=swapped,
                                host_budget_bytes=(int(args.host_budget_gib * 2**30) if args.host_budget_gib
                                                   else None),
-                               gpu_memory_utilization=args.gpu_memory_utilization,
-                               profile=(out / "profile.jsonl") if out else None)
+                               gpu_memory_utilization=args.gpu_memory_utilization)
     # Built by attach, once the host buffers have started page-locking in the background: the locking runs under the
     # engine's start rather than before the first step.
     rt = swaprl.attach(model, optimizer, lambda: make_engine(args, path, config, optimizer), config=config)
+    # Closed before the report is written, whether or not the runtime is detached at the end.
+    profiler = attach_profiler(rt, out / "profile.jsonl") if out else None
     engine = rt.engine
     log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__,
              str(dtype).removeprefix("torch."), f" computing in {args.dtype}" if args.master_weights else "", device,
@@ -317,6 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
                  rollout_tokens, mean_reward, f", weights {sync['weights']}, mismatch max|dlogp| {check:.3g}"
                  if check is not None else "")
+    if profiler is not None:
+        profiler.close()
     if rt.config.state_split()["host"] == 0:
         swaprl.detach()
     # else: detach() would bring the host-resident states back to the GPU for plain torch, and they were put on the
