@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -119,6 +120,9 @@ class Runtime:
         self._synced: tuple[float, int] | None = None  # the last sync's seconds and bytes, for its report
         self._regions: list = []  # swaprl.kernels.PausablePool: the trainer's memory paused in generate
         self._restore = Undo("attach")  # what detach() reverts (and a failed attach, at once)
+        self._unsettled: str | None = None  # what a failed rollback left out of place; the next phase entry fixes it
+        self._owner: threading.Thread | None = None  # the thread inside a `with phase(...)` block, if any
+        self._owner_lock = threading.Lock()
 
     def _bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               engine: Engine | Callable[[], Engine]) -> None:
@@ -154,7 +158,7 @@ class Runtime:
         config = self.config
         if why:
             logger.info("optimizer_states='auto': %s", why)
-        self._placement = placement = Placement(model, optimizer, self.device, config,
+        self._placement = placement = Placement(model, optimizer, self.device, config, auto=self._auto_states,
                                                 on_streamed_step=self._on_streamed_step)
         built = Undo("the engine attach built")  # closed if attach then fails; kept (the caller's) once attached
         with self._restore.on_error(), built.on_error():
@@ -179,7 +183,7 @@ class Runtime:
             self._verifier = None if engine.shares_trainer_weights else Verifier(model, engine,
                                                                                   bounds=config.verify_tolerance)
             engine.bind(model)
-            self._restore.push(optimizer.register_step_pre_hook(lambda *_: placement.check_step(self._phase)).remove)
+            self._restore.push(optimizer.register_step_pre_hook(lambda *_: self._check_step()).remove)
             self._restore.push(optimizer.register_state_dict_pre_hook(lambda opt: self.wait_reload()).remove)
             steps = []
             if placement.streamer is not None:
@@ -209,24 +213,52 @@ class Runtime:
         self._check_bound()
         if name not in PHASES:
             raise PhaseError(f"unknown phase {name!r}; use one of {PHASES}")
-        previous = self._phase
-        self._transition(previous, name)
-        self._depth += 1
+        with self._owning():
+            if self._unsettled is not None and name == self._phase:  # a switch to the other phase completes it too
+                self._settle()
+            previous = self._phase
+            self._transition(previous, name)
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+                self._transition(name, previous)
+
+    @contextlib.contextmanager
+    def _owning(self) -> Iterator[None]:
+        """Hold the phases for this thread until its outermost `with phase(...)` block ends; another thread entering
+        one meanwhile is refused (its switch would move memory under this thread's block)."""
+        me = threading.current_thread()
+        with self._owner_lock:
+            owner = self._owner
+            if owner is not None and owner is not me:
+                raise PhaseError(f"phase() entered from thread {me.name!r} while thread {owner.name!r} is inside a "
+                                 f"`with phase(...)` block (phase {self._phase!r}): switches move the memory that "
+                                 "block uses. Enter phases from one thread (the training loop's), or wait for that "
+                                 "block to end")
+            self._owner = me
         try:
-            yield self
+            yield
         finally:
-            self._depth -= 1
-            self._transition(name, previous)
+            if owner is None:
+                self._owner = None
 
     def status(self) -> dict:
         """Where each resource is and how many device bytes it holds now, plus the device and host totals."""
         if self._unbound is not None:  # (after detach() it still answers: everything is back)
             raise PhaseError(f"this runtime has no trainer yet: {self._unbound}")
         out: dict = {"phase": self._phase, "cycle": self._cycle, "device": str(self.device)}
+        if self._unsettled is not None:
+            out["unsettled"] = self._unsettled
         out.update(self._placement.status())
         if self._regions:
             out["regions"] = regions.status(self._regions)
         out["engine"] = self.engine.memory()
+        if self.last_sync is not None:
+            last = self.last_sync
+            out["last_sync"] = {"cycle": last.cycle, "weights": last.weights, "checked": last.checked,
+                                "unreadable": len(last.unreadable), "differing": len(last.differing)}
         if self.device.type == "cuda":
             out["device_memory"] = memory.device_figures(self.device)
         return out
@@ -337,19 +369,21 @@ class Runtime:
         try:
             moved = self._run_steps(f"{src}->{dst}", steps)
         except torch.OutOfMemoryError as exc:
-            # "auto" measured at attach what fits beside the engine; the first generation and the first optimizer
-            # step add to both sides (7B under TRL: 2.8 GiB). Rolled back already: swap more, and go again.
+            # "auto" measured at attach what fits beside the engine; training adds what attach could not see (DDP's
+            # buckets, FSDP2's buffers, the allocator's cache): the wake-up found it out, before mapping anything.
+            # Rolled back exactly already: swap more, and go again. Every rank does the same, or none does.
             short = getattr(exc, "short_bytes", 0)
-            if dst != "generate" or not self._auto_states or not short:
+            if dst != "generate" or not self._placement.auto or not short or self._unsettled is not None:
                 raise
             freed = self._placement.demote(short + 2**28)
-            if not freed:
+            if not distributed.all_reduce([freed], "min")[0]:
                 raise
             logger.warning("optimizer_states='auto': the engine's wake-up lacked %.2f GiB; %.2f GiB more of the "
                            "optimizer states are swapped from now on", memory.gib(short), memory.gib(freed))
             self._emit({"type": "demote", "short_bytes": short, "bytes": freed})
             moved = self._run_steps(f"{src}->{dst}", self._to_generate())
         self._phase = dst
+        self._unsettled = None  # every step of the switch moved what was out of place for `dst`
         if dst == "generate":
             self._cycle += 1
         seconds = time.perf_counter() - start
@@ -363,6 +397,23 @@ class Runtime:
             # trains on those rollouts, in train, where leaving the `generate` block puts it.
             raise_if_failed(judged)
         return moved
+
+    def _settle(self) -> None:
+        """Complete the moves a failed rollback left undone, for the phase the runtime is in: each step of a switch
+        into it only moves what is not where that phase wants it, and the engine's sleep and wake-up leave parts
+        already so as they are."""
+        what = self._unsettled
+        logger.warning("completing the moves a failed rollback left (%s)", what)
+        steps = self._to_generate() if self._phase == "generate" else self._to_train()
+        try:
+            self._run_steps(f"settle {self._phase}", steps)
+        except BaseException as exc:
+            exc.add_note(f"swaprl: the runtime could not complete what a failed rollback left ({what}); it stays "
+                         f"in phase {self._phase!r}. Fix the cause (free device memory for an out-of-memory error) "
+                         "and enter a phase again, or detach()")
+            raise
+        self._unsettled = None
+        logger.info("the runtime is settled in phase %r again", self._phase)
 
     def _run_steps(self, transition: str, steps: list[_Step]) -> int:
         undo = Undo(transition)
@@ -394,7 +445,17 @@ class Runtime:
                            type(exc).__name__, len(undo))
             self._emit({"type": "error", "transition": transition, "step": current,
                         "error": f"{type(exc).__name__}: {exc}"[:500]})
-            undo.run()
+            failed = undo.run()
+            if failed:
+                # Where each resource is stays recorded as it is (status() tells it); the next phase entry moves
+                # what is out of place for the phase the runtime is in.
+                self._unsettled = f"the rollback of {transition} could not undo {'; '.join(failed)}"
+                exc.add_note(f"swaprl: {self._unsettled}. The runtime stays in phase {self._phase!r} with that "
+                             "left out of place (runtime.status() shows where everything is); the next "
+                             "`with swaprl.phase(...)` completes the moves once the cause is fixed (free device "
+                             "memory first for an out-of-memory error)")
+            elif self.device.type == "cuda":
+                torch.cuda.empty_cache()  # what the undone steps freed goes back to the driver, as before the switch
             raise
         for commit in committed:
             commit()
@@ -409,7 +470,11 @@ class Runtime:
         # memory is released before the KV cache is mapped either way.
         room = place.engine_room(engine.weights_bytes + cfg.sync_bucket_bytes) \
             if separate and cfg.overlap_offload else None
-        offloads = (["optimizer"] if place.swaps_states else []) + (["grads"] if cfg.grads == "offload" else [])
+        # Only what is on the device: a switch into the phase the runtime is in already completes what a failed
+        # rollback left (`_settle`) and moves nothing twice.
+        offloads = [name for name in (["optimizer"] if place.swaps_states else []) + (["grads"] if cfg.grads ==
+                                                                                        "offload" else [])
+                    if place.location(name) == "device"]
         steps = []
         if self._regions:  # first: their memory is free before anything else needs room
             steps.append(_Step("pause regions", lambda: regions.pause(self._regions),
@@ -420,7 +485,7 @@ class Runtime:
                                    lambda n=name: place.cancel_offload(n), blocking=False))
             else:
                 steps.append(_Step(f"offload {name}", lambda n=name: place.offload(n), lambda n=name: place.reload(n)))
-        if cfg.grads == "free":
+        if cfg.grads == "free" and place.location("grads") == "device":
             steps.append(_Step("free grads", place.free_grads, place.restore_grads, place.keep_grads_freed))
         if room != "free now":
             # Hands freed blocks to the driver for the engine; it also waits for every stream (the offload's
@@ -436,7 +501,8 @@ class Runtime:
         if room:
             steps += [_Step(f"finish offload {name}", lambda n=name: place.finish_offload(n),
                             lambda n=name: place.reload(n), started_by=f"start offload {name}") for name in offloads]
-        if cfg.params == "offload":  # only with an engine of its own weights (attach refuses it otherwise)
+        # params="offload" only with an engine of its own weights (attach refuses it otherwise)
+        if cfg.params == "offload" and place.location("params") == "device":
             steps.append(_Step("offload params", lambda: place.offload("params"), lambda: place.reload("params")))
         if separate:
             steps += [_Step("release cached memory", place.release_cache),  # the sync's buckets, the state just moved
@@ -527,6 +593,17 @@ class Runtime:
         self._judged = report  # bounds set by the user are applied once the switch to train stands
 
     # ---------------------------------------------------------------- helpers
+    def _check_step(self) -> None:
+        """`optimizer.step()`'s pre-hook: refuse a step that would not find the states where it needs them."""
+        place = self._placement
+        if (self._unsettled is not None and self._phase == "train" and place.swaps_states
+                and place.location("optimizer") != "device"):
+            raise PhaseError(f"optimizer.step() in phase 'train' found optimizer states in host memory: "
+                             f"{self._unsettled}. Enter `swaprl.phase('train')` again (a nested `with` block is "
+                             "enough): it brings them back; free device memory first if the cause was an "
+                             "out-of-memory error")
+        self._placement.check_step(self._phase)
+
     def _on_streamed_step(self, info: dict) -> None:
         self._emit({"type": "step", "transition": "optimizer.step", "step": "stream optimizer states", **info})
 

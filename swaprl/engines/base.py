@@ -84,8 +84,10 @@ class Engine(abc.ABC):
         rank of a tensor-parallel engine sums its shards with the others'."""
         return None
 
-    def sleep(self, level: int) -> None:
-        """Release device memory: level 1 keeps the weights in host memory, level 2 discards them."""
+    def sleep(self, level: int, tags: Sequence[MemoryTag] | None = None) -> None:
+        """Release the named parts' device memory (all of them when `tags` is None): level 1 keeps the weights in
+        host memory, level 2 discards them. Parts asleep already stay as they are, so a staged wake-up undone
+        halfway (the weights awake, the KV cache not) sleeps again exactly. The runtime calls it without `tags`."""
 
     def wake(self, tags: Sequence[MemoryTag] | None = None) -> None:
         """Bring back the named parts of the engine's memory (all of them when `tags` is None)."""

@@ -57,6 +57,7 @@ from .base import Engine, EngineStateError, MemoryTag, Sampling
 
 logger = logging.getLogger(__name__)
 
+_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache")
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
@@ -335,26 +336,33 @@ class VLLMEngine(Engine):
         self.stats["warm_log_probs_s"] = time.perf_counter() - start
 
     # ---------------------------------------------------------------- sleep / wake
-    def sleep(self, level: int) -> None:
+    def sleep(self, level: int, tags: Sequence[MemoryTag] | None = None) -> None:
         if level not in (1, 2):
             raise ValueError(f"sleep level {level}; use 1 (keep weights in host memory) or 2 (discard them)")
-        if self._sleeping:
+        want = {t for t in (tags or _TAGS) if t not in self._sleeping}
+        if not want:  # asleep already: as it was put to sleep
+            return
+        if want != set(_TAGS) - self._sleeping:
+            raise EngineStateError(f"the vLLM engine cannot put its {' and '.join(sorted(want))} to sleep while its "
+                                   f"{' and '.join(sorted(set(_TAGS) - self._sleeping - want))} stays awake; sleep "
+                                   "the whole engine (tags=None)")
+        free0 = self._free(settled=True)
+        if self._sleeping:  # woken in part (a staged wake-up undone halfway): vLLM's own sleep would do nothing
+            vllm_compat.sleep_partly_awake(self.llm, level)
+        else:
+            self.llm.sleep(level=level)
+        self._sleeping = set(_TAGS)
+        if "weights" in want:
+            self._level = level
             if level == 2:
                 self._weights_valid = False
-            return
-        free0 = self._free(settled=True)
-        self.llm.sleep(level=level)
-        self._sleeping = {"weights", "kv_cache"}
-        self._level = level
-        if level == 2:
-            self._weights_valid = False
-        if self.other is not None:
+        if self.other is not None and not self.other.paused:  # paused already while the KV cache slept
             self.other.pause()
             self.stats.update({f"other_{k}": v for k, v in self.other.stats.items()})
         self.stats["freed_bytes"] = self._free() - free0
 
     def wake(self, tags: Sequence[MemoryTag] | None = None) -> None:
-        want = [t for t in (tags or ("weights", "kv_cache")) if t in self._sleeping]
+        want = [t for t in (tags or _TAGS) if t in self._sleeping]
         if not want:
             return
         if "kv_cache" in want and "weights" in self._sleeping and "weights" not in want:

