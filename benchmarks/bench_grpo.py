@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "beside the engine, which is nothing in c, whose engine takes what the states leave; "
                          "'host': states stay in host memory and optimizer.step() streams them through the GPU; "
                          "TRL alone has no such mode)")
+    ap.add_argument("--swap-config", default="bench", choices=["bench", "defaults"],
+                    help="way b's SwapConfig: 'bench' (the one this docstring names, with --optimizer-states) or "
+                         "'defaults' (SwapConfig() as a new user leaves it)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
@@ -321,16 +324,20 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         from swaprl.integrations.trl import wrap
 
         states, bounds = spec["optimizer_states"], spec["verify_tolerance"]
-        t0 = time.perf_counter()
-        rt = wrap(trainer, config=swaprl.SwapConfig(
+        config = swaprl.SwapConfig() if spec.get("swap_config") == "defaults" else swaprl.SwapConfig(
             verify_sync=True, grads="free", optimizer_states=states, overlap_optimizer_reload=states != "host",
-            verify_tolerance=tuple(float(x) for x in bounds.split(",")) if bounds else None))
+            verify_tolerance=tuple(float(x) for x in bounds.split(",")) if bounds else None)
+        t0 = time.perf_counter()
+        rt = wrap(trainer, config=config)
         wrap_s = time.perf_counter() - t0
         rt.add_listener(lambda e: setattr(sampler, "phase", ENGINE_STEPS[e["step"]])
                         if e["type"] == "step" and e["step"] in ENGINE_STEPS else None)
         rt.add_listener(lambda e: acc.__setitem__("switch", acc["switch"] + e["seconds"])
                         if e["type"] == "phase" else None)
         rt.add_listener(floor.on_event)
+        rt.add_listener(lambda e: acc.setdefault("demotes", []).append({k: e[k] for k in ("short_bytes", "bytes")})
+                        if e["type"] == "demote" else None)
+        rt.add_listener(lambda e: acc.setdefault("syncs", []).append(e["weights"]) if e["type"] == "sync" else None)
 
     steps: list[dict] = []
 
@@ -362,7 +369,10 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         extra["floor_GBps"] = floor.gbps
     if rt is not None:
         extra["last_sync_max_abs_diff"] = rt.last_sync.max_abs_diff if rt.last_sync else None
-        extra["optimizer_states"] = rt.config.optimizer_states  # what "auto" chose
+        extra["optimizer_states"] = rt.config.optimizer_states  # what "auto" chose at attach
+        extra["optimizer_homes"] = rt.status()["optimizer_homes"]  # ... and the bytes of each home at the end
+        extra["demotes"] = acc.get("demotes", [])  # wake-ups that lacked room and the states swapped for them
+        extra["weights"] = acc.get("syncs", [])  # the check's verdict at each sync
         if spec["optimizer_states"] != "host":
             rt.detach()
         # else: as in examples/grpo.py, detach() would bring the states back to the GPU for plain torch, and they
@@ -606,7 +616,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "completions": args.completions or completions, "max_tokens": args.max_tokens or max_tokens,
                 "prompt_tokens": 8 if args.smoke else args.prompt_tokens,
                 "micro_batch": 4 if args.smoke else args.micro_batch, "param_dtype": args.param_dtype,
-                "lr": args.lr, "optimizer_states": args.optimizer_states,
+                "lr": args.lr, "optimizer_states": args.optimizer_states, "swap_config": args.swap_config,
                 "verify_tolerance": args.verify_tolerance,
                 "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
                 "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir,
@@ -644,7 +654,8 @@ def main(argv: list[str] | None = None) -> dict:
                 switch_measured=way != "a" or not args.smoke,  # TRL without vLLM has no switch to time
                 extra={k: r.get(k) for k in ("torch_max_reserved_bytes", "last_sync_max_abs_diff", "engine",
                                              "wall_s", "floor_GBps", "wrap_s", "optimizer_states",
-                                             "peak_device_bytes_by_phase", "peak_device_bytes_per_rank", "world_size")})
+                                             "peak_device_bytes_by_phase", "peak_device_bytes_per_rank", "world_size",
+                                             "optimizer_homes", "demotes", "weights")})
     base_a = ways.get("a", {})
     if args.spread and base_a.get("ok"):
         log.info("way a again, for the run-to-run spread of its losses")

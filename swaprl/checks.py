@@ -7,6 +7,7 @@ import torch
 from .compat import torch as torch_compat
 from .compat.torch import local_tensor
 from .config import SwapConfig
+from .memory import default_reserve_bytes, gib
 from .distributed import is_fsdp2
 from .engines.base import Engine
 
@@ -28,7 +29,7 @@ def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, conf
         raise ValueError(f"{len(foreign)} optimizer parameter(s) are not parameters of the model ({listed}); build "
                          "the optimizer from this model's parameters, e.g. AdamW(model.parameters()), after any "
                          "wrapping or moving of the model")
-    model_device(model)
+    check_trainable(model, model_device(model))
     if config.params == "offload" and is_fsdp2(model):
         # FSDP2 all-gathers from a padded buffer of its own (FSDPParam._sharded_param_data) of which the parameter's
         # shard is a view: moving the shard would free nothing, and the optimizer would update a copy FSDP never
@@ -61,3 +62,24 @@ def model_device(model: torch.nn.Module) -> torch.device:
         raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}; swaprl drives one "
                          "device per process: move the model to one device (or shard it with FSDP2)")
     return devices.pop()
+
+
+def check_trainable(model: torch.nn.Module, device: torch.device) -> None:
+    """Refuse, before anything moves, a trainer that cannot take a single step on its device whatever swaprl moves:
+    its parameters and their gradients alone (both on the device while training, the gradients made by every
+    backward) leave less than the reserve, even with every optimizer state in host memory."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.mem_get_info(device)[1]
+    params = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters())
+    grads = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters()
+                if p.requires_grad)
+    reserve = default_reserve_bytes(total)
+    if params + grads + reserve > total:
+        raise ValueError(
+            f"this trainer cannot train on {device} at all: its parameters ({gib(params):.2f} GiB) and their "
+            f"gradients ({gib(grads):.2f} GiB) with the {gib(reserve):.2f} GiB reserve for activations need "
+            f"{gib(params + grads + reserve):.2f} GiB of the device's {gib(total):.2f} GiB, before any optimizer "
+            "state (which SwapConfig(optimizer_states='host') would keep in host memory). Shard the model over more "
+            "GPUs (FSDP2's fully_shard) or train fewer parameters; `swaprl plan` gives the figures per GPU for a "
+            "model and a cluster")

@@ -53,7 +53,8 @@ class Placement:
     """The trainer's resources for one model and optimizer on one device, and their host buffers."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 config: SwapConfig, *, on_streamed_step: Callable[[dict], None] | None = None) -> None:
+                 config: SwapConfig, *, auto: bool = False,
+                 on_streamed_step: Callable[[dict], None] | None = None) -> None:
         self.model, self.optimizer, self.device, self.config = model, optimizer, device, config
         self._mover = Mover(device)
         pin = config.pin_memory and device.type == "cuda"
@@ -61,15 +62,21 @@ class Placement:
         self._res = {name: _Resource(name, HostBuffer(name, pin=pin, device=gpu)) for name in RESOURCES}
         self._pending_reload: torch.cuda.Event | None = None
         self._homes = assign_homes(optimizer, config.state_split())
+        self.auto = auto
+        """`optimizer_states="auto"`: the homes may change as the run shows what fits (`demote`,
+        `home_new_states`)."""
+        self._first_states_homed = not (auto and device.type == "cuda")
         self.swaps_states = "swap" in self._homes.values()
         """Some states move at each switch (the "optimizer" resource is not empty)."""
         self.streamer: StateStreamer | None = None
-        if "host" in self._homes.values():
+        # Under "auto" the streamed step is there from the start, owning nothing until the first step finds that
+        # the states it creates do not all fit on the device beside what training holds (`home_new_states`).
+        if "host" in self._homes.values() or not self._first_states_homed:
             self.streamer = StateStreamer(optimizer, device, HostBuffer("streamed optimizer", pin=pin, device=gpu),
                                           owns=lambda p: self.home(p) == "host",
                                           chunk_bytes=config.stream_chunk_bytes,
                                           check_budget=self.check_budget_for_states, on_step=on_streamed_step)
-            if not self.swaps_states:
+            if not self.swaps_states and "host" in self._homes.values():
                 self._res["optimizer"].location = "host"
 
     def demote(self, nbytes_needed: int) -> int:
@@ -86,7 +93,49 @@ class Placement:
             freed += sum(nbytes(local_tensor(v)) for v in self.optimizer.state.get(p, {}).values()
                          if isinstance(v, torch.Tensor) and local_tensor(v).device == self.device)
         self.swaps_states = "swap" in self._homes.values()
+        res = self._res["optimizer"]
+        if self.swaps_states and not res.moved:  # the swapped states are on the device (a switch was undone)
+            res.location = "device"
         return freed
+
+    def home_new_states(self) -> int:
+        """Under "auto", at the first `optimizer.step()` (before it creates the states): give the "host" home to the
+        last parameters whose states would not fit on the device, measured now that training has run its forward
+        and backward beside everything it really holds (DDP's buckets, FSDP2's buffers, a trainer's chunks, the
+        engine asleep). Returns the bytes of states homed in host memory (0 when all fit or already decided).
+
+        The states created must fit in what the driver has free, less the reserve: the next backward needs the
+        blocks torch caches now. The step also needs temporaries while it runs, which the cached blocks can serve:
+        torch's multi-tensor Adam and AdamW take one moment's size more (`_STEP_TEMPORARIES`)."""
+        if self._first_states_homed:
+            return 0
+        self._first_states_homed = True
+        expected = _expected_per_parameter(self.optimizer)
+        params = [p for p in _parameters(self.optimizer) if p not in self.optimizer.state and self.home(p) != "host"]
+        if expected is None or not params:
+            return 0
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = memory.default_pool_free_bytes(self.device)
+        reserve = memory.default_reserve_bytes(total)
+        factor = _STEP_TEMPORARIES.get(type(self.optimizer), 1.0)
+        room = min(free - reserve, (free + cached - reserve) / factor)
+        (room,) = distributed.all_reduce([room], "min")  # every rank homes the same parameters (DDP: same shapes)
+        need = sum(expected[p] for p in params)
+        if need <= room:
+            return 0
+        homed = 0
+        for p in reversed(params):
+            if need - homed <= room:
+                break
+            self._homes[id(p)] = "host"
+            homed += expected[p]
+        self.swaps_states = "swap" in self._homes.values()
+        logger.warning("optimizer_states='auto': the first optimizer step creates %.2f GiB of states and %.2f GiB "
+                       "fit on %s beside training (%.2f GiB free, %.2f GiB cached, %.2f GiB reserve): %.2f GiB of "
+                       "them stay in host memory from now on, streamed through the device by each step",
+                       memory.gib(need), memory.gib(max(room, 0)), self.device, memory.gib(free),
+                       memory.gib(cached), memory.gib(reserve), memory.gib(homed))
+        return homed
 
     def home(self, p: torch.Tensor) -> StateHome:
         """Where `p`'s optimizer states live; a parameter added to the optimizer after attach takes the last
@@ -252,7 +301,9 @@ class Placement:
     def check_step(self, phase: str) -> None:
         """Refuse an `optimizer.step()` that would not find the optimizer states where it needs them (a pre-hook);
         with a reload still in flight, make the step wait for it."""
-        if self.streamer is not None:
+        if self.streamer is not None and self.streamer.stepping:
+            self.home_new_states()
+        if self.streamer is not None and "host" in self._homes.values():
             if not self.streamer.stepping:
                 raise PhaseError(
                     "optimizer.step() reached torch's own step, not swaprl's streamed one, while optimizer states "
@@ -498,6 +549,9 @@ def device_state_growth(optimizer: torch.optim.Optimizer, config: SwapConfig) ->
 
 # exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad), each the parameter's size
 _STATES_PER_PARAM = {torch.optim.Adam: 2, torch.optim.AdamW: 2}
+# Device bytes a step needs per byte of the states it updates, the states included: torch's multi-tensor (foreach)
+# Adam and AdamW take the square roots of the second moments into new tensors, one moment's size more.
+_STEP_TEMPORARIES = {torch.optim.Adam: 1.5, torch.optim.AdamW: 1.5}
 
 
 def _expected_state_bytes(optimizer: torch.optim.Optimizer, counted: Callable[[torch.Tensor], bool]) -> int:

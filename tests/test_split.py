@@ -292,3 +292,71 @@ def test_auto_swaps_the_states_of_an_optimizer_it_cannot_size_ahead(tiny_checkpo
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)  # momentum buffers appear at the first step
     config, why = resolve_auto(swaprl.SwapConfig(), opt, torch.device("cuda", torch.cuda.current_device()))
     assert config.optimizer_states == "swap" and "SGD will create are not known before its first step" in why
+
+
+@pytest.mark.gpu
+def test_auto_keeps_in_host_memory_the_new_states_the_first_step_has_no_room_for():
+    """Training shows what attach could not measure (gradients, buffers, activations): at the first step, "auto"
+    gives the "host" home to the states that would not fit on the device beside it, and trains bit for bit."""
+    from swaprl.checkpoints import random_model
+    from swaprl.memory import default_reserve_bytes
+    from swaprl.placement import _expected_per_parameter
+
+    def run(blocked: bool):
+        torch.manual_seed(0)
+        model = random_model("qwen2.5-0.5b", device="cuda")  # fp32: 1.98 GB of parameters, AdamW states 3.95 GB
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        rt = swaprl.attach(model, opt, HFEngine(model)) if blocked else None
+        blocker = None
+        if blocked:
+            need = sum(_expected_per_parameter(opt).values())
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            grads = sum(nbytes(p) for p in model.parameters())
+            # Room for about half of the states (and the step's temporaries) once the gradients exist.
+            blocker = torch.empty(free - grads - 256 * MiB - default_reserve_bytes(total) - int(0.75 * need),
+                                  dtype=torch.uint8, device="cuda")
+        ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1)).cuda()
+        losses = []
+        for _ in range(3):
+            if rt is not None:
+                with rt.phase("generate"):
+                    pass
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        homes = rt.status()["optimizer_homes"] if rt is not None else None
+        out = losses, snapshot(model, opt), homes
+        del blocker  # detach() brings the host-resident states back to the device
+        swaprl.detach()
+        del model, opt
+        _release_cuda()
+        return out
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        l0, a, _ = run(blocked=False)
+        l1, b, homes = run(blocked=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert 0 < homes["host"] < sum(homes.values()) and homes["device"] + homes["swap"] > 0, homes
+    assert l0 == l1
+    assert_same_training(a, b)
+
+
+@pytest.mark.gpu
+def test_a_trainer_that_cannot_take_one_step_is_refused_before_anything_moves():
+    total = torch.cuda.mem_get_info()[1]
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.empty((total // 2 - 2**30) // 4, device="cuda"))  # fp32
+    opt = torch.optim.AdamW(model.parameters())
+    try:
+        with pytest.raises(ValueError, match=r"cannot train on cuda:\d at all.*gradients.*FSDP2"):
+            swaprl.attach(model, opt, HFEngine(model))
+        with pytest.raises(swaprl.PhaseError, match="no swaprl runtime is attached"):
+            swaprl.current()
+    finally:
+        del model, opt
+        _release_cuda()
