@@ -144,7 +144,7 @@ def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.op
     return VLLMEngine(path, dtype="bfloat16", max_model_len=max_len, enforce_eager=args.enforce_eager,
                       gpu_memory_utilization=config.gpu_memory_utilization,
                       kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
-                      reserve_bytes=swaprl.engines.engine_reserve_bytes(optimizer, config), seed=args.seed,
+                      reserve_bytes=swaprl.placement.engine_reserve_bytes(optimizer, config), seed=args.seed,
                       tensor_parallel_size=args.tp, release_other=args.release_other)
 
 

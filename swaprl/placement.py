@@ -23,10 +23,11 @@ import torch
 
 from . import distributed, memory
 from .compat.torch import local_tensor
-from .config import STATE_HOMES, StateHome, SwapConfig
+from .config import STATE_HOMES, STATES_PER_PARAMETER, StateHome, SwapConfig
 from .errors import HostBufferError, PhaseError
 from .residency import HostBuffer, Moved, Mover, PendingOffload, align, layout_bytes, nbytes
 from .streaming import StateStreamer
+from .undo import Step
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +54,23 @@ class Placement:
     """The trainer's resources for one model and optimizer on one device, and their host buffers."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 config: SwapConfig, *, auto: bool = False,
+                 config: SwapConfig, *, unmeasurable: str | None = None,
                  on_streamed_step: Callable[[dict], None] | None = None) -> None:
+        self.auto = config.optimizer_states == "auto"
+        """`optimizer_states="auto"`: the homes may change as the run shows what fits (`make_room`,
+        `home_new_states`)."""
+        config, why = resolve_auto(config, optimizer, device, unmeasurable=unmeasurable)
+        if why:
+            logger.info("optimizer_states='auto': %s", why)
         self.model, self.optimizer, self.device, self.config = model, optimizer, device, config
+        """`config`: the caller's, with "auto" resolved to the split it measured."""
         self._mover = Mover(device)
         pin = config.pin_memory and device.type == "cuda"
         gpu = device.index if device.type == "cuda" else None
         self._res = {name: _Resource(name, HostBuffer(name, pin=pin, device=gpu)) for name in RESOURCES}
         self._pending_reload: torch.cuda.Event | None = None
         self._homes = assign_homes(optimizer, config.state_split())
-        self.auto = auto
-        """`optimizer_states="auto"`: the homes may change as the run shows what fits (`demote`,
-        `home_new_states`)."""
-        self._first_states_homed = not (auto and device.type == "cuda")
+        self._first_states_homed = not (self.auto and device.type == "cuda")
         self.swaps_states = "swap" in self._homes.values()
         """Some states move at each switch (the "optimizer" resource is not empty)."""
         self.streamer: StateStreamer | None = None
@@ -78,6 +83,19 @@ class Placement:
                                           check_budget=self.check_budget_for_states, on_step=on_streamed_step)
             if not self.swaps_states and "host" in self._homes.values():
                 self._res["optimizer"].location = "host"
+
+    def make_room(self, short_bytes: int) -> int:
+        """Under "auto", after an engine's wake-up lacked `short_bytes` (and was undone): swap the states of as many
+        more parameters as that takes, on every rank or none. Returns the bytes swapped from now on (0: the switch
+        cannot go again)."""
+        if not self.auto or not short_bytes:
+            return 0
+        freed = self.demote(short_bytes + 2**28)
+        if not distributed.all_reduce([freed], "min")[0]:
+            return 0
+        logger.warning("optimizer_states='auto': the engine's wake-up lacked %.2f GiB; %.2f GiB more of the "
+                       "optimizer states are swapped from now on", memory.gib(short_bytes), memory.gib(freed))
+        return freed
 
     def demote(self, nbytes_needed: int) -> int:
         """Give the "swap" home to the last parameters with the "device" home whose states, on the device now, add
@@ -212,12 +230,14 @@ class Placement:
         return sum(b.capacity for b in self._buffers())
 
     # ---------------------------------------------------------------- host memory ahead of the first switch
-    def prepare_host(self, *, headroom: int = 0) -> dict[str, int]:
+    def prepare_host(self) -> dict[str, int]:
         """Check the host budget for the buffers the first switches and steps will need, then allocate and page-lock
         them in the background (`HostBuffer.prepare`), so that locking runs under the engine's start instead of inside
-        the first switch; attach waits for it at its end (`finish_host`). `headroom`: more room in the swapped states'
-        buffer, up to the states kept on the device, for those `demote` may swap later without a new buffer.
-        Returns the bytes started per buffer."""
+        the first switch; attach waits for it at its end (`finish_host`). Under "auto" the swapped states' buffer
+        gets more room (the reserve's worth, up to the states kept on the device) for those `make_room` may swap
+        later without a new buffer. Returns the bytes started per buffer."""
+        headroom = memory.default_reserve_bytes(torch.cuda.mem_get_info(self.device)[1]) \
+            if self.auto and self.device.type == "cuda" else 0
         sizes = self.expected_host_bytes()
         kept = _expected_state_bytes(self.optimizer, lambda p: self.home(p) == "device") if headroom else 0
         if min(headroom, kept):
@@ -254,6 +274,52 @@ class Placement:
         if self.config.params == "offload":
             out["params"] = layout_bytes(self.tensors("params"))
         return out
+
+    # ---------------------------------------------------------------- the steps of a switch
+    def offload_steps(self, room: EngineRoom | None) -> tuple[list[Step], list[Step]]:
+        """The trainer's moves entering `generate`, in two parts: those that start it, before the engine wakes, and
+        those that end it, once the engine's weights are woken and synced. With `room` (the engine's weights fit
+        beside the states) the offloads' copies start in the first part and finish in the second, running under the
+        wake-up and the sync. Only what is on the device moves: a switch into the phase the runtime is in already
+        completes what a failed rollback left, and moves nothing twice. Refuses before a byte moves if the host
+        buffers would pass the budget."""
+        self.check_host_budget()
+        cfg = self.config
+        offloads = [name for name in (["optimizer"] if self.swaps_states else [])
+                    + (["grads"] if cfg.grads == "offload" else []) if self.location(name) == "device"]
+        first: list[Step] = []
+        then: list[Step] = []
+        for name in offloads:
+            if room:
+                first.append(Step(f"start offload {name}", lambda n=name: self.start_offload(n),
+                                  lambda n=name: self.cancel_offload(n), blocking=False))
+                then.append(Step(f"finish offload {name}", lambda n=name: self.finish_offload(n),
+                                 lambda n=name: self.reload(n), started_by=f"start offload {name}"))
+            else:
+                first.append(Step(f"offload {name}", lambda n=name: self.offload(n), lambda n=name: self.reload(n)))
+        if cfg.grads == "free" and self.location("grads") == "device":
+            first.append(Step("free grads", self.free_grads, self.restore_grads, self.keep_grads_freed))
+        if cfg.params == "offload" and self.location("params") == "device":  # an engine of its own weights only
+            then.append(Step("offload params", lambda: self.offload("params"), lambda: self.reload("params")))
+        return first, then
+
+    def reload_steps(self) -> list[Step]:
+        """The trainer's moves entering `train`: what is in host memory comes back (the swapped optimizer states
+        under the forward with `overlap_optimizer_reload`); freed gradients are made afresh by the next backward.
+        States with the "host" home stay: the streamed step brings them through."""
+        steps = []
+        for name in ("params", "grads", "optimizer"):
+            location = self.location(name)
+            if name == "optimizer" and not self.swaps_states:
+                continue
+            if location == "host":
+                overlap = name == "optimizer" and self.config.overlap_optimizer_reload
+                steps.append(Step(f"reload {name}", lambda n=name, o=overlap: self.reload(n, defer=o),
+                                  lambda n=name: self.offload(n), blocking=not overlap))
+            elif location == "released":
+                steps.append(Step("grads to device", lambda: self.set_location("grads", "device"),
+                                  lambda: self.set_location("grads", "released")))
+        return steps
 
     # ---------------------------------------------------------------- moves
     def offload(self, name: Resource) -> int:
@@ -535,6 +601,16 @@ def resolve_auto(config: SwapConfig, optimizer: torch.optim.Optimizer, device: t
     return dataclasses.replace(config, optimizer_states={"device": fraction, "swap": 1.0 - fraction}), why
 
 
+def engine_reserve_bytes(optimizer: torch.optim.Optimizer, config: SwapConfig) -> int | None:
+    """What an engine sized now from the free memory (`VLLMEngine(reserve_bytes=...)`) must leave free: the default
+    reserve plus the optimizer states that will stay on the device while it generates (the "device" home, created by
+    the first optimizer step: `device_state_growth`). None: nothing to add to the default."""
+    growth = device_state_growth(optimizer, config)
+    if not growth or not torch.cuda.is_available():
+        return None
+    return memory.default_reserve_bytes(torch.cuda.mem_get_info()[1]) + growth
+
+
 def device_state_growth(optimizer: torch.optim.Optimizer, config: SwapConfig) -> int:
     """Device bytes the optimizer states with the "device" home will take beyond what they take now. They stay on
     the device while the engine generates, so an engine sized now from the free memory (vLLM's KV cache) must leave
@@ -547,8 +623,9 @@ def device_state_growth(optimizer: torch.optim.Optimizer, config: SwapConfig) ->
     return _expected_state_bytes(optimizer, lambda p: homes.get(id(p)) == "device")
 
 
-# exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad), each the parameter's size
-_STATES_PER_PARAM = {torch.optim.Adam: 2, torch.optim.AdamW: 2}
+# The optimizers whose states are known before their first step: exp_avg, exp_avg_sq (and max_exp_avg_sq with
+# amsgrad), each the parameter's size (the table the planner prices states with)
+_STATES_PER_PARAM = {cls: STATES_PER_PARAMETER[cls.__name__.lower()] for cls in (torch.optim.Adam, torch.optim.AdamW)}
 # Device bytes a step needs per byte of the states it updates, the states included: torch's multi-tensor (foreach)
 # Adam and AdamW take the square roots of the second moments into new tensors, one moment's size more.
 _STEP_TEMPORARIES = {torch.optim.Adam: 1.5, torch.optim.AdamW: 1.5}

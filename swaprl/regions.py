@@ -27,7 +27,23 @@ graph captured in it will replay.
 
 from __future__ import annotations
 
+import torch
+
 from .undo import Undo
+
+
+def new(name: str, *, keep: str, device: torch.device, taken: set[str]):
+    """A new `swaprl.kernels.PausablePool` on `device` named `name` (not one of `taken`)."""
+    from . import kernels
+
+    if device.type != "cuda" or not kernels.available():
+        why = kernels.unavailable() if device.type == "cuda" else f"the trainer is on {device}"
+        raise RuntimeError(f"Runtime.pausable() needs swaprl's pausable pool on a CUDA device ({why}); without "
+                           "it, leave the memory where it is (a graph's pool then stays reserved in generate)")
+    if name in taken:
+        raise ValueError(f"a pausable region named {name!r} exists already; give each region its own name")
+    with torch.cuda.device(device):
+        return kernels.PausablePool(name, keep=keep)
 
 
 def pause(regions: list) -> int:

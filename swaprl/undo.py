@@ -1,4 +1,5 @@
-"""`Undo`: changes recorded as they are made, so that a failure puts back everything done so far, in reverse.
+"""`Undo`: changes recorded as they are made, so that a failure puts back everything done so far, in reverse; and
+`Step`, one change of a phase switch with the function that reverts it.
 
 Every multi-part change in swaprl (a phase transition's steps, attaching, patching an optimizer, wrapping a
 trainer) records how to revert each part right after making it. Reverting keeps going when one part fails to
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -61,3 +63,16 @@ class Undo:
         except BaseException:
             self.run()
             raise
+
+
+@dataclass(slots=True)
+class Step:
+    """One change of a phase switch (`Runtime` runs them in order): `do` it; `undo` reverts it if a later step
+    fails; `commit` runs once the whole switch stands (what the change keeps aside until then, it may let go)."""
+
+    name: str
+    do: Callable[[], object]
+    undo: Callable[[], object] | None = None
+    commit: Callable[[], object] | None = None
+    blocking: bool = True  # False: its copies may still run when the next step starts (not timed to completion)
+    started_by: str | None = None  # the step that queued this one's copies: its event also gets the whole span

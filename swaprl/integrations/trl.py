@@ -36,13 +36,13 @@ and attaches it to the sharded model and its optimizer at `train()`'s `on_train_
 `rt.status()` and `rt.phase()` raise a `PhaseError` saying so). FSDP1 and DeepSpeed are refused (`_check_setup`
 says why).
 
-The hook is on private TRL methods whose behaviour changes between releases, hence the version range
-`SUPPORTED_TRL`: other versions are refused rather than silently mis-wrapped.
+The hook is on private TRL names whose behaviour changes between releases: `swaprl.compat.trl` holds every change
+and the version range it was checked on (`SUPPORTED_TRL`); other versions are refused rather than silently
+mis-wrapped.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -52,20 +52,19 @@ import torch
 
 import swaprl
 
-from ..compat import in_range
+from ..attachment import Runtime
+from ..compat import trl as trl_compat
+from ..compat.trl import SUPPORTED as SUPPORTED_TRL
+from ..compat.trl import check_version as check_version
 from ..config import SwapConfig
 from ..engines.base import Engine
 from ..errors import PhaseError
-from ..runtime import Runtime
 from ..undo import Undo
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_TRL = ">=1.16,<1.17"
-"""TRL versions `wrap` knows (PEP 440 specifier; development builds of these count as these)."""
 
 _RUNTIME_ATTR = "_swaprl_runtime"  # set on a wrapped trainer: refuses a second wrap, found by `runtime_of`
 
@@ -125,15 +124,6 @@ def runtime_of(trainer: GRPOTrainer) -> Runtime | None:
     return getattr(trainer, _RUNTIME_ATTR, None)
 
 
-def check_version(version: str) -> None:
-    """Raise if `version` (a TRL version string) is outside `SUPPORTED_TRL`."""
-    if not in_range(version, SUPPORTED_TRL):
-        raise RuntimeError(
-            f"swaprl.integrations.trl supports trl{SUPPORTED_TRL}, found trl {version}. It hooks GRPOTrainer's "
-            f"private generation method, whose behaviour changes between releases, so other versions are refused "
-            f"rather than silently mis-wrapped. Install a supported one (pip install 'trl{SUPPORTED_TRL}'), or drive "
-            "the phases yourself: swaprl.attach(model, optimizer) and `with swaprl.phase('generate'):` around "
-            "generation.")
 
 
 # ---------------------------------------------------------------- validation and construction
@@ -334,19 +324,11 @@ def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
         if trainer.use_vllm:
             # First: attach put TRL's engine to sleep behind its back, and this change's undo is what tells TRL so
             # (and makes it re-sync before generating), should anything after it fail.
-            undo.push(_take_over_vllm(trainer, rt), "vLLM sleep, wake-up and sync")
-        generate = trainer._generate
-
-        @functools.wraps(generate)
-        def _generate(*args, **kwargs):
-            with rt.phase("generate"):
-                return generate(*args, **kwargs)
-
-        trainer._generate = _generate
-        undo.push(lambda: vars(trainer).pop("_generate", None), "_generate")
+            undo.push(trl_compat.take_over_vllm(trainer, wake=lambda: rt.engine.wake()), "vLLM sleep, wake-up, sync")
+        undo.push(trl_compat.route_generation(trainer, lambda: rt.phase("generate")), "_generate")
         undo.push(_log_figures(trainer, rt), "log")
         if trainer.use_vllm and lean_rollouts:
-            undo.push(_lean_rollouts(trainer), "lean rollouts")
+            undo.push(trl_compat.lean_rollouts(trainer), "lean rollouts")
 
     def unwrap() -> None:
         undo.run()
@@ -372,21 +354,19 @@ def _log_figures(trainer, rt: Runtime) -> Callable[[], None]:
             switches["bytes"] += event["bytes"]
 
     remove = rt.add_listener(on_phase)
-    log = trainer.log
 
-    @functools.wraps(log)
-    def log_with_swaprl(logs: dict, *args, **kwargs):
+    def with_swaprl(logs: dict) -> dict:
         if switches["n"]:
             logs = {**logs, "swaprl/switch_seconds": switches["s"], "swaprl/switches": switches["n"],
                     "swaprl/moved_gib": switches["bytes"] / 2**30}
             switches.update(n=0, s=0.0, bytes=0)
-        return log({**logs, **sync_metrics(rt.last_sync)}, *args, **kwargs)
+        return {**logs, **sync_metrics(rt.last_sync)}
 
-    trainer.log = log_with_swaprl
+    unpatch = trl_compat.add_to_logs(trainer, with_swaprl)
 
     def restore() -> None:
         remove()
-        vars(trainer).pop("log", None)
+        unpatch()
 
     return restore
 
@@ -404,68 +384,3 @@ def sync_metrics(report) -> dict[str, float]:
         out.update({"swaprl/mismatch/max_abs_logp": m.max_abs, "swaprl/mismatch/mean_abs_logp": m.mean_abs,
                     "swaprl/mismatch/kl": m.kl, "swaprl/mismatch/ratio_outside": m.outside})
     return out
-
-
-def _take_over_vllm(trainer, rt: Runtime) -> Callable[[], None]:
-    """Make TRL's own sleep, wake-up and weight sync of its LLM no-ops; returns the function that restores them.
-
-    The runtime wakes the engine and syncs the trainer's weights on entering "generate" (which encloses every
-    call TRL makes to the engine) and puts it to sleep on leaving it, so TRL doing the same would do it twice.
-    """
-    vg = trainer.vllm_generation
-    sleep_mode = vg.enable_sleep_mode
-
-    def sync_weights() -> None:
-        """Done by swaprl on entering phase('generate'), with the trainer's current weights."""
-
-    vg.sync_weights = sync_weights
-    vg.enable_sleep_mode = False  # TRL's generate() then neither wakes nor sleeps nor re-syncs the engine
-    vg._llm_weights_sleeping = False
-
-    def restore() -> None:
-        vars(vg).pop("sync_weights", None)
-        vg.enable_sleep_mode = sleep_mode
-        if sleep_mode:
-            vg._llm_weights_sleeping = True  # asleep (detach leaves it so): TRL re-syncs before generating
-        else:
-            rt.engine.wake()  # TRL without sleep mode expects an awake engine
-        trainer._last_loaded_step = -1  # the engine's weights may be stale or discarded: TRL syncs next time
-
-    return restore
-
-
-def _lean_rollouts(trainer) -> Callable[[], None]:
-    """Ask vLLM for token ids, not text, and for log-probabilities only when the trainer reads them; returns the undo.
-
-    GRPOTrainer 1.16 decodes the completions' text itself from their ids (`processing_class.batch_decode`) and reads
-    the sampled tokens' log-probabilities only for `vllm_importance_sampling_correction`, yet asks vLLM for both.
-    vLLM makes them per token in Python, in the same loop that schedules the GPU: with them, TRL's rollouts ran at
-    11-13k tokens/s on an H100 whatever the model size (1.5B to 7B), about a third of what the same engine does
-    without them. Stop strings need the text, so a `generation_kwargs["stop"]` keeps detokenization on. Tokens not
-    scored get TRL's own mark for "vLLM gave no log-probability" (None, read as NaN and excluded).
-    """
-    vg = trainer.vllm_generation
-    kwargs, logprobs, generate = vg.generation_kwargs, vg.logprobs, vg.generate
-    own_generate = "generate" in vars(vg)  # set on the instance already (by another wrapper): put that one back
-    if not (kwargs or {}).get("stop"):
-        vg.generation_kwargs = {"detokenize": False, **(kwargs or {})}
-    if not getattr(trainer, "vllm_importance_sampling_correction", True):
-        vg.logprobs = None
-
-        @functools.wraps(generate)
-        def generate_without_logprobs(*args, **kw):
-            prompt_ids, completion_ids, scores, score_ids = generate(*args, **kw)
-            if scores is None:  # the shape TRL indexes: one [sampled token's log-probability] per token
-                scores = [[[None]] * len(ids) for ids in completion_ids]
-            return prompt_ids, completion_ids, scores, score_ids
-
-        vg.generate = generate_without_logprobs
-
-    def restore() -> None:
-        vg.generation_kwargs, vg.logprobs = kwargs, logprobs
-        if own_generate:
-            vg.generate = generate
-        else:
-            vars(vg).pop("generate", None)
-
-    return restore
