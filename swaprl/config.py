@@ -27,6 +27,18 @@ MEMORY_CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "engine_we
                                       "activations", "cuda_context", "unattributed")
 
 
+STATES_PER_PARAMETER: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1}
+"""State tensors of a parameter's size an optimizer keeps per parameter (Adam and AdamW: the two moments; SGD with
+momentum and Lion: one), by its lower-case class name. The planner prices the states with it; the placement sizes
+ahead with it the states Adam and AdamW create at their first step."""
+
+
+def default_reserve_bytes(total: int) -> int:
+    """What a self-sized engine leaves free on a GPU of `total` bytes for the trainer's transient needs: 2 GiB or
+    3% of the GPU, the larger (`VLLMEngine` sizes itself, and `swaprl.plan` the `generate` phase, with this rule)."""
+    return max(2 * 2**30, int(0.03 * total))
+
+
 @dataclass(kw_only=True, slots=True)
 class SwapConfig:
     """How the runtime moves memory between the `train` and `generate` phases.
@@ -100,7 +112,7 @@ class SwapConfig:
     """Let the optimizer states' copy back to the GPU run under the training step's forward and backward instead
     of before it; the compute stream waits for it at `optimizer.step()` and `optimizer.state_dict()`. Off by
     default because code that reads `optimizer.state` directly in `train` before the step would race the copy
-    (call `runtime.wait_reload()` first). Saves the reload time (about 0.3 s per 12 GB on an H100) per step."""
+    (call `runtime.wait_reload()` first). Saves the reload's time (its bytes over PCIe) per step."""
 
     overlap_offload: bool = True
     """Start the copies of the optimizer states (and offloaded gradients) to the host before the engine's weights

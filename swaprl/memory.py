@@ -10,6 +10,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from .config import default_reserve_bytes as default_reserve_bytes  # where the planner, which has no torch, reads it
+
 logger = logging.getLogger(__name__)
 
 
@@ -141,9 +143,3 @@ def gpu_numa_node(device_index: int) -> int | None:
 
 def gib(n: float) -> float:
     return n / 2**30
-
-
-def default_reserve_bytes(total: int) -> int:
-    """What a self-sized engine leaves free on a GPU of `total` bytes for the trainer's transient needs: 2 GiB or
-    3% of the GPU, the larger (`VLLMEngine` sizes itself, and `swaprl.plan` the `generate` phase, with this rule)."""
-    return max(2 * 2**30, int(0.03 * total))

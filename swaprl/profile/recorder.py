@@ -54,12 +54,11 @@ import torch
 
 from .. import memory
 from .._version import __version__
+from . import SCHEMA, VERSION
 from .attribution import attribute
 
 logger = logging.getLogger(__name__)
 
-SCHEMA = "swaprl.profile"
-VERSION = 1
 _COPY_BYTES = 256 * 2**20
 _COPY_REPEATS = 5
 
