@@ -13,6 +13,25 @@ GiB = 2**30
 ROLLOUT = sp.Rollout(prompts=64, completions_per_prompt=8, prompt_tokens=512, completion_tokens=1024)
 
 
+def transformers_parameters(preset: str, layers: int | None = None) -> int:
+    """The parameter count of the transformers model built from the preset's config, on the meta device: an
+    independent reference for the planner's own count (`Preset.num_parameters`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from swaprl.checkpoints import hf_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(preset, layers=layers))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-72b"])
+def test_the_planners_parameter_count_is_the_transformers_models(preset):
+    assert get_preset(preset).num_parameters() == transformers_parameters(preset)
+    assert get_preset(preset).num_parameters(2) == transformers_parameters(preset, layers=2)
+
+
 def close(actual: float, expected: float, rel: float = 0.01) -> bool:
     return abs(actual - expected) <= rel * abs(expected)
 
@@ -149,7 +168,7 @@ def test_1_5b_on_one_h100_fits_with_most_of_the_gpu_for_kv():
     assert p.kv_cache_bytes > 0.7 * gpu
     assert p.waves == 1 and p.concurrent_sequences >= 512
     # one GPU: nothing sharded, no FSDP buffers, optimizer states offloaded to host
-    assert close(p.gpu["train"]["params"], get_preset("1.5b").num_parameters() * 2, 1e-9)
+    assert close(p.gpu["train"]["params"], transformers_parameters("qwen2.5-1.5b") * 2, 1e-9)
     assert p.host["generate"]["optimizer"] == p.gpu["train"]["optimizer"]
 
 
@@ -306,7 +325,7 @@ def test_less_host_memory_keeps_more_states_on_the_device_until_none_fits(capsys
 def test_fp32_master_weights_are_planned_16_bytes_per_parameter():
     """FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16) over fp32 shards: fp32 parameters, gradients and AdamW
     states, 16 bytes per parameter sharded; bf16 unsharded parameters in forward and backward."""
-    n = get_preset("qwen2.5-72b").num_parameters()
+    n = transformers_parameters("qwen2.5-72b")
     fp32 = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, param_dtype="float32")
     homes = assert_split_fits(fp32)
     train = fp32.gpu["train"]
@@ -376,7 +395,7 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
 
 def test_reduced_depth_counts_only_the_kept_layers():
     p = sp.plan("qwen2.5-72b", cluster="1xH100", layers=2, rollout=ROLLOUT)
-    assert p.layers == 2 and p.parameters == get_preset("72b").num_parameters(2)
+    assert p.layers == 2 and p.parameters == transformers_parameters("qwen2.5-72b", layers=2)
 
 
 def test_a_local_config_json_plans_like_its_preset(tmp_path):

@@ -1,0 +1,108 @@
+"""`swaprl plan` (and `python -m swaprl.plan`): the planner's command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from ..config import PARAM_POLICIES, STATES_PER_PARAMETER, parse_optimizer_states
+from .hardware import CLUSTERS, GiB, get_cluster
+from .inputs import GRADS, SLEEP_LEVELS, Rollout
+from .result import Plan
+from .search import plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `swaprl plan`'s arguments to `parser` (cli.py calls this, then `run(args)`; `from_args` gives the plan)."""
+    parser.add_argument("model", help="preset name (tiny, qwen2.5-0.5b ... qwen2.5-72b) or a checkpoint directory")
+    parser.add_argument("--cluster", default="8xH200", help=f"one of {', '.join(CLUSTERS)} (default 8xH200); "
+                        "the flags below override its fields")
+    parser.add_argument("--nodes", type=int)
+    parser.add_argument("--gpus-per-node", type=int)
+    parser.add_argument("--gpu-memory-gib", type=float)
+    parser.add_argument("--host-memory-gib", type=float)
+    parser.add_argument("--shard-degree", type=int, help="FSDP shard degree (default: all GPUs)")
+    parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size")
+    parser.add_argument("--layers", type=int, help="cut the model to this many layers")
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per step, global (default 64)")
+    parser.add_argument("--completions", type=int, default=8, help="completions per prompt (default 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--completion-tokens", type=int, default=1024)
+    parser.add_argument("--micro-batch-tokens", type=int, help="trainer tokens per micro batch (default: 1 sequence)")
+    parser.add_argument("--param-dtype", default="bfloat16")
+    parser.add_argument("--grad-dtype", help="default: the param dtype")
+    parser.add_argument("--optimizer-dtype", default="float32")
+    parser.add_argument("--master-weights", action="store_true", help="fp32 master copy of the parameters")
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(STATES_PER_PARAMETER))
+    parser.add_argument("--compute-dtype", default="bfloat16")
+    parser.add_argument("--engine-dtype", default="bfloat16")
+    parser.add_argument("--kv-dtype", help="default: the engine dtype")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the engine")
+    parser.add_argument("--release-other", action="store_true",
+                        help="the engine releases its graphs and buffers while asleep (VLLMEngine release_other)")
+    parser.add_argument("--processes-per-gpu", type=int, default=1)
+    parser.add_argument("--gpu-utilization", type=float, default=0.92, help="share of GPU memory train may fill")
+    parser.add_argument("--engine-reserve-gib", type=float,
+                        help="GPU memory the engine leaves free in generate (default: 2 GiB or 3%% of the GPU)")
+    parser.add_argument("--host-margin-gib", type=float, help="host memory kept free (default 10%% + 6 GiB/GPU)")
+    parser.add_argument("--copy-gb-per-s", type=float,
+                        help="pinned host<->GPU copy rate per GPU and direction, all GPUs copying (GB/s)")
+    parser.add_argument("--optimizer-states",
+                        help="pin the optimizer states' homes: swap, host, or a split of their bytes such as "
+                        "device=0.2,swap=0.5,host=0.3 (default: the least on the device that lets the host fit, "
+                        "then as much swapped as train holds)")
+    parser.add_argument("--grads", choices=GRADS, help="pin the gradients' setting")
+    parser.add_argument("--params", choices=PARAM_POLICIES, help="pin the parameters' setting")
+    parser.add_argument("--sleep-level", type=int, choices=SLEEP_LEVELS, help="pin the engine's sleep level")
+    parser.add_argument("--activation-checkpointing", choices=("on", "off"), help="pin activation checkpointing")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def from_args(args: argparse.Namespace) -> Plan:
+    """The plan of `swaprl plan`'s parsed arguments; ValueError on bad input."""
+    cluster = get_cluster(args.cluster)
+    overrides = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
+                 "gpu_memory_bytes": None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
+                 "host_memory_bytes": None if args.host_memory_gib is None else int(args.host_memory_gib * GiB),
+                 "copy_bytes_per_s": None if args.copy_gb_per_s is None else args.copy_gb_per_s * 1e9}
+    cluster = dataclasses.replace(cluster, **{k: v for k, v in overrides.items() if v is not None})
+    pinned = {k: getattr(args, k) for k in ("grads", "params", "sleep_level") if getattr(args, k) is not None}
+    if args.optimizer_states is not None:
+        pinned["optimizer_states"] = parse_optimizer_states(args.optimizer_states)
+    if args.activation_checkpointing is not None:
+        pinned["activation_checkpointing"] = args.activation_checkpointing == "on"
+    return plan(
+        args.model, cluster=cluster, layers=args.layers, shard_degree=args.shard_degree, tp=args.tp,
+        rollout=Rollout(prompts=args.prompts, completions_per_prompt=args.completions,
+                        prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens),
+        micro_batch_tokens=args.micro_batch_tokens, param_dtype=args.param_dtype, grad_dtype=args.grad_dtype,
+        optimizer_dtype=args.optimizer_dtype, master_weights=args.master_weights, optimizer=args.optimizer,
+        compute_dtype=args.compute_dtype, engine_dtype=args.engine_dtype, kv_dtype=args.kv_dtype,
+        engine_max_batched_tokens=args.max_num_batched_tokens, engine_max_seqs=args.max_num_seqs,
+        cuda_graphs=not args.enforce_eager, release_other=args.release_other,
+        processes_per_gpu=args.processes_per_gpu,
+        gpu_utilization_cap=args.gpu_utilization,
+        engine_reserve_bytes=None if args.engine_reserve_gib is None else int(args.engine_reserve_gib * GiB),
+        host_margin_bytes=None if args.host_margin_gib is None else int(args.host_margin_gib * GiB),
+        settings=pinned)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan of `args` (a table, or JSON with --json); 0 if a setting fits, 1 if none does, 2 on bad input."""
+    try:
+        result = from_args(args)
+    except ValueError as exc:
+        print(f"swaprl plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.to_json(indent=1) if args.json else result.table())
+    return 0 if result.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m swaprl.plan", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+

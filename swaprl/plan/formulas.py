@@ -1,0 +1,236 @@
+"""The planner's formulas, one pure function each, every one written out in docs/plan.md (the § it cites): the bytes
+of each memory category in each phase, on one GPU and one node's host, for the validated inputs (`Spec`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..config import MEMORY_CATEGORIES as CATEGORIES
+from ..config import STATES_PER_PARAMETER
+from ..presets import Preset
+from .hardware import MiB
+from .inputs import STREAM_CHUNK_BYTES, Settings, Spec
+from .model import dtype_bytes
+
+PHASES = ("train", "generate")
+HOST_CATEGORIES = ("params", "grads", "optimizer", "engine_weights")
+
+# §Constants: per GPU, measured on an H100 (torch 2.11, vLLM 0.26) unless docs/plan.md says otherwise.
+_CUDA_CONTEXT_BYTES = 684 * MiB  # CUDA context, loaded kernels and cuBLAS workspace of one process
+_NCCL_BYTES_PER_GROUP = 512 * MiB  # NCCL buffers of one communicator this GPU belongs to (NVLS off); estimate
+_ENGINE_RESIDENT_BYTES = 288 * MiB  # what a sleeping vLLM engine keeps beyond its process's CUDA context
+_CUDA_GRAPH_BYTES = 1334 * MiB  # vLLM's CUDA-graph pool and the compiled kernels, when graphs are captured
+# A sleeping engine with VLLMEngine(release_other=True): loaded kernels, cuBLAS workspaces and the executable decode
+# graphs, all that its pausable pools cannot release (Qwen2.5-1.5B: 232 MiB, 7B: 238 MiB; §Constants)
+_ENGINE_POOLED_RESIDENT_BYTES = 240 * MiB
+_PROFILE_H, _PROFILE_I = 3.2, 3.25  # vLLM's profile forward keeps ~(3.2 h + 3.25 i / tp) elements per token
+_SAMPLER_FP32_COPIES = 1.5  # live [max_num_seqs, vocab] fp32 tensors at the sampler's peak (measured <= 1.8)
+_LOGITS_FP32_COPIES = 3  # fp32 logits, log-softmax and its gradient alive at the loss's backward
+_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
+_KV_BLOCK_TOKENS = 16  # vLLM's KV block size: a sequence holds whole blocks
+
+
+def kv_heads_per_rank(m: Preset, tp: int) -> int:
+    """§Engine: KV heads are split over TP ranks, or replicated (one per rank) when there are fewer than ranks."""
+    return max(m.num_key_value_heads // tp, 1)
+
+
+def engine_params_per_rank(m: Preset, tp: int) -> int:
+    """§Engine: parameters one TP rank of vLLM holds (norms replicated, KV heads replicated when kv < tp)."""
+    h, i, hd = m.hidden_size, m.intermediate_size, m.head_dim
+    kv_dim = kv_heads_per_rank(m, tp) * hd
+    q = (h * h + h) // tp
+    kv = 2 * (h * kv_dim + kv_dim)
+    o = h * h // tp
+    mlp = 3 * h * i // tp
+    per_layer = q + kv + o + mlp + 2 * h
+    vocab = -(-m.vocab_size // _VOCAB_PADDING) * _VOCAB_PADDING
+    embed = -(-vocab // tp) * h
+    head = 0 if m.tie_word_embeddings else embed
+    return m.num_hidden_layers * per_layer + embed + head + h
+
+
+def kv_bytes_per_token(m: Preset, tp: int, kv_bytes: int) -> int:
+    """§KV cache: K and V of every layer for one token, on one TP rank."""
+    return 2 * m.num_hidden_layers * kv_heads_per_rank(m, tp) * m.head_dim * kv_bytes
+
+
+def engine_profile_peak(s: Spec) -> int:
+    """§Engine: the larger of vLLM's profile forward (max_num_batched_tokens) and its sampler run (max_num_seqs)."""
+    m, tp = s.model, s.tp
+    b = dtype_bytes(s.engine_dtype)[1]
+    per_token = _PROFILE_H * m.hidden_size + _PROFILE_I * m.intermediate_size / tp
+    forward = int(s.engine_max_batched_tokens * b * per_token)
+    vocab = -(-m.vocab_size // _VOCAB_PADDING) * _VOCAB_PADDING
+    sampler = int(min(s.engine_max_seqs, s.engine_max_batched_tokens) * vocab * 4 * _SAMPLER_FP32_COPIES)
+    return max(forward, sampler)
+
+
+def layer_activation_bytes(m: Preset, tokens: int, b: int) -> int:
+    """§Activations: what one Qwen2 decoder layer saves for backward (SDPA attention, SwiGLU, fp32 RMSNorm)."""
+    kv_dim = m.num_key_value_heads * m.head_dim
+    return tokens * b * (10 * m.hidden_size + 2 * kv_dim + 4 * m.intermediate_size)
+
+
+def train_activation_bytes(s: Spec, checkpointing: bool) -> int:
+    """§Activations: saved activations, then the largest of the loss's backward, the lm_head's backward and a
+    layer's, + FSDP's buffers."""
+    m, t = s.model, s.micro_batch_tokens
+    b = dtype_bytes(s.compute_dtype)[1]
+    layer = layer_activation_bytes(m, t, b)
+    outside = t * b * 4 * m.hidden_size  # embedding output and the final norm
+    logits = t * m.vocab_size * (b + 4 * _LOGITS_FP32_COPIES)
+    head = head_backward_bytes(s, t, b)
+    if checkpointing:
+        peak = m.num_hidden_layers * t * m.hidden_size * b + outside + max(logits, 2 * layer, head)
+    else:
+        peak = m.num_hidden_layers * layer + outside + max(logits, layer, head)
+    return peak + fsdp_working_bytes(s)
+
+
+def head_backward_bytes(s: Spec, t: int, b: int) -> int:
+    """§Activations: the lm_head's backward in a micro batch after the first: the logits the loss holds and their
+    gradient, and the head weight's new gradient, formed whole before it is added into `.grad`. Unsharded only:
+    with FSDP the root's unsharded gradient is already in the fsdp term."""
+    if s.shard_degree > 1:
+        return 0
+    m = s.model
+    return t * m.vocab_size * (2 * b + 4) + m.vocab_size * m.hidden_size * dtype_bytes(s.grad_dtype)[1]
+
+
+def fsdp_working_bytes(s: Spec) -> int:
+    """§Activations: unsharded parameters (2 layers + the root's embedding/lm_head) and gradients before the
+    reduce-scatter (1 layer + the root's), when the trainer shards at all."""
+    if s.shard_degree == 1:
+        return 0
+    layer, root = unit_params(s.model)
+    b_c, b_g = dtype_bytes(s.compute_dtype)[1], dtype_bytes(s.grad_dtype)[1]
+    return (2 * layer + root) * b_c + (layer + root) * b_g
+
+
+def unit_params(m: Preset) -> tuple[int, int]:
+    """The parameters of FSDP's units: one decoder layer, and the root (embedding, lm_head unless tied, final norm)."""
+    h, i, kv_dim = m.hidden_size, m.intermediate_size, m.num_key_value_heads * m.head_dim
+    layer = 2 * h * h + h + 2 * (h * kv_dim + kv_dim) + 3 * h * i + 2 * h
+    return layer, m.vocab_size * h * (1 if m.tie_word_embeddings else 2) + h
+
+
+def cuda_context_bytes(s: Spec) -> int:
+    """§Constants: one CUDA context per process, plus NCCL buffers per communicator this GPU is in."""
+    groups = int(s.cluster.gpus > 1) + int(s.tp > 1)
+    return s.processes_per_gpu * _CUDA_CONTEXT_BYTES + groups * _NCCL_BYTES_PER_GROUP
+
+
+def state_bytes_per_param(s: Spec) -> int:
+    """§Trainer state: optimizer-state bytes of one parameter (its states, and the fp32 master copy if kept)."""
+    return STATES_PER_PARAMETER[s.optimizer] * dtype_bytes(s.optimizer_dtype)[1] + (4 if s.master_weights else 0)
+
+
+def trainer_state(s: Spec) -> dict[str, int]:
+    """§Trainer state: per-GPU shards of parameters, gradients and optimizer states."""
+    n = s.model.num_parameters()
+    b_p, b_g = (dtype_bytes(d)[1] for d in (s.param_dtype, s.grad_dtype))
+    return {"params": -(-n * b_p // s.shard_degree), "grads": -(-n * b_g // s.shard_degree),
+            "optimizer": -(-n * state_bytes_per_param(s) // s.shard_degree)}
+
+
+def largest_state_bytes(s: Spec) -> int:
+    """§Phases: the states of the largest parameter (the embedding, or an MLP matrix) on one GPU: FSDP2 shards
+    every parameter, and each rank streams its own shard's states."""
+    m = s.model
+    return -(-max(m.vocab_size, m.intermediate_size) * m.hidden_size * state_bytes_per_param(s) // s.shard_degree)
+
+
+def staging_bytes(s: Spec, streamed: int) -> int:
+    """§Phases: the streamed states' bytes on one GPU during the optimizer step: two staging chunks, each at least
+    the largest parameter's states; all of them when a single chunk holds them; none when nothing streams."""
+    chunk = max(STREAM_CHUNK_BYTES, largest_state_bytes(s))
+    return streamed if chunk >= streamed else 2 * chunk
+
+
+def home_bytes(s: Spec, split: Mapping[str, float]) -> dict[str, int]:
+    """§Split: the optimizer states of one GPU by home; the homes' bytes add up to the states' exactly."""
+    total = trainer_state(s)["optimizer"]
+    device = round(split["device"] * total)
+    host = total - device if split["swap"] == 0 else min(round(split["host"] * total), total - device)
+    return {"device": device, "swap": total - device - host, "host": host}
+
+
+def engine_weight_bytes(s: Spec) -> int:
+    return engine_params_per_rank(s.model, s.tp) * dtype_bytes(s.engine_dtype)[1]
+
+
+def budgets(s: Spec) -> dict[str, int]:
+    """§Phases, §Host, §KV cache: what each check allows, and the KV cache `generate` must keep at least."""
+    seq_tokens = -(-s.rollout.sequence_tokens // _KV_BLOCK_TOKENS) * _KV_BLOCK_TOKENS
+    return {"train": int(s.cluster.gpu_memory_bytes * s.gpu_utilization_cap),
+            # a self-sized VLLMEngine fills the GPU up to its reserve, whatever the cap says
+            "generate": s.cluster.gpu_memory_bytes - s.engine_reserve_bytes,
+            "host": s.cluster.host_memory_bytes - s.host_margin_bytes,
+            "one_sequence": kv_bytes_per_token(s.model, s.tp, dtype_bytes(s.kv_dtype)[1]) * seq_tokens}
+
+
+def phase_bytes(s: Spec, st: Settings) -> dict[str, dict[str, int]]:
+    """§Phases, §Host: both phases' bytes under `st` on one GPU and one node's host, but for the optimizer states
+    and the KV cache (0 here): they are what the split and the engine share out."""
+    state = trainer_state(s)
+    engine_weights = engine_weight_bytes(s)
+    graphs = _CUDA_GRAPH_BYTES if s.cuda_graphs else 0
+    ctx = cuda_context_bytes(s)
+    zero = dict.fromkeys(CATEGORIES, 0)
+    gpn = s.cluster.gpus_per_node
+    return {
+        "train": {**zero, "params": state["params"], "grads": state["grads"],
+                  "engine_other": _ENGINE_POOLED_RESIDENT_BYTES if s.release_other else _ENGINE_RESIDENT_BYTES + graphs,
+                  "activations": train_activation_bytes(s, st.activation_checkpointing), "cuda_context": ctx},
+        "generate": {**zero, "params": state["params"] if st.params == "keep" else 0,
+                     "grads": state["grads"] if st.grads == "keep" else 0, "engine_weights": engine_weights,
+                     "engine_other": _ENGINE_RESIDENT_BYTES + graphs + engine_profile_peak(s),
+                     "cuda_context": ctx},
+        "host_train": {**dict.fromkeys(HOST_CATEGORIES, 0),
+                       "engine_weights": engine_weights * gpn if st.sleep_level == 1 else 0},
+        "host_generate": {**dict.fromkeys(HOST_CATEGORIES, 0),
+                          "grads": state["grads"] * gpn if st.grads == "offload" else 0,
+                          "params": state["params"] * gpn if st.params == "offload" else 0},
+    }
+
+
+def pinned_bytes(phases: dict[str, dict[str, int]]) -> int:
+    """§Host: one buffer per category, allocated once and kept: the larger phase's bytes of each."""
+    return sum(max(phases["host_train"][c], phases["host_generate"][c]) for c in HOST_CATEGORIES)
+
+
+def choose_split(s: Spec, st: Settings) -> dict[str, float]:
+    """§Split: on the device the least share that leaves the host part within the host's room, swapped as much of
+    the rest as `train` holds, the remainder streamed ("host"); whole percents, rounded towards fitting. Where a
+    home's edge falls inside the states, half the largest parameter's states are kept free on both sides of it:
+    the runtime gives each parameter one home, whichever its middle byte falls in (`placement.assign_homes`)."""
+    phases, budget = phase_bytes(s, st), budgets(s)
+    total = trainer_state(s)["optimizer"]
+    edge = -(-largest_state_bytes(s) // 2)
+
+    def percent_within(room: int) -> int:  # the whole percents of the states that fit `room`
+        return 100 if total <= room else max((room - edge) * 100 // total, 0)
+
+    host_room = (budget["host"] - pinned_bytes(phases)) // s.cluster.gpus_per_node
+    # train holds the device and swap homes, and two staging chunks whenever any state streams
+    train_room = budget["train"] - sum(phases["train"].values())
+    resident = 100 if total <= train_room else percent_within(train_room - staging_bytes(s, total))
+    generate_room = budget["generate"] - sum(phases["generate"].values()) - budget["one_sequence"]
+    device = 0 if total <= host_room else -(-(total - host_room + edge) * 100 // total)
+    # more than the GPU holds in either phase stays over the host's budget, where the verdict reports it
+    device = min(device, resident, percent_within(generate_room))
+    swap = resident - device
+    return {"device": device / 100, "swap": swap / 100, "host": (100 - resident) / 100}
+
+
+def copies(s: Spec, st: Settings, homes: dict[str, int]) -> tuple[int, float]:
+    """§Copies: bytes one GPU copies to and from host per step under `st`, and their time at the cluster's rate
+    (the switches' copies one direction at a time, the streamed step's both ways at once)."""
+    state = trainer_state(s)
+    switches = 2 * (homes["swap"] + (state["grads"] if st.grads == "offload" else 0)
+                    + (state["params"] if st.params == "offload" else 0)
+                    + (engine_weight_bytes(s) if st.sleep_level == 1 else 0))
+    rate = s.cluster.copy_bytes_per_s
+    return switches + 2 * homes["host"], switches / rate + homes["host"] / rate
+
