@@ -142,3 +142,46 @@ def test_undo_on_error_reverts_and_reraises_the_original_error():
             undo.push(lambda: 1 / 0)
             raise KeyError("original")
     assert done == ["reverted"] and len(undo) == 0
+
+
+# ---------------------------------------------------------------- every name swaprl patches exists here
+@pytest.mark.vllm
+def test_every_vllm_name_swaprl_replaces_or_reads_exists_in_the_installed_vllm():
+    import importlib
+
+    from vllm import LLM
+    from vllm.device_allocator.cumem import CuMemAllocator
+    from vllm.platforms import current_platform
+
+    found = {}
+    for (module, name), attr in vllm_compat.STARTUP_RUNS.items():
+        try:
+            owner = importlib.import_module(module)
+            owner = getattr(owner, name) if name else owner
+        except (ImportError, AttributeError):
+            continue
+        found.setdefault(attr, []).append(callable(vars(owner).get(attr)))
+    assert any(found.get("profile_run", [])) and any(found.get("warmup_kernels", [])), found
+    assert "_global_graph_pool" in vars(type(current_platform)) or hasattr(type(current_platform),
+                                                                           "_global_graph_pool")
+    for method in ("sleep", "wake_up", "apply_model", "collective_rpc", "reset_prefix_cache"):
+        assert callable(getattr(LLM, method, None)), method
+    for method in ("sleep", "wake_up", "get_instance"):
+        assert callable(getattr(CuMemAllocator, method, None)), method
+
+
+def test_every_trl_name_swaprl_replaces_or_reads_exists_in_the_installed_trl():
+    pytest.importorskip("trl")
+    import inspect
+
+    from trl import GRPOTrainer
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from swaprl.compat import trl as trl_compat
+
+    sources = {"GRPOTrainer": inspect.getsource(GRPOTrainer), "VLLMGeneration": inspect.getsource(VLLMGeneration)}
+    classes = {"GRPOTrainer": GRPOTrainer, "VLLMGeneration": VLLMGeneration}
+    for patched in trl_compat.PATCHED:
+        owner, name = patched.split(".")
+        # a method of the class, or an attribute its code sets on the instance
+        assert hasattr(classes[owner], name) or f"self.{name} =" in sources[owner], patched

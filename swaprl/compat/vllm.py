@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ SUPPORTED = ">=0.26,<0.33"
 """vLLM versions swaprl was checked against (PEP 440 specifier; development and local builds count as their base)."""
 
 _R = TypeVar("_R")
+logger = logging.getLogger(__name__)
 
 
 def installed_version() -> str:
@@ -217,6 +219,14 @@ def global_graph_pool(pool_id: tuple[int, int]) -> Iterator[None]:
         cls._global_graph_pool = saved
 
 
+STARTUP_RUNS: dict[tuple[str, str], str] = {
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"): "profile_run",
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"): "profile_run",
+    ("vllm.v1.worker.gpu_worker", ""): "warmup_kernels",
+}
+"""(module, class or "" for the module itself) -> the start-up run `startup_runs_in_own_pool` replaces there."""
+
+
 def sleep_pool_bytes() -> dict[str, int]:
     """Device bytes vLLM's sleep-mode allocator holds per tag ("weights", "kv_cache"), from its own records
     (`CuMemAllocator.pointer_to_data`: each allocation's handle carries its size, with the tag it was made under).
@@ -294,20 +304,22 @@ def startup_runs_in_own_pool(step_out: Callable[[], contextlib.AbstractContextMa
         return run
 
     patched = []  # (owner, attribute, original)
-    for module, name in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
-                         ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")):
+    for (module, name), attr in STARTUP_RUNS.items():
         try:
-            cls = getattr(importlib.import_module(module), name)
+            owner = importlib.import_module(module)
+            owner = getattr(owner, name) if name else owner
         except (ImportError, AttributeError):
-            continue
-        if "profile_run" in cls.__dict__:
-            patched.append((cls, "profile_run", cls.__dict__["profile_run"]))
-    try:
-        worker = importlib.import_module("vllm.v1.worker.gpu_worker")
-    except ImportError:
-        worker = None
-    if worker is not None and callable(getattr(worker, "warmup_kernels", None)):
-        patched.append((worker, "warmup_kernels", worker.warmup_kernels))
+            continue  # one of the two model runners may be gone: the other starts the engine
+        if attr in vars(owner) and callable(vars(owner)[attr]):
+            patched.append((owner, attr, vars(owner)[attr]))
+    if not any(attr == "profile_run" for _, attr, _ in patched):
+        # Asked for (release_other): without the patch the profile run's activations would be mapped at every wake.
+        raise RuntimeError("swaprl found no GPUModelRunner.profile_run in this vLLM to keep vLLM's profile run out "
+                           f"of the engine's pausable pool (checked against vllm{SUPPORTED}); install a supported "
+                           "vLLM, or pass VLLMEngine(release_other=False)")
+    if not any(attr == "warmup_kernels" for _, attr, _ in patched):
+        logger.warning("vLLM has no gpu_worker.warmup_kernels here: its kernel warm-up, if any, stays in the engine's "
+                       "pool (checked against vllm%s)", SUPPORTED)
     for owner, attr, original in patched:
         wrap = in_sealed_pool if attr == "warmup_kernels" and warmup_pool is not None else in_own_pool
         setattr(owner, attr, wrap(original))
