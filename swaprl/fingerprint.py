@@ -14,9 +14,8 @@ change moves the sum by a non-zero amount below 2**32, so it is always caught. M
 was not sent, a tensor loaded into the wrong layer, weights never loaded after a level-2 sleep) cancel out with
 probability about 2**-32 or less. 8-byte elements get a 64-bit mix (two multiply/xor-shift rounds). It cannot see
 elements of one tensor swapped with each other, which no copy of whole tensors produces. The 32-bit mix keeps the
-CUDA kernel near the speed of reading memory: on the H100, 4 GiB of bf16 in 1.6-1.8 ms against 1.45 ms to read them
-(benchmarks/results/verify_cost_h100), where a 64-bit mix for every element took 2.38 ms, limited by the integer
-multiplies.
+CUDA kernel near the speed of reading memory, where a 64-bit mix for every element is limited by the integer
+multiplies (benchmarks/results/verify_cost_h100 has both against the read floor).
 
 On CUDA the mix-and-sum is one Triton kernel launch per element width for all the tensors of a call (a single read
 of each tensor, results accumulated on the device and read back once, past any copies a transition has queued:
@@ -56,7 +55,7 @@ _CHUNK = 1 << 24  # elements per torch-path chunk: bounds its int64 temporaries 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ALIGN = 16  # bytes, and elements per kernel length: what lets the kernel's loads be 16 bytes wide
 _BLOCK = 4096  # elements per load of the kernel
-_STEPS = 64  # loads per program at most: 256 Ki elements (on the H100, 72B-20L: 0.95 of the floor; 256: 0.87)
+_STEPS = 64  # loads per program at most: 256 Ki elements (closer to the read floor than 256; bench_fingerprint)
 _PROGRAMS_PER_SM = 8  # at least, where a launch has that many blocks
 _TEMP_BYTES = 1 << 28  # casts and copies held at once by the check (it runs beside the KV cache)
 
@@ -105,8 +104,8 @@ def _triton_kernel():
         return None
 
     # One launch folds every tensor of one element width, so a check of a model's few hundred tensors is a few
-    # launches, not a few hundred: one launch per tensor cost about 35 us of Python and launching each, 12 ms for
-    # Qwen2.5-1.5B's 338 tensors against 1.0 ms of reading them (benchmarks/results/verify_cost_h100).
+    # launches, not a few hundred: one launch per tensor costs Python and launch time per tensor, many times the
+    # time of reading them (benchmarks/results/verify_cost_h100).
     # `table` lists, for each of the `items` tensors, its first program (and, last, the grid's size), its address,
     # its length and its output slot; a program finds its tensor by a binary search over the first programs and
     # folds `steps` * BLOCK of its elements. `_Folder` hands it only 16-byte-aligned addresses and lengths divisible
@@ -238,10 +237,10 @@ _warm_ups: dict[torch.device, threading.Thread] = {}
 
 def warm_up(device: torch.device) -> None:
     """Compile the CUDA kernel for 2- and 4-byte elements (bf16/fp16 and fp32 weights) in a background thread, on a
-    stream of its own, so the first weight check does not wait for Triton (4.0 s of 7B's first check on the H100
-    against 0.03 s later). Started at attach before the engine is built, so it runs under the engine's start;
-    attach waits for it before returning (`finish_warm_up`). The thread may run while vLLM captures CUDA graphs:
-    it is allowed CUDA calls then (`allow_calls_during_capture`)."""
+    stream of its own, so the first weight check does not wait for Triton to compile (seconds, against
+    milliseconds for a later check: benchmarks/results/cold_start_h100). Started at attach before the engine is
+    built, so it runs under the engine's start; attach waits for it before returning (`finish_warm_up`). The
+    thread may run while vLLM captures CUDA graphs: it is allowed CUDA calls then (`allow_calls_during_capture`)."""
     if device.type != "cuda" or device in _warm_ups:
         return
 

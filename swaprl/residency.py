@@ -12,8 +12,8 @@ was resized to zero crashes the process on its next access (a segmentation fault
 sits on the host stays safe to read, save and even modify.
 
 Host buffers are allocated once per resource and reused, and locked ahead where their size is known (`prepare`, in
-a background thread from attach): locking fresh memory costs faulting its pages in, 18-22 GB/s the way it is done
-here against 1.7-2.3 GB/s through torch's pinned allocator, while copies into locked pages run at PCIe speed. On a
+a background thread from attach): locking fresh memory costs faulting its pages in, ten times faster the way it is done
+here than through torch's pinned allocator (bench_host_lock), while copies into locked pages run at PCIe speed. On a
 host with several NUMA nodes the pages are asked for on the GPU's own node (`memory.gpu_numa_node`) before they are
 first touched.
 Copies run on a side CUDA stream; the offload waits for its copies once
@@ -251,8 +251,7 @@ def _whole_pages(buf: torch.Tensor, page: int) -> tuple[int, int]:
 
 def _advise_huge_pages(buf: torch.Tensor) -> None:
     """Ask the kernel for transparent huge pages over `buf` (Linux; a no-op where THP is off or unknown): a 2 MiB page
-    is faulted in at once instead of 512 small ones. Measured on the H100 host (benchmarks/results/host_lock_h100):
-    touching 16 GiB with 16 threads ran at 23 GB/s in 4 KiB pages, 37-46 GB/s with huge pages."""
+    is faulted in at once instead of 512 small ones, faster to touch (bench_host_lock measures both)."""
     if not sys.platform.startswith("linux") or buf.numel() < 2 * _HUGE_PAGE:
         return
     start, end = _whole_pages(buf, _HUGE_PAGE)
@@ -268,12 +267,11 @@ def _host_empty(size: int, *, pin: bool, node: int | None = None) -> tuple[torch
     `node` where the kernel can (`_prefer_node`).
 
     torch's `pin_memory=True` goes through its caching host allocator, which rounds every request up to a power of
-    two (a 12 GiB optimizer would take 16 GiB of locked host memory) and locked 16 GiB at 1.7 GB/s on the H100 host.
-    Locking costs faulting every page in (the kernel zeroes each) more than pinning it: registering untouched memory
-    ran at 3.4 GB/s, one thread touching it at 2.5 GB/s. So the pages are asked to be huge, written by all of torch's
-    threads at once (`zero_`), then registered with `cudaHostRegister` as one range (a copy that straddles two
-    registrations is refused by the driver): 17.7-21.8 GB/s for 16 GiB (bench_host_lock). The caching allocator is
-    the fallback.
+    two (a 12 GiB optimizer would take 16 GiB of locked host memory) and locks slowly. Locking costs faulting
+    every page in (the kernel zeroes each) more than pinning it, and one thread faults slowly. So the pages are asked
+    to be huge, written by all of torch's threads at once (`zero_`), then registered with `cudaHostRegister` as one
+    range (a copy that straddles two registrations is refused by the driver); bench_host_lock measures each way.
+    The caching allocator is the fallback.
     """
     buf = torch.empty(max(size, 1), dtype=torch.uint8)
     if not pin:

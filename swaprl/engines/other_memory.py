@@ -2,8 +2,8 @@
 
 vLLM's sleep mode releases the weights and the KV cache (its own CuMemAllocator pool, tags "weights" and
 "kv_cache"). Everything else the engine allocated stays on the device while it sleeps: the CUDA graphs' private
-pool, the model runner's persistent buffers, workspaces, the blocks its forward passes left cached. Measured on the
-H100 that was 0.8-1.8 GiB for Qwen2.5-1.5B to 7B, memory the trainer needs every step.
+pool, the model runner's persistent buffers, workspaces, the blocks its forward passes left cached: memory the trainer
+needs every step (benchmarks/results/engine_pool_h100 measures it per model).
 
 `OtherMemory` routes those allocations into three `swaprl.kernels.PausablePool`s and pauses them when the engine
 sleeps:

@@ -184,7 +184,7 @@ class VLLMEngine(Engine):
         self.max_sequence_length = facts.max_model_len
         self.expected = {n: (shape, self.dtype) for n, (shape, _) in _read_checkpoint_index(self.path).items()}
         # A caller's LLM only when vLLM says it is awake: TRL puts its own to sleep when it starts, and swaprl's
-        # wrapper wakes it before adopting it. Unwarmed, the first probe paid 0.6-0.9 s under TRL (7B, H100).
+        # wrapper wakes it before adopting it. Unwarmed, the first probe pays vLLM's compilation under TRL.
         if self.cuda and (built or vllm_compat.is_sleeping(llm) is False):
             self._warm_log_probs()
         logger.info("vLLM engine ready: weights %.2f GiB, KV cache %.2f GiB, footprint %.2f GiB",
@@ -324,9 +324,9 @@ class VLLMEngine(Engine):
 
     def _warm_log_probs(self) -> None:
         """Ask for log-probabilities once, of one 2-token prompt, so the kernels vLLM compiles at its first such
-        request are ready before the first weight sync's mismatch probe (1.5 s of 7B's first on the H100, against
-        0.4 s later). Greedy, so no random stream moves; with the pools, in the buffer pool without counting as the
-        first generation, which must still route a rollout's allocations there."""
+        request are ready before the first weight sync's mismatch probe (the first probe otherwise pays for them:
+        benchmarks/results/cold_start_h100). Greedy, so no random stream moves; with the pools, in the buffer pool
+        without counting as the first generation, which must still route a rollout's allocations there."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=0, detokenize=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import base64
 import bisect
+import gzip
 import html
 import io
 import json
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from .._version import __version__
 from .attribution import CATEGORIES
-from .recorder import SCHEMA, VERSION
+from . import SCHEMA, VERSION
 
 GROWTH_LIMIT = 64 * 2**20
 """Residual growth of the train-phase baseline (cycle k vs cycle 2) above which the report flags a leak."""
@@ -84,6 +85,8 @@ def load_run(path: str | Path) -> Run:
     """Read a profile; a cut-off last line becomes a warning, anything that is not a v1 profile an error."""
     path = Path(path)
     data = path.read_bytes()
+    if path.suffix == ".gz":  # results keep long profiles compressed
+        data = gzip.decompress(data)
     fix = "pass the JSON Lines file written by SwapConfig(profile=PATH) or swaprl.profile.attach_profiler(rt, PATH)"
     if not data.strip():
         raise ProfileFormatError(f"{path} is empty, not a swaprl memory profile (the profiler writes its header "
@@ -737,9 +740,9 @@ def profiles_in(path: Path) -> list[Path]:
     """`path` itself, or for a run directory the profiles in it (`profile*.jsonl`, one per rank, in rank order)."""
     if not path.is_dir():
         return [path]
-    found = sorted(path.glob("profile*.jsonl"), key=lambda f: (len(f.name), f.name))
+    found = sorted([*path.glob("profile*.jsonl"), *path.glob("profile*.jsonl.gz")], key=lambda f: (len(f.name), f.name))
     if not found:
-        raise ProfileFormatError(f"{path} is a directory with no memory profile in it (profile*.jsonl); give the "
+        raise ProfileFormatError(f"{path} is a directory with no memory profile in it (profile*.jsonl[.gz]); give the "
                                  "directory a run wrote its profile to (SwapConfig(profile=DIR/'profile.jsonl')), "
                                  "or the profile files themselves")
     return found
