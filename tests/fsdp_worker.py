@@ -82,6 +82,9 @@ def optimizer_states(opt) -> list[torch.Tensor]:
 
 
 def bitwise_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Every tensor of `a` equals its counterpart in `b` bit for bit; two empty lists compare nothing, so they fail."""
+    if not a or not b:
+        raise ValueError("bitwise_equal() got nothing to compare: the run recorded no tensors")
     return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
                                     for x, y in zip(a, b))
 
@@ -104,6 +107,7 @@ def fsdp(args) -> dict:
     def train(config: swaprl.SwapConfig | None, tag: str = "", steps: int = 3,
               mixed: bool = False) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
         model, _ = build(mixed)
+        initial = shards(model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         engine = HFEngine(model)
         rt = swaprl.attach(model, opt, engine, config=config) if config else None
@@ -126,7 +130,9 @@ def fsdp(args) -> dict:
             out[f"status_train_{tag}"] = rt.status()
             out[f"verify_{tag}"] = rt.verify_sync().ok
         swaprl.detach()
-        return losses, shards(model.parameters()), shards(optimizer_states(opt))
+        trained = shards(model.parameters())
+        out[f"moved_{tag}"] = not bitwise_equal(initial, trained)  # training changed the weights
+        return losses, trained, shards(optimizer_states(opt))
 
     def compare(reference, run) -> dict:
         (l0, p0, s0), (l1, p1, s1) = reference, run

@@ -40,6 +40,7 @@ def test_fsdp2_training_with_swapping_is_bitwise_identical(ranks, grads):
     for r in ranks:
         same = r[f"bitwise_{grads}"]
         assert same["losses"] and same["params"] and same["optimizer"], (r["rank"], same)
+        assert r["moved_"] and r[f"moved_{grads}"]  # the weights both runs agree on are trained ones
 
 
 def test_status_reports_this_ranks_shards(ranks):
