@@ -192,7 +192,8 @@ class StateStreamer:
                 **figures}
         logger.debug("streamed optimizer step: %d chunk(s), %.2f GiB in, %.2f GiB out, %.3f s", len(chunks),
                      figures["h2d_bytes"] / 2**30, figures["d2h_bytes"] / 2**30, seconds)
-        if self._on_step is not None:
+        # A step that owned nothing ("auto" before any state was homed in host memory) was torch's own: no event.
+        if self._on_step is not None and any(self.owns(p) for p, _ in stepping):
             self._on_step(info)
         return loss
 
