@@ -70,24 +70,41 @@ def test_a_switch_undone_after_the_weights_woke_puts_the_engine_back_to_sleep(ti
 
 
 # ---------------------------------------------------------------- a fault inside a rollback
-def test_a_fault_inside_a_rollback_leaves_a_runtime_that_tells_the_truth(tiny_checkpoint, monkeypatch):
-    model = load(tiny_checkpoint)
+def trained(checkpoint):
+    """A runtime whose optimizer states exist and are swapped at each switch."""
+    model = load(checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="swap"))
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
-    states = [t.clone() for t in states_of(opt)]
-    reload = Placement.reload
+    return model, opt, rt
+
+
+def fail_the_rollback(rt, monkeypatch, *, reloads_failing: int | None = None) -> BaseException:
+    """Enter `generate` with a fault right after its offload, and the rollback's reload out of memory (the first
+    `reloads_failing` times, or always): a second fault, inside the rollback. Returns the error the entry raised."""
+    reload, failed = Placement.reload, []
 
     def out_of_memory(self, name, **kwargs):
-        raise torch.OutOfMemoryError(f"no room to bring the {name} back")
+        if reloads_failing is None or len(failed) < reloads_failing:
+            failed.append(name)
+            raise torch.OutOfMemoryError(f"no room to bring the {name} back")
+        return reload(self, name, **kwargs)
 
-    monkeypatch.setattr(Placement, "reload", out_of_memory)  # the rollback's reload fails: a second fault
+    monkeypatch.setattr(Placement, "reload", out_of_memory)
     remove = fail_after(rt, "offload optimizer")
     with pytest.raises(Fault) as err:
         with rt.phase("generate"):
-            pytest.fail("the block must not run")
+            pytest.fail("the block must not run when entering the phase failed")
     remove()
-    note = "\n".join(getattr(err.value, "__notes__", []))
+    return err.value
+
+
+def test_a_fault_inside_a_rollback_leaves_a_runtime_that_tells_the_truth(tiny_checkpoint, monkeypatch):
+    model, opt, rt = trained(tiny_checkpoint)
+    states = [t.clone() for t in states_of(opt)]
+    reload = Placement.reload
+    error = fail_the_rollback(rt, monkeypatch)
+    note = "\n".join(getattr(error, "__notes__", []))
     assert "could not undo offload optimizer" in note and "no room" in note
     st = rt.status()
     assert rt.current_phase == "train"
@@ -110,25 +127,8 @@ def test_a_fault_inside_a_rollback_leaves_a_runtime_that_tells_the_truth(tiny_ch
 
 
 def test_a_switch_to_the_other_phase_completes_what_a_failed_rollback_left(tiny_checkpoint, monkeypatch):
-    model = load(tiny_checkpoint)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="swap"))
-    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
-    reload = Placement.reload
-    calls = []
-
-    def out_of_memory_once(self, name, **kwargs):
-        if not calls:
-            calls.append(name)
-            raise torch.OutOfMemoryError("no room, once")
-        return reload(self, name, **kwargs)
-
-    monkeypatch.setattr(Placement, "reload", out_of_memory_once)
-    remove = fail_after(rt, "offload optimizer")
-    with pytest.raises(Fault):
-        with rt.phase("generate"):
-            pass
-    remove()
+    model, opt, rt = trained(tiny_checkpoint)
+    fail_the_rollback(rt, monkeypatch, reloads_failing=1)
     assert rt.status()["optimizer"]["location"] == "host" and "unsettled" in rt.status()
     with rt.phase("generate"):  # the states are where generate wants them already: nothing moves twice
         assert "unsettled" not in rt.status() and rt.status()["optimizer"]["location"] == "host"
@@ -137,20 +137,8 @@ def test_a_switch_to_the_other_phase_completes_what_a_failed_rollback_left(tiny_
 
 
 def test_a_rollback_that_cannot_complete_keeps_naming_what_is_left(tiny_checkpoint, monkeypatch):
-    model = load(tiny_checkpoint)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="swap"))
-    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
-
-    def out_of_memory(self, name, **kwargs):
-        raise torch.OutOfMemoryError("still no room")
-
-    monkeypatch.setattr(Placement, "reload", out_of_memory)
-    remove = fail_after(rt, "offload optimizer")
-    with pytest.raises(Fault):
-        with rt.phase("generate"):
-            pass
-    remove()
+    _, _, rt = trained(tiny_checkpoint)
+    fail_the_rollback(rt, monkeypatch)
     with pytest.raises(torch.OutOfMemoryError) as err:  # the settle fails too: said, and the runtime unchanged
         with rt.phase("train"):
             pytest.fail("the block must not run while the runtime is unsettled")

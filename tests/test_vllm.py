@@ -4,6 +4,8 @@ memory over 50 cycles). One engine per test session: vLLM's sleep-mode allocator
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -278,6 +280,24 @@ def _settled_used() -> int:
     return memory.device_used_bytes(torch.device("cuda", torch.cuda.current_device()))
 
 
+def _fault_after_each_step(rt, transition: str, names: list[str]) -> Iterator[tuple[str, dict]]:
+    """Switch as `transition` says with a fault after each of its steps in turn (`names`, in order); after each
+    rollback the runtime is back where it was and the device memory (NVML) within 64 MiB of before. Yields each
+    step's name and the status after its rollback."""
+    src, dst = transition.split("->")
+    for i, name in enumerate(names):
+        before = _settled_used()
+        remove = _fail_after(rt, transition, i)
+        with pytest.raises(_Fault):
+            with swaprl.phase(dst):
+                pytest.fail("the block must not run when entering the phase failed")
+        remove()
+        after, st = _settled_used(), rt.status()
+        assert rt.current_phase == src and "unsettled" not in st, (name, st)
+        assert abs(after - before) <= 64 * MiB, (name, before, after)
+        yield name, st
+
+
 @pytest.mark.gpu
 def test_a_fault_after_any_step_of_either_switch_gives_every_byte_back(tiny_checkpoint, engine):
     """A fault after each step of train -> generate and of generate -> train, with the defaults: every rollback
@@ -298,33 +318,16 @@ def test_a_fault_after_any_step_of_either_switch_gives_every_byte_back(tiny_chec
         rolled_back = []
         for cycle in range(2):
             if faults:
-                for i, name in enumerate(expected["train->generate"]):
-                    before, engine_before = _settled_used(), rt.status()["engine"]
-                    remove = _fail_after(rt, "train->generate", i)
-                    with pytest.raises(_Fault):
-                        with swaprl.phase("generate"):
-                            pytest.fail("the block must not run")
-                    remove()
-                    after, st = _settled_used(), rt.status()
-                    assert rt.current_phase == "train" and "unsettled" not in st, (name, st)
-                    assert st["engine"]["location"] == engine_before["location"], (name, st["engine"])
+                asleep = rt.status()["engine"]
+                for name, st in _fault_after_each_step(rt, "train->generate", expected["train->generate"]):
+                    assert st["engine"]["location"] == asleep["location"], (name, st["engine"])
                     assert st["engine"]["weights_bytes"] == st["engine"]["kv_cache_bytes"] == 0, (name, st["engine"])
-                    assert abs(after - before) <= 64 * MiB, (name, before, after)
                     rolled_back.append(f"train->generate after {name}")
             with swaprl.phase("generate"):
                 completions = rt.engine.generate([[1, 2, 3, 4]], swaprl.Sampling(max_tokens=6, n=4, seed=cycle))
                 if faults:
-                    for i, name in enumerate(expected["generate->train"]):
-                        before = _settled_used()
-                        remove = _fail_after(rt, "generate->train", i)
-                        with pytest.raises(_Fault):
-                            with swaprl.phase("train"):
-                                pytest.fail("the block must not run")
-                        remove()
-                        after, st = _settled_used(), rt.status()
-                        assert rt.current_phase == "generate" and "unsettled" not in st, (name, st)
+                    for name, st in _fault_after_each_step(rt, "generate->train", expected["generate->train"]):
                         assert st["engine"]["location"] == "device" and st["optimizer"]["location"] == "host"
-                        assert abs(after - before) <= 64 * MiB, (name, before, after)
                         assert rt.engine.generate([[1, 2, 3, 4]], swaprl.Sampling(max_tokens=6, n=4,
                                                                                   seed=cycle)) == completions
                         rolled_back.append(f"generate->train after {name}")
