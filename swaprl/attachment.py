@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from . import checks, fingerprint
+from . import checks, fingerprint, regions
 from .checkpoints import checkpoint_dir_of
 from .config import SwapConfig
 from .engines import vllm_available
@@ -174,6 +174,16 @@ class Runtime(PhaseMachine):
             if waited > 0.1:
                 logger.info("attach waited %.2f s for host memory to be locked and the check's kernel compiled",
                             waited)
+
+    def pausable(self, name: str, *, keep: str = "allocated"):
+        """A region of device memory the runtime releases while the engine generates and maps again at the same
+        addresses for training (a `swaprl.kernels.PausablePool`; `swaprl.regions` says what it is for and what
+        must stay out of it). keep: what a pause preserves, "allocated" (live tensors' bytes) or "nothing" (a
+        CUDA graph's private pool)."""
+        self._check_bound()
+        region = regions.new(name, keep=keep, device=self.device, taken={r.name for r in self._regions})
+        self._regions.append(region)
+        return region
 
     def _close(self) -> None:
         global _attached

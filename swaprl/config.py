@@ -39,7 +39,7 @@ def default_reserve_bytes(total: int) -> int:
     return max(2 * 2**30, int(0.03 * total))
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SwapConfig:
     """How the runtime moves memory between the `train` and `generate` phases.
 
@@ -148,7 +148,7 @@ class SwapConfig:
         _choice("grads", self.grads, GRAD_POLICIES)
         _choice("params", self.params, PARAM_POLICIES)
         if isinstance(self.optimizer_states, Mapping):
-            self.optimizer_states = _check_split(self.optimizer_states)
+            object.__setattr__(self, "optimizer_states", _check_split(self.optimizer_states))
         elif not isinstance(self.optimizer_states, str) or self.optimizer_states not in ("auto", *OPTIMIZER_STATES):
             raise ValueError(f"SwapConfig.optimizer_states={self.optimizer_states!r}; use 'auto' (on the device what "
                              "fits beside the engine, the rest swapped), 'swap' (states on the device for 'train', in "
@@ -167,7 +167,8 @@ class SwapConfig:
                              "no state is swapped, so there is no reload to overlap (host-resident states never "
                              "come back for 'train': the streamed optimizer.step() overlaps its own copies); drop "
                              "overlap_optimizer_reload")
-        if isinstance(self.sleep_level, bool) or self.sleep_level not in SLEEP_LEVELS:
+        if not (self.sleep_level == "auto" and isinstance(self.sleep_level, str)
+                or type(self.sleep_level) is int and self.sleep_level in (1, 2)):  # not 1.0, True or a tensor
             raise ValueError(f"SwapConfig.sleep_level={self.sleep_level!r}; use 1, 2 or 'auto'")
         if self.host_budget_bytes is not None:
             _byte_count("host_budget_bytes", self.host_budget_bytes,
@@ -177,7 +178,7 @@ class SwapConfig:
         if self.sync_bucket_bytes < 2**20:
             raise ValueError(f"SwapConfig.sync_bucket_bytes={self.sync_bucket_bytes} is under 1 MiB; "
                              "buckets that small make the weight sync launch-bound: use 64 MiB or more")
-        if self.profile is not None and not isinstance(self.profile, str | os.PathLike):
+        if self.profile is not None and (not isinstance(self.profile, str | os.PathLike) or not str(self.profile)):
             raise ValueError(f"SwapConfig.profile={self.profile!r}; give the path of the profile to write (a str or "
                              "a pathlib.Path), or None for no profile")
         if self.verify_tolerance is not None:
@@ -186,7 +187,7 @@ class SwapConfig:
                     or not all(_finite_number(b) and b > 0 for b in bounds)):
                 raise ValueError(f"SwapConfig.verify_tolerance={bounds!r}; give (max, mean) as two positive "
                                  "numbers, e.g. (0.5, 0.12), or None for the defaults")
-            self.verify_tolerance = (float(bounds[0]), float(bounds[1]))
+            object.__setattr__(self, "verify_tolerance", (float(bounds[0]), float(bounds[1])))
         if self.gpu_memory_utilization is not None:
             value = self.gpu_memory_utilization
             if not _finite_number(value) or not 0.0 < value <= 1.0:

@@ -69,8 +69,15 @@ class PhaseMachine:
         with self._owning():
             if self._unsettled is not None and name == self._phase:  # a switch to the other phase completes it too
                 self._settle()
-            previous = self._phase
-            self._transition(previous, name)
+            # Outside every block the runtime belongs in "train": a block left there (its exit failed and was undone)
+            # is not where the next one returns to.
+            previous = self._phase if self._depth else "train"
+            try:
+                self._transition(self._phase, name)
+            except BaseException:
+                if self._phase == name != previous:  # the switch stood, what raised came after it (a listener's)
+                    self._transition(name, previous, judge=False)
+                raise
             self._depth += 1
             try:
                 yield self
@@ -96,16 +103,6 @@ class PhaseMachine:
         if self.device.type == "cuda":
             out["device_memory"] = memory.device_figures(self.device)
         return out
-
-    def pausable(self, name: str, *, keep: str = "allocated"):
-        """A region of device memory the runtime releases while the engine generates and maps again at the same
-        addresses for training (a `swaprl.kernels.PausablePool`; `swaprl.regions` says what it is for and what
-        must stay out of it). keep: what a pause preserves, "allocated" (live tensors' bytes) or "nothing" (a
-        CUDA graph's private pool)."""
-        self._check_bound()
-        region = regions.new(name, keep=keep, device=self.device, taken={r.name for r in self._regions})
-        self._regions.append(region)
-        return region
 
     @property
     def last_sync(self) -> SyncReport | None:
@@ -153,13 +150,18 @@ class PhaseMachine:
         bytes released ({} when already detached)."""
         if self._closed:
             return {}
-        if self._depth:
-            raise PhaseError("detach() called inside a `with phase(...)` block; leave the block first")
+        owner = self._owner
+        if self._depth or owner is not None:
+            where = "" if owner is None or owner is threading.current_thread() else f" (of thread {owner.name!r})"
+            raise PhaseError(f"detach() called inside a `with phase(...)` block or a switch{where}; leave the "
+                             "block first")
         if self._unbound is not None:  # pending: nothing was taken, only what was registered is undone
             self._detach_callbacks.run()
             self._close()
             logger.info("detached before binding to a trainer: nothing to bring back")
             return {}
+        if self._unsettled is not None and self._phase == "train":  # a failed rollback left something out
+            self._settle()
         # The run is ending: a mismatch past bounds is in the last sync's report and the profile, and stops nothing.
         back = self._transition(self._phase, "train", judge=False) if self._phase != "train" else 0
         self.wait_reload()

@@ -39,14 +39,15 @@ class Undo:
         return len(self._stack)
 
     def run(self) -> list[str]:
-        """Revert every recorded change, newest first; a revert that raises is logged and the rest still run.
-        Returns what could not be reverted ("name: error" per change), so the caller can say what is left."""
+        """Revert every recorded change, newest first; a revert that raises is logged and the rest still run, a
+        Ctrl-C during one included (stopping halfway would leave more out of place than finishing). Returns what
+        could not be reverted ("name: error" per change), so the caller can say what is left."""
         failed = []
         while self._stack:
             fn, name = self._stack.pop()
             try:
                 fn()
-            except Exception as exc:  # keep going: the remaining changes still have tensors or methods to put back
+            except BaseException as exc:  # keep going: the remaining changes still have tensors or methods to put back
                 logger.exception("undoing %r of %s failed", name, self.what)
                 failed.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
         return failed

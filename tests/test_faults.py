@@ -4,6 +4,7 @@ weight check that could not read everything, and `swaprl report` on a run direct
 
 from __future__ import annotations
 
+import gzip
 import math
 import threading
 
@@ -146,6 +147,98 @@ def test_a_rollback_that_cannot_complete_keeps_naming_what_is_left(tiny_checkpoi
     assert rt.current_phase == "train" and "unsettled" in rt.status()
 
 
+def test_a_second_ctrl_c_during_a_rollback_does_not_cut_it_short(tiny_checkpoint, monkeypatch):
+    model, opt, rt = trained(tiny_checkpoint)
+    states = [t.clone() for t in states_of(opt)]
+    reload, calls = Placement.reload, []
+
+    def interrupted_once(self, name, **kwargs):
+        calls.append(name)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # the user presses Ctrl-C again while the first undo runs
+        return reload(self, name, **kwargs)
+
+    monkeypatch.setattr(Placement, "reload", interrupted_once)
+    remove = fail_after(rt, "offload grads")
+    with pytest.raises(Fault):
+        with rt.phase("generate"):
+            pass
+    remove()
+    assert calls == ["grads", "optimizer"]  # the rollback went on past the interrupted undo
+    st = rt.status()
+    assert st["optimizer"]["location"] == "device" and "offload grads" in st["unsettled"]
+    with rt.phase("train"):  # and the next entry completes what the interrupt left
+        assert "unsettled" not in rt.status() and rt.status()["grads"]["location"] == "device"
+    for t, s in zip(states_of(opt), states):
+        torch.testing.assert_close(t, s, rtol=0, atol=0)
+
+
+def test_an_interrupt_after_a_switch_stood_puts_the_runtime_back(tiny_checkpoint):
+    """A Ctrl-C in a listener of the phase event (the profiler's): the switch had stood, the block never runs, and
+    the runtime goes back to where the block would have returned it."""
+    model, opt, rt = trained(tiny_checkpoint)
+
+    def interrupt(event):
+        if event["type"] == "phase" and event["phase"] == "generate":
+            raise KeyboardInterrupt
+
+    remove = rt.add_listener(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with rt.phase("generate"):
+            pytest.fail("the block must not run")
+    remove()
+    assert rt.current_phase == "train" and rt.status()["optimizer"]["location"] == "device"
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+
+
+def test_after_a_failed_exit_from_generate_blocks_return_to_train(tiny_checkpoint):
+    model, opt, rt = trained(tiny_checkpoint)
+    remove = fail_after(rt, "reload optimizer")
+    with pytest.raises(Fault):
+        with rt.phase("generate"):
+            pass  # leaving the block fails and is undone: the runtime stays in generate, no block open
+    remove()
+    assert rt.current_phase == "generate"
+    with rt.phase("train"):
+        assert rt.status()["optimizer"]["location"] == "device"
+    assert rt.current_phase == "train"  # not back to generate: outside every block the runtime belongs in train
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+
+
+def test_detach_completes_what_a_failed_rollback_left(tiny_checkpoint, monkeypatch):
+    _, opt, rt = trained(tiny_checkpoint)
+    states = [t.clone() for t in states_of(opt)]
+    reload = Placement.reload
+    fail_the_rollback(rt, monkeypatch)
+    monkeypatch.setattr(Placement, "reload", reload)
+    rt.detach()
+    st = rt.status()["optimizer"]  # back for plain torch, not left as views of the released host buffer
+    assert st["location"] == "device" and st["host_bytes"] == 0
+    for t, s in zip(states_of(opt), states):
+        torch.testing.assert_close(t, s, rtol=0, atol=0)
+
+
+def test_detach_from_another_thread_during_a_block_is_refused_naming_the_owner(tiny_checkpoint):
+    _, _, rt = trained(tiny_checkpoint)
+    inside, leave = threading.Event(), threading.Event()
+
+    def generating():
+        with rt.phase("generate"):
+            inside.set()
+            leave.wait(30)
+
+    owner = threading.Thread(target=generating, name="rollouts")
+    owner.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(swaprl.PhaseError, match="thread 'rollouts'"):
+            rt.detach()
+    finally:
+        leave.set()
+        owner.join(30)
+    assert rt.detach()["host_released_bytes"] > 0  # once the block ended
+
+
 # ---------------------------------------------------------------- threads
 def test_phases_from_a_second_thread_are_refused_naming_the_owner(tiny_checkpoint):
     model = load(tiny_checkpoint)
@@ -183,11 +276,17 @@ def test_phases_from_a_second_thread_are_refused_naming_the_owner(tiny_checkpoin
     ("pin_memory", "no"), ("overlap_offload", "yes"), ("verify_sync", 1), ("profile", 123), ("sleep_level", True),
     ("stream_chunk_bytes", 2.0**30), ("sync_bucket_bytes", True), ("gpu_memory_utilization", "0.5"),
     ("gpu_memory_utilization", math.nan), ("verify_tolerance", (math.inf, 0.1)), ("grads", None),
-    ("optimizer_states", None),
+    ("optimizer_states", None), ("sleep_level", 1.0), ("sleep_level", 1 + 0j), ("profile", ""),
 ])
 def test_every_config_field_is_checked_naming_it(field, value):
     with pytest.raises(ValueError, match=rf"SwapConfig\.{field}="):
         swaprl.SwapConfig(**{field: value})
+
+
+def test_a_config_cannot_be_changed_behind_its_checks():
+    config = swaprl.SwapConfig()
+    with pytest.raises(AttributeError):  # frozen: a change goes through dataclasses.replace, and its checks
+        config.grads = None
 
 
 # ---------------------------------------------------------------- a partial weight check
@@ -231,3 +330,14 @@ def test_report_takes_a_run_directory(tiny_checkpoint, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert cli(["report", str(tmp_path / "empty")]) == 2
     assert "no memory profile in it" in capsys.readouterr().err
+    profile = (tmp_path / "run" / "profile.jsonl").read_bytes()
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "profile.jsonl.gz").write_bytes(gzip.compress(profile)[: len(profile) // 8])  # cut short
+    assert cli(["report", str(tmp_path / "gz")]) == 0
+    assert "cut off" in capsys.readouterr().err or "no end record" in capsys.readouterr().err
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "profile.jsonl.gz").write_bytes(profile)
+    assert cli(["report", str(tmp_path / "fake")]) == 2 and "not a gzip file" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    assert cli(["report", str(tmp_path / "run"), "-o", str(tmp_path / "afile")]) == 2
+    assert "give -o a directory" in capsys.readouterr().err

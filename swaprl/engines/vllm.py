@@ -458,7 +458,7 @@ class VLLMEngine(Engine):
         pool_kv = self._pool.get("kv_cache", self.kv_cache_bytes)
         weights = 0 if "weights" in self._sleeping else pool_weights
         kv = 0 if "kv_cache" in self._sleeping else pool_kv
-        if not self._sleeping:
+        if self._sleeping != set(_TAGS):  # awake, or woken in part: it holds device memory
             location = "device"
         else:
             location = "host" if self._level == 1 else "released"

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import base64
 import bisect
-import gzip
 import html
 import io
 import json
 import math
 import statistics
 import sys
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,12 +81,22 @@ class Interval:
 
 
 # ---------------------------------------------------------------------------------------------------- reading
+def _read_gz(path: Path) -> bytes:
+    """A gzipped profile's bytes; a file cut short gives what it holds (its last line then reads as cut off)."""
+    raw = path.read_bytes()
+    try:
+        if raw[:2] != b"\x1f\x8b":
+            raise zlib.error("no gzip header")
+        return zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(raw)  # a truncated stream: what it holds
+    except zlib.error as exc:
+        raise ProfileFormatError(f"{path} is not a gzip file ({exc}); pass the profile itself, or gzip it "
+                                 "whole") from None
+
+
 def load_run(path: str | Path) -> Run:
     """Read a profile; a cut-off last line becomes a warning, anything that is not a v1 profile an error."""
     path = Path(path)
-    data = path.read_bytes()
-    if path.suffix == ".gz":  # results keep long profiles compressed
-        data = gzip.decompress(data)
+    data = _read_gz(path) if path.suffix == ".gz" else path.read_bytes()  # results keep long profiles compressed
     fix = "pass the JSON Lines file written by SwapConfig(profile=PATH) or swaprl.profile.attach_profiler(rt, PATH)"
     if not data.strip():
         raise ProfileFormatError(f"{path} is empty, not a swaprl memory profile (the profiler writes its header "
@@ -771,7 +781,16 @@ def run(args: argparse.Namespace) -> int:
     first = args.runs[0]
     out_dir = args.output if args.output is not None else (
         first / "report" if first.is_dir() else first.with_name(first.stem + "-report"))
-    written = write_report(runs, out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        sys.stderr.write(f"swaprl report: error: {out_dir} is a file; give -o a directory for the report\n")
+        return 2
+    try:
+        written = write_report(runs, out_dir)
+    except (KeyError, TypeError, ValueError) as exc:  # a record without a field every profile's records have
+        sys.stderr.write(f"swaprl report: error: a record in {', '.join(map(str, paths))} lacks what swaprl's "
+                         f"profiler writes ({type(exc).__name__}: {exc}); it was not written by a profiler of this "
+                         f"version, or was edited\n")
+        return 2
     for r in runs:
         for w in r.warnings:
             sys.stderr.write(f"swaprl report: warning: {w}\n")
