@@ -81,11 +81,13 @@ def _filler_tokens(n: int) -> list[str]:
 
 def hf_config(preset: str, *, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
               bos_token_id: int = 257, eos_token_id: int = 256):
-    """A transformers `Qwen2Config` of `preset` (default special ids: those of `write_tokenizer`)."""
-    from transformers import Qwen2Config
+    """A transformers config of `preset`, of its own architecture (default special ids: those of
+    `write_tokenizer`)."""
+    from transformers import AutoConfig
 
     cfg = get_preset(preset).config_dict(layers=layers, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    return Qwen2Config(**{k: v for k, v in cfg.items() if k != "model_type"}, dtype=dtype)
+    model_type = cfg.pop("model_type", "qwen2")
+    return AutoConfig.for_model(model_type, **cfg, dtype=dtype)
 
 
 def random_model(preset: str, *, layers: int | None = None, dtype: torch.dtype = torch.float32,

@@ -1,6 +1,7 @@
-"""Model architectures swaprl knows by name: the Qwen2.5 family (0.5B to 72B) and a tiny Qwen2 for tests.
+"""Model architectures swaprl knows by name: the Qwen2.5 family (0.5B to 72B), a tiny Qwen2 for tests, Llama 3 and
+3.1 (8B, 70B) and Qwen3 (8B, 32B); and any dense decoder's config.json (`from_config`).
 
-The shapes are those of the published Qwen2.5 `config.json` files, so memory figures computed or measured on
+The shapes are those of the published `config.json` files, so memory figures computed or measured on
 random-weight checkpoints of these presets hold for the real models. `tiny` is a two-layer Qwen2 that runs in a
 second on a CPU; its vocabulary matches the byte-level tokenizer that `swaprl.checkpoints` writes.
 """
@@ -8,11 +9,43 @@ second on a CPU; its vocabulary matches the byte-level tokenizer that `swaprl.ch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """What a dense decoder of one transformers `model_type` holds beyond its sizes (the parameter count follows)."""
+
+    hf_class: str
+    qkv_bias: bool | None
+    """q, k and v projections carry biases: always (True), never (False), or as the config's `attention_bias` says
+    (None)."""
+    o_bias: bool | None
+    """The output projection carries a bias: never (False), or as `attention_bias` says (None)."""
+    qk_norm: bool
+    """Per-head RMSNorms on q and k (a `head_dim` weight each)."""
+    norms_per_layer: int
+    """RMSNorm weights of one decoder layer (the hidden size each)."""
+    mlp_bias: bool | None = False
+    """The MLP's projections carry biases: never, or as the config's `mlp_bias` says (None)."""
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen2": Architecture("Qwen2ForCausalLM", qkv_bias=True, o_bias=False, qk_norm=False, norms_per_layer=2),
+    "qwen3": Architecture("Qwen3ForCausalLM", qkv_bias=None, o_bias=None, qk_norm=True, norms_per_layer=2),
+    "llama": Architecture("LlamaForCausalLM", qkv_bias=None, o_bias=None, qk_norm=False, norms_per_layer=2,
+                          mlp_bias=None),
+    "mistral": Architecture("MistralForCausalLM", qkv_bias=False, o_bias=False, qk_norm=False, norms_per_layer=2),
+    "gemma2": Architecture("Gemma2ForCausalLM", qkv_bias=None, o_bias=None, qk_norm=False, norms_per_layer=4),
+    "gemma3_text": Architecture("Gemma3ForCausalLM", qkv_bias=None, o_bias=None, qk_norm=True, norms_per_layer=4),
+    "phi3": Architecture("Phi3ForCausalLM", qkv_bias=False, o_bias=False, qk_norm=False, norms_per_layer=2),
+}
+"""The dense decoders the planner reads, by `model_type` (Llama 3.x, Qwen2/2.5/3, Mistral, Gemma 2/3, Phi-3)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Preset:
-    """The architecture fields of a Qwen2 `config.json` that decide shapes (and so memory)."""
+    """The architecture fields of a dense decoder's `config.json` that decide shapes (and so memory)."""
 
     name: str
     hidden_size: int
@@ -26,30 +59,71 @@ class Preset:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     extra: dict = field(default_factory=dict)
+    model_type: str = "qwen2"
+    explicit_head_dim: int | None = None
+    """The config's `head_dim` where it sets one (Qwen3, Gemma, Mistral-Nemo); else hidden / heads."""
+    attention_bias: bool = False
+    """The config's `attention_bias` (architectures whose biases follow it, `Architecture.qkv_bias`)."""
+    mlp_bias: bool = False
+    config: dict | None = None
+    """The `config.json` this preset was read from (None: a Qwen2 config made from the fields)."""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"model_type {self.model_type!r} is not a dense decoder the planner knows; it reads "
+                             f"{', '.join(ARCHITECTURES)}")
+
+    @property
+    def architecture(self) -> Architecture:
+        return ARCHITECTURES[self.model_type]
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def _bias(self, rule: bool | None, flag: bool) -> bool:
+        return flag if rule is None else rule
+
+    def layer_parameters(self) -> dict[str, int]:
+        """One decoder layer's parameters by part: "q", "k", "v" and "o" (weights with their biases), "qk_norm",
+        "mlp", "norms". Engines split some over tensor-parallel ranks (`plan.formulas.engine_params_per_rank`)."""
+        a, h, q, kv = self.architecture, self.hidden_size, self.q_dim, self.kv_dim
+        qkv_bias, o_bias = self._bias(a.qkv_bias, self.attention_bias), self._bias(a.o_bias, self.attention_bias)
+        mlp_bias = self._bias(a.mlp_bias, self.mlp_bias)
+        i = self.intermediate_size
+        return {"q": h * q + (q if qkv_bias else 0), "k": h * kv + (kv if qkv_bias else 0),
+                "v": h * kv + (kv if qkv_bias else 0), "o": q * h + (h if o_bias else 0),
+                "qk_norm": 2 * self.head_dim if a.qk_norm else 0,
+                "mlp": 3 * h * i + ((2 * i + h) if mlp_bias else 0), "norms": a.norms_per_layer * h}
 
     def num_parameters(self, layers: int | None = None) -> int:
-        """Exact parameter count of `Qwen2ForCausalLM` with this shape (q/k/v carry biases, o/MLP do not)."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.num_key_value_heads * self.head_dim
+        """Exact parameter count of the transformers model with this shape (tests/test_plan.py builds it)."""
         n_layers = self.num_hidden_layers if layers is None else layers
-        attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (+bias), k and v (+bias), o
-        mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
-        embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return n_layers * per_layer + embed + head + h  # final norm
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return n_layers * sum(self.layer_parameters().values()) + embed + head + self.hidden_size  # final norm
 
     def config_dict(self, *, layers: int | None = None, bos_token_id: int, eos_token_id: int) -> dict:
-        """A `Qwen2Config` keyword dict; `layers` cuts the depth (the per-layer shapes stay the real ones)."""
+        """The `config.json` keyword dict of this architecture; `layers` cuts the depth (the per-layer shapes stay
+        the real ones)."""
+        depth = self.num_hidden_layers if layers is None else layers
+        if self.config is not None:
+            return {**self.config, "num_hidden_layers": depth, "bos_token_id": bos_token_id,
+                    "eos_token_id": eos_token_id, "pad_token_id": bos_token_id}
         return {
             "architectures": ["Qwen2ForCausalLM"],
             "model_type": "qwen2",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers if layers is None else layers,
+            "num_hidden_layers": depth,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "vocab_size": self.vocab_size,
@@ -64,6 +138,60 @@ class Preset:
             **self.extra,
         }
 
+
+def from_config(name: str, cfg: dict[str, Any], *, where: str = "config") -> Preset:
+    """The preset of a transformers `config.json` (as a dict) of a dense decoder; a ValueError naming what is missing
+    or not supported (mixture-of-experts, a multimodal config, an architecture the planner does not know)."""
+    if "text_config" in cfg and "hidden_size" not in cfg:
+        raise ValueError(f"{where} describes a multimodal model ({cfg.get('model_type')}); give the planner its text "
+                         "decoder's config (the text_config part, with its model_type) instead")
+    if any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise ValueError(f"{where} describes a mixture-of-experts model; the planner handles dense models only")
+    model_type = cfg.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not a dense decoder the planner knows; it reads "
+                         f"{', '.join(ARCHITECTURES)} configs")
+    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in need if k not in cfg]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)}; the planner needs a dense decoder's config.json")
+    heads = cfg["num_attention_heads"]
+    tie = cfg.get("tie_word_embeddings", model_type.startswith("gemma"))
+    return Preset(name=name, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                  num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+                  num_key_value_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
+                  tie_word_embeddings=bool(tie), max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+                  rope_theta=float(cfg.get("rope_theta", 1_000_000.0)), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                  model_type=model_type, explicit_head_dim=cfg.get("head_dim"),
+                  attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+                  config=dict(cfg))
+
+
+# The published config.json fields (shapes) of the common models the Qwen2.5 presets stand beside.
+_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+                     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False,
+                     "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                     "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"},
+    "llama-3.1-70b": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
+                      "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+                      "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False,
+                      "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                      "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"},
+    "qwen3-8b": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096,
+                 "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+                 "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                 "attention_bias": False, "hidden_act": "silu"},
+    "qwen3-32b": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 5120,
+                  "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
+                  "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+                  "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                  "attention_bias": False, "hidden_act": "silu"},
+}
+_CONFIGS["llama-3-8b"] = {**_CONFIGS["llama-3.1-8b"], "max_position_embeddings": 8192}
+_CONFIGS["llama-3-70b"] = {**_CONFIGS["llama-3.1-70b"], "max_position_embeddings": 8192}
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -91,12 +219,19 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+PRESETS.update({name: from_config(name, cfg, where=f"preset {name}") for name, cfg in _CONFIGS.items()})
+
+
 def get_preset(name: str) -> Preset:
-    """Look a preset up by name (case-insensitive; "1.5b" is short for "qwen2.5-1.5b")."""
+    """Look a preset up by name, case-insensitive: "1.5b" is short for "qwen2.5-1.5b", and a hub id stands for the
+    preset of its shapes ("meta-llama/Llama-3.1-70B-Instruct" for "llama-3.1-70b")."""
     key = name.lower()
+    if "/" in key:  # a hub id: its model's name, without the post-training suffix
+        key = key.rsplit("/", 1)[1].removesuffix("-instruct").removesuffix("-it").removeprefix("meta-")
     if key not in PRESETS and f"qwen2.5-{key}" in PRESETS:
         key = f"qwen2.5-{key}"
     if key not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} "
-                         "or pass the path of a local checkpoint directory")
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or pass a local "
+                         "config.json (or the directory holding it) of a dense decoder: Llama 3.x, Qwen2/2.5/3, "
+                         "Mistral, Gemma 2/3, Phi-3")
     return PRESETS[key]

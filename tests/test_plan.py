@@ -26,10 +26,82 @@ def transformers_parameters(preset: str, layers: int | None = None) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("preset", ["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-72b"])
+@pytest.mark.parametrize("preset", ["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-72b",
+                                    "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "qwen3-32b"])
 def test_the_planners_parameter_count_is_the_transformers_models(preset):
     assert get_preset(preset).num_parameters() == transformers_parameters(preset)
     assert get_preset(preset).num_parameters(2) == transformers_parameters(preset, layers=2)
+
+
+# Small configs of every architecture the planner reads, with the fields that change the count set both ways.
+ARCHITECTURE_CONFIGS = {
+    "llama, biased": {"model_type": "llama", "attention_bias": True, "mlp_bias": True},
+    "mistral": {"model_type": "mistral", "head_dim": 48},
+    "qwen3": {"model_type": "qwen3", "head_dim": 48},
+    "gemma2": {"model_type": "gemma2", "head_dim": 48},
+    "gemma3": {"model_type": "gemma3_text", "head_dim": 48},
+    "phi3": {"model_type": "phi3", "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURE_CONFIGS))
+def test_a_config_json_of_each_architecture_is_counted_as_transformers_builds_it(name, tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "vocab_size": 1000, **ARCHITECTURE_CONFIGS[name]}
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    planned = sp.load_model(tmp_path)
+    assert planned.num_parameters() == sum(p.numel() for p in model.parameters()), name
+    assert sp.main([str(tmp_path), "--cluster", "1xH100", "--prompts", "4", "--prompt-tokens", "32",
+                    "--completion-tokens", "32", "--json"]) == 0
+
+
+def test_the_commands_a_new_user_types_answer(tmp_path, capsys):
+    assert sp.main(["qwen2.5-72b", "--cluster", "8xH200"]) == 0  # --tp auto finds a size that fits
+    out = capsys.readouterr().out
+    assert out.startswith("verdict   fits") and "\ntp        auto: tp=" in out
+    assert sp.main(["llama-3.1-70b", "--cluster", "8xH100", "--json"]) in (0, 1)
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == "llama-3.1-70b" and data["verdict"] and data["inputs"]["tp_auto"]["chosen"] in (1, 2, 4, 8)
+    assert sp.main(["qwen2.5-7b", "--cluster", "2xH100"]) == 0
+    assert "cluster   1 x 2 GPUs of 79.18 GiB, host 256.00 GiB per node" in capsys.readouterr().out
+    qwen3 = tmp_path / "qwen3"
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text(json.dumps(get_preset("qwen3-8b").config))
+    assert sp.main([str(qwen3), "--cluster", "1xH100", "--prompts", "8"]) == 0
+    assert sp.main(["meta-llama/Llama-3.1-8B-Instruct", "--cluster", "1xH200", "--prompts", "8"]) == 0
+    assert sp.main(["someone/unknown-model"]) == 2
+    assert "reads no hub" in capsys.readouterr().err
+
+
+def test_the_command_line_ends_quietly_on_a_closed_pipe_and_says_its_version():
+    import subprocess
+    import sys
+
+    from swaprl import __version__
+
+    head = subprocess.run(f"{sys.executable} -m swaprl plan qwen2.5-72b --cluster 8xH200 --json | head -1",
+                          shell=True, capture_output=True, text=True, timeout=120)
+    assert head.stdout.strip() == "{" and "Traceback" not in head.stderr and "BrokenPipe" not in head.stderr
+    version = subprocess.run([sys.executable, "-m", "swaprl", "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == f"swaprl {__version__}"
+
+
+@pytest.mark.parametrize("name, gpus, nodes, host_gib", [("2xH100", 2, 1, 256), ("16xH200", 8, 2, 1024),
+                                                         ("8xA100", 8, 1, 1024), ("1xL40S", 1, 1, 128)])
+def test_any_count_of_a_known_gpu_is_a_cluster(name, gpus, nodes, host_gib):
+    c = sp.get_cluster(name)
+    assert (c.gpus_per_node, c.nodes, c.host_memory_bytes) == (gpus, nodes, host_gib * GiB)
+
+
+def test_the_named_clusters_keep_the_host_memory_of_the_machines_measured():
+    assert sp.CLUSTERS["8xH100"].host_memory_bytes == 1024 * GiB
+    assert sp.CLUSTERS["8xH200"].host_memory_bytes == 560 * GiB
 
 
 def close(actual: float, expected: float, rel: float = 0.01) -> bool:
@@ -450,7 +522,7 @@ def _kv3_preset():
     ({"layers": 100}, "outside 1..80"),
     ({"gpu_utilization_cap": 1.5}, "must lie in (0, 1]"),
     ({"engine_reserve_bytes": -1}, "engine_reserve_bytes=-1 must lie in [0, gpu_memory_bytes="),
-    ({"cluster": "4xA100"}, "unknown cluster '4xA100'"),
+    ({"cluster": "4xV100"}, "unknown cluster '4xV100'"),
     ({"settings": {"sleep": 1}}, "unknown settings ['sleep']"),
     ({"settings": {"grads": "drop"}}, "grads='drop'; use one of free, keep, offload"),
     ({"settings": {"optimizer": "keep"}}, "can only be 'offload'"),

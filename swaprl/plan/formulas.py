@@ -36,14 +36,12 @@ def kv_heads_per_rank(m: Preset, tp: int) -> int:
 
 
 def engine_params_per_rank(m: Preset, tp: int) -> int:
-    """§Engine: parameters one TP rank of vLLM holds (norms replicated, KV heads replicated when kv < tp)."""
-    h, i, hd = m.hidden_size, m.intermediate_size, m.head_dim
-    kv_dim = kv_heads_per_rank(m, tp) * hd
-    q = (h * h + h) // tp
-    kv = 2 * (h * kv_dim + kv_dim)
-    o = h * h // tp
-    mlp = 3 * h * i // tp
-    per_layer = q + kv + o + mlp + 2 * h
+    """§Engine: parameters one TP rank of vLLM holds: q, o (weight) and the MLP split over the ranks, k and v split
+    or replicated by KV head, the o bias, norms and q/k norms replicated."""
+    part, h = m.layer_parameters(), m.hidden_size
+    o_bias = part["o"] - m.q_dim * h
+    per_layer = (part["q"] // tp + (part["k"] + part["v"]) * kv_heads_per_rank(m, tp) // m.num_key_value_heads
+                 + (part["o"] - o_bias) // tp + o_bias + part["mlp"] // tp + part["qk_norm"] + part["norms"])
     vocab = -(-m.vocab_size // _VOCAB_PADDING) * _VOCAB_PADDING
     embed = -(-vocab // tp) * h
     head = 0 if m.tie_word_embeddings else embed
@@ -67,9 +65,8 @@ def engine_profile_peak(s: Spec) -> int:
 
 
 def layer_activation_bytes(m: Preset, tokens: int, b: int) -> int:
-    """§Activations: what one Qwen2 decoder layer saves for backward (SDPA attention, SwiGLU, fp32 RMSNorm)."""
-    kv_dim = m.num_key_value_heads * m.head_dim
-    return tokens * b * (10 * m.hidden_size + 2 * kv_dim + 4 * m.intermediate_size)
+    """§Activations: what one decoder layer saves for backward (SDPA attention, SwiGLU, fp32 RMSNorm)."""
+    return tokens * b * (8 * m.hidden_size + 2 * m.q_dim + 2 * m.kv_dim + 4 * m.intermediate_size)
 
 
 def train_activation_bytes(s: Spec, checkpointing: bool) -> int:
@@ -110,9 +107,8 @@ def fsdp_working_bytes(s: Spec) -> int:
 
 def unit_params(m: Preset) -> tuple[int, int]:
     """The parameters of FSDP's units: one decoder layer, and the root (embedding, lm_head unless tied, final norm)."""
-    h, i, kv_dim = m.hidden_size, m.intermediate_size, m.num_key_value_heads * m.head_dim
-    layer = 2 * h * h + h + 2 * (h * kv_dim + kv_dim) + 3 * h * i + 2 * h
-    return layer, m.vocab_size * h * (1 if m.tie_word_embeddings else 2) + h
+    h = m.hidden_size
+    return sum(m.layer_parameters().values()), m.vocab_size * h * (1 if m.tie_word_embeddings else 2) + h
 
 
 def cuda_context_bytes(s: Spec) -> int:

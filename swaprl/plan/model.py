@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from ..presets import PRESETS, Preset, get_preset
+from ..presets import PRESETS, Preset, from_config, get_preset
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -27,7 +27,8 @@ def dtype_bytes(name: str) -> tuple[str, int]:
 
 
 def load_model(model: str | os.PathLike | Preset, *, layers: int | None = None) -> Preset:
-    """A preset by name, or the architecture read from a local `config.json` (a file or its directory)."""
+    """A preset by name (or a hub id that names one), or the architecture read from a local `config.json` (a file or
+    its directory) of a dense decoder: Llama 3.x, Qwen2/2.5/3, Mistral, Gemma 2/3, Phi-3 (`presets.ARCHITECTURES`)."""
     if isinstance(model, Preset):
         spec = model
     else:
@@ -35,12 +36,21 @@ def load_model(model: str | os.PathLike | Preset, *, layers: int | None = None) 
         if path.is_dir():
             path = path / "config.json"
         if path.is_file():
-            spec = _preset_from_config(path)
-        elif os.sep in str(model) or str(model).endswith(".json"):
+            spec = from_config(path.parent.name or str(path), json.loads(path.read_text()), where=str(path))
+        elif str(model).endswith(".json") or str(model).startswith((".", os.sep)) or path.parent.is_dir() and \
+                os.sep in str(model) and not _is_hub_id(str(model)):
             raise ValueError(f"no config.json at {model!s}; pass a checkpoint directory, its config.json, or a "
                              f"preset name ({', '.join(PRESETS)})")
         else:
-            spec = get_preset(str(model))
+            try:
+                spec = get_preset(str(model))
+            except ValueError as exc:
+                if not _is_hub_id(str(model)):
+                    raise
+                raise ValueError(f"{model!s} is neither a local directory nor the name of a preset; the planner "
+                                 "reads no hub: download its config.json (huggingface-cli download "
+                                 f"{model} config.json --local-dir DIR) and pass DIR. Presets: "
+                                 f"{', '.join(PRESETS)}") from exc
     if layers is not None:
         if not isinstance(layers, int) or not 1 <= layers <= spec.num_hidden_layers:
             raise ValueError(f"layers={layers!r} is outside 1..{spec.num_hidden_layers} for {spec.name}")
@@ -48,23 +58,7 @@ def load_model(model: str | os.PathLike | Preset, *, layers: int | None = None) 
     return spec
 
 
-def _preset_from_config(path: Path) -> Preset:
-    cfg = json.loads(path.read_text())
-    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [k for k in need if k not in cfg]
-    if missing:
-        raise ValueError(f"{path} lacks {', '.join(missing)}; the planner needs a dense decoder's config.json "
-                         "(Qwen2 / Llama style)")
-    if any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise ValueError(f"{path} describes a mixture-of-experts model; the planner handles dense models only")
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * heads != cfg["hidden_size"]:
-        raise ValueError(f"{path}: head_dim={head_dim} x {heads} heads != hidden_size={cfg['hidden_size']}; "
-                         "the planner assumes head_dim = hidden_size / num_attention_heads")
-    return Preset(name=path.parent.name or str(path), hidden_size=cfg["hidden_size"],
-                  intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-                  num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
-                  vocab_size=cfg["vocab_size"], tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                  max_position_embeddings=cfg.get("max_position_embeddings", 32768))
-
+def _is_hub_id(name: str) -> bool:
+    """`owner/name`, as the Hugging Face hub names models."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", os.sep))
