@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-gib", type=float)
     parser.add_argument("--host-memory-gib", type=float)
     parser.add_argument("--shard-degree", type=int, help="FSDP shard degree (default: all GPUs)")
-    parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size")
+    parser.add_argument("--tp", type=_tp, default="auto",
+                        help="vLLM tensor-parallel size, or auto (the default): the size that fits with the fewest "
+                             "rollout waves, the smallest of those")
     parser.add_argument("--layers", type=int, help="cut the model to this many layers")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per step, global (default 64)")
     parser.add_argument("--completions", type=int, default=8, help="completions per prompt (default 8)")
@@ -59,6 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sleep-level", type=int, choices=SLEEP_LEVELS, help="pin the engine's sleep level")
     parser.add_argument("--activation-checkpointing", choices=("on", "off"), help="pin activation checkpointing")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _tp(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tp {text!r}: give a tensor-parallel size (1, 2, 4, 8) or auto") from None
 
 
 def from_args(args: argparse.Namespace) -> Plan:
@@ -102,7 +113,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..cli import quiet_on_closed_pipe
+
     parser = argparse.ArgumentParser(prog="python -m swaprl.plan", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return quiet_on_closed_pipe(lambda: run(args))
 

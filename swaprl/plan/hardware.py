@@ -57,26 +57,62 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
 
-# cudaMemGetInfo totals (nvidia-smi's total less the 480 MiB the driver keeps) and host memory (§Clusters).
-_H100_BYTES = 85_017_493_504  # measured: 81559 MiB - 480 MiB
-_H200_BYTES = 150_251_503_616  # 143771 MiB - 480 MiB (the H100's driver reserve, assumed)
+@dataclass(frozen=True, slots=True)
+class GPU:
+    """One kind of GPU: its memory as CUDA reports it, and the pinned copy rate of one such GPU alone."""
+
+    memory_bytes: int
+    copy_bytes_per_s: float
+    measured: bool
+    """Its memory figure was read off such a GPU (nvidia-smi); else the vendor's figure less the same driver share."""
+
+
+# cudaMemGetInfo totals: nvidia-smi's total less the 480 MiB the driver keeps (measured on the H100, assumed for the
+# others); one GPU's copy rate measured on the H100, the PCIe generation's for the others (§Clusters).
+GPUS: dict[str, GPU] = {
+    "H100": GPU((81559 - 480) * MiB, _ONE_GPU_COPY_RATE, measured=True),
+    "H200": GPU((143771 - 480) * MiB, _ONE_GPU_COPY_RATE, measured=True),
+    "A100": GPU((81920 - 480) * MiB, 25e9, measured=False),  # the 80 GB card; PCIe 4
+    "B200": GPU((183359 - 480) * MiB, _ONE_GPU_COPY_RATE, measured=False),
+    "L40S": GPU((46068 - 480) * MiB, 25e9, measured=False),  # PCIe 4
+}
+HOST_BYTES_PER_GPU = 128 * GiB
+"""Host memory a cluster named `NxGPU` is given per GPU of a node, unless it is one of `CLUSTERS` (which carry the
+memory of the machines measured here) or `host_memory_bytes` / `--host-memory-gib` says otherwise."""
+
+
+def _cluster(gpus_per_node: int, gpu: str, *, host_memory_bytes: int | None = None, nodes: int = 1) -> Cluster:
+    kind = GPUS[gpu]
+    rate = kind.copy_bytes_per_s if gpus_per_node == 1 else min(_NODE_COPY_RATE, kind.copy_bytes_per_s)
+    host = HOST_BYTES_PER_GPU * gpus_per_node if host_memory_bytes is None else host_memory_bytes
+    return Cluster(gpus_per_node=gpus_per_node, gpu_memory_bytes=kind.memory_bytes, host_memory_bytes=host,
+                   nodes=nodes, copy_bytes_per_s=rate)
+
+
+# The machines measured here, with their host memory (a real node may have more or less: --host-memory-gib).
 CLUSTERS: dict[str, Cluster] = {
-    "8xH200": Cluster(gpus_per_node=8, gpu_memory_bytes=_H200_BYTES, host_memory_bytes=560 * GiB,
-                      copy_bytes_per_s=_NODE_COPY_RATE),
-    "8xH100": Cluster(gpus_per_node=8, gpu_memory_bytes=_H100_BYTES, host_memory_bytes=1024 * GiB,
-                      copy_bytes_per_s=_NODE_COPY_RATE),
-    "1xH200": Cluster(gpus_per_node=1, gpu_memory_bytes=_H200_BYTES, host_memory_bytes=128 * GiB,
-                      copy_bytes_per_s=_ONE_GPU_COPY_RATE),
-    "1xH100": Cluster(gpus_per_node=1, gpu_memory_bytes=_H100_BYTES, host_memory_bytes=128 * GiB,
-                      copy_bytes_per_s=_ONE_GPU_COPY_RATE),
+    "8xH200": _cluster(8, "H200", host_memory_bytes=560 * GiB),
+    "8xH100": _cluster(8, "H100", host_memory_bytes=1024 * GiB),
+    "1xH200": _cluster(1, "H200"),
+    "1xH100": _cluster(1, "H100"),
 }
 
 
 def get_cluster(name: str) -> Cluster:
-    """A copy of a named cluster ("8xH200", "8xH100", "1xH200", "1xH100"; case-insensitive)."""
+    """A copy of a named cluster ("8xH200", "8xH100", "1xH200", "1xH100"), or any `NxGPU` with a GPU of `GPUS`
+    (case-insensitive): N up to 8 is one node, more is nodes of 8 (N a multiple of 8), with `HOST_BYTES_PER_GPU`
+    of host memory per GPU of a node."""
     for key, value in CLUSTERS.items():
         if key.lower() == name.lower():
             return dataclasses.replace(value)
-    raise ValueError(f"unknown cluster {name!r}; choose one of {', '.join(CLUSTERS)} or build a "
-                     "Cluster(gpus_per_node=..., gpu_memory_bytes=..., host_memory_bytes=..., nodes=...)")
-
+    count, sep, gpu = name.partition("x")
+    gpu = next((g for g in GPUS if g.lower() == gpu.lower()), None)
+    if not sep or not count.isdigit() or int(count) < 1 or gpu is None:
+        raise ValueError(f"unknown cluster {name!r}; give NxGPU with a GPU among {', '.join(GPUS)} (e.g. 2xH100, "
+                         f"16xH200), one of {', '.join(CLUSTERS)}, or build a Cluster(gpus_per_node=..., "
+                         "gpu_memory_bytes=..., host_memory_bytes=..., nodes=...)")
+    n = int(count)
+    if n > 8 and n % 8:
+        raise ValueError(f"cluster {name!r}: more than 8 GPUs are taken as nodes of 8, and {n} is not a multiple "
+                         "of 8; give the nodes with --nodes and --gpus-per-node")
+    return _cluster(min(n, 8), gpu, nodes=max(n // 8, 1))

@@ -112,7 +112,16 @@ class Plan:
         i = self.inputs
         c = i["cluster"]
         r = i["rollout"]
-        lines = [
+        # The answer first, in one line; then why (the tensor-parallel size chosen, the changes that would fit).
+        lines = [f"verdict   {self.verdict}"]
+        if "tp_auto" in i:
+            lines.append(f"tp        auto: {i['tp_auto']['why']}; " + ", ".join(
+                f"tp={t} {what}" for t, what in i["tp_auto"]["tried"].items()))
+        lines += [f"  - {s}" for s in self.suggestions]
+        if self.full_precision:
+            lines.append(f"fp32 master weights: {self.full_precision}")
+        lines += [
+            "",
             f"model     {self.model}: {self.parameters / 1e9:.2f} B parameters, {self.layers} layers",
             (f"cluster   {c['nodes']} x {c['gpus_per_node']} GPUs of {gib(c['gpu_memory_bytes'])} GiB, "
              f"host {gib(c['host_memory_bytes'])} GiB per node, copies at {c['copy_bytes_per_s'] / 1e9:.0f} GB/s "
@@ -171,9 +180,5 @@ class Plan:
         if len(shown) < len(self.candidates):
             rest = "more aggressive, not needed" if chosen is not None else "more, none fits; see --json"
             lines.append(f"   ({len(self.candidates) - len(shown)} {rest})")
-        lines += ["", f"verdict   {self.verdict}"]
-        lines += [f"  - {s}" for s in self.suggestions]
-        if self.full_precision:
-            lines.append(f"fp32 master weights: {self.full_precision}")
-        return "\n".join(lines)
+        return "\n".join(lines).rstrip() + "\n"
 

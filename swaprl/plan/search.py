@@ -162,7 +162,8 @@ def _suggestions(s: Spec) -> list[str]:
 
 
 def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: Rollout,
-         shard_degree: int | None = None, tp: int = 1, param_dtype: str = "bfloat16", grad_dtype: str | None = None,
+         shard_degree: int | None = None, tp: int | str = "auto", param_dtype: str = "bfloat16",
+         grad_dtype: str | None = None,
          optimizer_dtype: str = "float32", master_weights: bool = False, optimizer: str = "adamw",
          compute_dtype: str = "bfloat16", engine_dtype: str = "bfloat16", kv_dtype: str | None = None,
          micro_batch_tokens: int | None = None, layers: int | None = None, engine_max_batched_tokens: int = 16384,
@@ -177,7 +178,9 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     cluster: a `Cluster` or a name in `CLUSTERS`.
     rollout: the global rollout of one step; each of the `gpus / tp` engines gets an equal share.
     shard_degree: GPUs the trainer's FSDP/ZeRO-3 shards over (default: all); it must divide the GPU count.
-    tp: vLLM tensor-parallel size (inside one node).
+    tp: vLLM tensor-parallel size (inside one node), or "auto" (the default): of the sizes the node and the model
+        allow, the one that fits with the fewest rollout waves, the smallest of those; `inputs["tp_auto"]` says
+        what each size gave (§Search).
     param_dtype, grad_dtype (default: param_dtype), optimizer_dtype: dtypes of the trainer's parameter shards,
         gradients and optimizer states; master_weights adds an fp32 copy of low-precision parameters.
     optimizer: "adamw"/"adam" (2 states per parameter), "sgd" (momentum) or "lion" (1 state).
@@ -227,8 +230,8 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
         host_margin_bytes = int(cluster.host_memory_bytes * _HOST_MARGIN_FRACTION
                                 + cluster.gpus_per_node * processes_per_gpu * _HOST_MARGIN_PER_GPU)
         host_margin_bytes = min(host_margin_bytes, cluster.host_memory_bytes - 1)
-    s = Spec(model=spec_model, cluster=cluster, rollout=rollout,
-              shard_degree=cluster.gpus if shard_degree is None else shard_degree, tp=tp,
+    fields = dict(model=spec_model, cluster=cluster, rollout=rollout,
+              shard_degree=cluster.gpus if shard_degree is None else shard_degree,
               param_dtype=param_dtype, grad_dtype=grad_dtype, optimizer_dtype=dtype_bytes(optimizer_dtype)[0],
               master_weights=bool(master_weights), optimizer=str(optimizer).lower(),
               compute_dtype=dtype_bytes(compute_dtype)[0], engine_dtype=engine_dtype,
@@ -241,7 +244,42 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
                                        else engine_reserve_bytes),
               host_margin_bytes=int(host_margin_bytes),
               pinned=tuple(sorted(settings.items())))
-    return _build(s)
+    if tp != "auto":
+        return _build(Spec(tp=tp, **fields))
+    return _auto_tp(fields)
+
+
+def _auto_tp(fields: dict) -> Plan:
+    """§Search: plan every tensor-parallel size the node and the model allow; keep the one that fits with the fewest
+    rollout waves (the smallest of those), or, when none fits, the closest miss; say what each gave."""
+    plans, tried = {}, {}
+    for tp in divisors(fields["cluster"].gpus_per_node):
+        try:
+            spec = Spec(tp=tp, **fields)
+        except ValueError as exc:  # heads or KV heads that do not split over tp ranks
+            tried[tp] = f"not allowed: {exc}"
+            continue
+        plans[tp] = _build(spec, suggest=False)
+        p = plans[tp]
+        tried[tp] = (f"fits, {p.kv_cache_bytes / GiB:.1f} GiB of KV per GPU, "
+                     f"{'one wave' if p.waves == 1 else f'{p.waves} waves'}" if p.ok else "does not fit")
+    if not plans:
+        raise ValueError(f"no tensor-parallel size fits the model on {fields['cluster'].gpus_per_node} GPUs a node: "
+                         + "; ".join(f"tp={t}: {why}" for t, why in tried.items()))
+    fitting = [t for t, p in plans.items() if p.ok]
+    if fitting:
+        chosen = min(fitting, key=lambda t: (plans[t].waves or float("inf"), t))
+        why = (f"tp={chosen}: the smallest size that fits with the fewest rollout waves"
+               + (f" (tp={min(fitting)} fits too, in {plans[min(fitting)].waves} waves)" if chosen != min(fitting)
+                  else ""))
+        result = plans[chosen]
+    else:
+        chosen = min(plans, key=lambda t: sum(next(c.overflow_bytes for c in plans[t].candidates
+                                                   if c.settings == plans[t].shown).values()))
+        why = f"tp={chosen}: no size fits, this one misses by the least"
+        result = _build(Spec(tp=chosen, **fields))  # with the changes that would make it fit
+    result.inputs["tp_auto"] = {"chosen": chosen, "why": why, "tried": {str(t): v for t, v in tried.items()}}
+    return result
 
 
 def _waves(s: Spec, concurrent: int) -> tuple[int, int | None]:
@@ -276,20 +314,17 @@ def _full_precision(s: Spec) -> str | None:
     return f"{head} {_fit_summary(alt, chosen, ev)}"
 
 
-def _build(s: Spec) -> Plan:
+def _build(s: Spec, *, suggest: bool = True) -> Plan:
     chosen, shown, ev, candidates = _search(s)
     engines = s.cluster.gpus // s.tp
     per_engine = -(-s.rollout.sequences // engines)
     waves = _waves(s, ev["concurrent"])[1]
     if chosen is not None:
         verdict = _fit_summary(s, chosen, ev)
-        if chosen != candidates[0].settings:
-            first = candidates[0]
-            verdict += f" (the least moving candidate fails: {first.verdict})"
         suggestions = []
     else:
         verdict = f"nothing fits; closest: {shown.describe()}: {ev['verdict']}"
-        suggestions = _suggestions(s)
+        suggestions = _suggestions(s) if suggest else []
     m = s.model
     inputs = {
         "cluster": dataclasses.asdict(s.cluster), "rollout": dataclasses.asdict(s.rollout),
@@ -310,5 +345,5 @@ def _build(s: Spec) -> Plan:
                 kv_cache_bytes=ev["kv_room"], kv_bytes_per_token=ev["kv_token"], concurrent_sequences=ev["concurrent"],
                 sequences_per_engine=per_engine, waves=waves, state_bytes=ev["homes"], moved_bytes=ev["moved"],
                 copy_seconds=ev["seconds"], candidates=candidates, verdict=verdict, suggestions=suggestions,
-                full_precision=_full_precision(s))
+                full_precision=_full_precision(s) if suggest else None)
 
