@@ -8,6 +8,7 @@ second on a CPU; its vocabulary matches the byte-level tokenizer that `swaprl.ch
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,8 @@ class Preset:
 def from_config(name: str, cfg: dict[str, Any], *, where: str = "config") -> Preset:
     """The preset of a transformers `config.json` (as a dict) of a dense decoder; a ValueError naming what is missing
     or not supported (mixture-of-experts, a multimodal config, an architecture the planner does not know)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where} holds a {type(cfg).__name__}, not a config.json's object of fields")
     if "text_config" in cfg and "hidden_size" not in cfg:
         raise ValueError(f"{where} describes a multimodal model ({cfg.get('model_type')}); give the planner its text "
                          "decoder's config (the text_config part, with its model_type) instead")
@@ -155,6 +158,10 @@ def from_config(name: str, cfg: dict[str, Any], *, where: str = "config") -> Pre
     missing = [k for k in need if k not in cfg]
     if missing:
         raise ValueError(f"{where} lacks {', '.join(missing)}; the planner needs a dense decoder's config.json")
+    for key in (*need, "num_key_value_heads", "head_dim"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{where}: {key}={value!r}; a config.json gives it as a positive integer")
     heads = cfg["num_attention_heads"]
     tie = cfg.get("tie_word_embeddings", model_type.startswith("gemma"))
     return Preset(name=name, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
@@ -225,13 +232,13 @@ PRESETS.update({name: from_config(name, cfg, where=f"preset {name}") for name, c
 def get_preset(name: str) -> Preset:
     """Look a preset up by name, case-insensitive: "1.5b" is short for "qwen2.5-1.5b", and a hub id stands for the
     preset of its shapes ("meta-llama/Llama-3.1-70B-Instruct" for "llama-3.1-70b")."""
-    key = name.lower()
-    if "/" in key:  # a hub id: its model's name, without the post-training suffix
-        key = key.rsplit("/", 1)[1].removesuffix("-instruct").removesuffix("-it").removeprefix("meta-")
+    # A hub id's model name, without its owner and post-training suffix, names the preset of its shapes.
+    key = name.lower().rsplit("/", 1)[-1].removesuffix("-instruct").removesuffix("-it").removeprefix("meta-")
     if key not in PRESETS and f"qwen2.5-{key}" in PRESETS:
         key = f"qwen2.5-{key}"
     if key not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or pass a local "
-                         "config.json (or the directory holding it) of a dense decoder: Llama 3.x, Qwen2/2.5/3, "
-                         "Mistral, Gemma 2/3, Phi-3")
+        close = difflib.get_close_matches(key, PRESETS, n=1)
+        raise ValueError(f"unknown model preset {name!r}{f' (did you mean {close[0]}?)' if close else ''}; choose "
+                         f"one of {', '.join(PRESETS)}, or pass a local config.json (or the directory holding it) of "
+                         "a dense decoder: Llama 3.x, Qwen2/2.5/3, Mistral, Gemma 2/3, Phi-3")
     return PRESETS[key]

@@ -79,6 +79,35 @@ def test_the_commands_a_new_user_types_answer(tmp_path, capsys):
     assert "reads no hub" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("config, message", [
+    ([1, 2], "holds a list"),
+    ({"model_type": "llama", "hidden_size": "4096"}, "hidden_size='4096'"),
+    ({"model_type": "llama", "num_hidden_layers": 0}, "num_hidden_layers=0"),
+    ({"model_type": "mixtral", "num_local_experts": 8}, "mixture-of-experts"),
+    ({"model_type": "llava", "text_config": {}}, "multimodal"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not a dense decoder the planner knows"),
+])
+def test_a_config_json_the_planner_cannot_read_is_refused_naming_why(tmp_path, capsys, config, message):
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 100}
+    body = {**base, **config} if isinstance(config, dict) and "text_config" not in config else config
+    (tmp_path / "config.json").write_text(json.dumps(body))
+    assert sp.main([str(tmp_path), "--cluster", "1xH100"]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["llama3-8b"], "did you mean llama-3-8b?"),
+    (["qwen2.5-7b", "--micro-batch-tokens", "100"], "less than one sequence"),
+    (["qwen2.5-7b", "--cluster", "8xH100", "--shard-degree", "3"], "shard_degree=3 must divide"),  # not a TP error
+    (["qwen2.5-7b", "--host-memory-gib", "inf"], "--host-memory-gib inf"),
+])
+def test_bad_command_lines_name_the_fix(capsys, args, message):
+    assert sp.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "tensor-parallel size" not in err
+
+
 def test_the_command_line_ends_quietly_on_a_closed_pipe_and_says_its_version():
     import subprocess
     import sys

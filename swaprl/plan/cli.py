@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 from ..config import PARAM_POLICIES, STATES_PER_PARAMETER, parse_optimizer_states
-from .hardware import CLUSTERS, GiB, get_cluster
+from .hardware import CLUSTERS, GPUS, GiB, get_cluster
 from .inputs import GRADS, SLEEP_LEVELS, Rollout
 from .result import Plan
 from .search import plan
@@ -15,8 +16,11 @@ from .search import plan
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `swaprl plan`'s arguments to `parser` (cli.py calls this, then `run(args)`; `from_args` gives the plan)."""
-    parser.add_argument("model", help="preset name (tiny, qwen2.5-0.5b ... qwen2.5-72b) or a checkpoint directory")
-    parser.add_argument("--cluster", default="8xH200", help=f"one of {', '.join(CLUSTERS)} (default 8xH200); "
+    parser.add_argument("model", help="a preset (qwen2.5-0.5b ... qwen2.5-72b, llama-3.1-8b/70b, llama-3-8b/70b, "
+                        "qwen3-8b/32b, tiny), a hub id naming one, or a local config.json or its directory "
+                        "(Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3)")
+    parser.add_argument("--cluster", default="8xH200", help=f"NxGPU with a GPU among {', '.join(GPUS)} (e.g. 2xH100, "
+                        f"16xH200), or one of {', '.join(CLUSTERS)}, which carry their host memory (default 8xH200); "
                         "the flags below override its fields")
     parser.add_argument("--nodes", type=int)
     parser.add_argument("--gpus-per-node", type=int)
@@ -64,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _tp(text: str) -> int | str:
-    if text == "auto":
-        return text
+    if text.lower() == "auto":
+        return "auto"
     try:
         return int(text)
     except ValueError:
@@ -75,6 +79,10 @@ def _tp(text: str) -> int | str:
 def from_args(args: argparse.Namespace) -> Plan:
     """The plan of `swaprl plan`'s parsed arguments; ValueError on bad input."""
     cluster = get_cluster(args.cluster)
+    for flag in ("gpu_memory_gib", "host_memory_gib", "copy_gb_per_s", "engine_reserve_gib", "host_margin_gib"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: give a finite, non-negative number")
     overrides = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                  "gpu_memory_bytes": None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
                  "host_memory_bytes": None if args.host_memory_gib is None else int(args.host_memory_gib * GiB),
@@ -115,7 +123,10 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from ..cli import quiet_on_closed_pipe
 
+    from .. import __version__
+
     parser = argparse.ArgumentParser(prog="python -m swaprl.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"swaprl {__version__}")
     add_arguments(parser)
     args = parser.parse_args(argv)
     return quiet_on_closed_pipe(lambda: run(args))

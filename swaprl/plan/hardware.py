@@ -105,12 +105,12 @@ def get_cluster(name: str) -> Cluster:
     for key, value in CLUSTERS.items():
         if key.lower() == name.lower():
             return dataclasses.replace(value)
-    count, sep, gpu = name.partition("x")
+    count, sep, gpu = name.lower().partition("x")
     gpu = next((g for g in GPUS if g.lower() == gpu.lower()), None)
     if not sep or not count.isdigit() or int(count) < 1 or gpu is None:
         raise ValueError(f"unknown cluster {name!r}; give NxGPU with a GPU among {', '.join(GPUS)} (e.g. 2xH100, "
-                         f"16xH200), one of {', '.join(CLUSTERS)}, or build a Cluster(gpus_per_node=..., "
-                         "gpu_memory_bytes=..., host_memory_bytes=..., nodes=...)")
+                         f"16xH200) or one of {', '.join(CLUSTERS)}; another GPU: the nearest one with "
+                         "--gpu-memory-gib (and --host-memory-gib, --gpus-per-node, --nodes), or a Cluster(...)")
     n = int(count)
     if n > 8 and n % 8:
         raise ValueError(f"cluster {name!r}: more than 8 GPUs are taken as nodes of 8, and {n} is not a multiple "

@@ -181,6 +181,10 @@ class Spec:
             raise ValueError(f"host_margin_bytes={self.host_margin_bytes} must lie in [0, host_memory_bytes="
                              f"{c.host_memory_bytes})")
         tokens = self.rollout.sequence_tokens
+        if self.micro_batch_tokens < tokens:  # a trainer's forward takes whole sequences
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} is less than one sequence "
+                             f"(prompt_tokens + completion_tokens = {tokens}); give a multiple of it, or leave it "
+                             "out for one sequence per micro batch")
         if tokens > m.max_position_embeddings:
             raise ValueError(f"prompt_tokens + completion_tokens = {tokens} exceeds {m.name}'s "
                              f"max_position_embeddings={m.max_position_embeddings}; shorten the rollout")

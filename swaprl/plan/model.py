@@ -34,9 +34,16 @@ def load_model(model: str | os.PathLike | Preset, *, layers: int | None = None) 
     else:
         path = Path(model)
         if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"{path} is a directory without a config.json; give the directory of a checkpoint "
+                                 "(or its config.json)")
             path = path / "config.json"
         if path.is_file():
-            spec = from_config(path.parent.name or str(path), json.loads(path.read_text()), where=str(path))
+            try:
+                cfg = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{path} is not a config.json (not JSON: {exc})") from None
+            spec = from_config(path.parent.name or str(path), cfg, where=str(path))
         elif str(model).endswith(".json") or str(model).startswith((".", os.sep)) or path.parent.is_dir() and \
                 os.sep in str(model) and not _is_hub_id(str(model)):
             raise ValueError(f"no config.json at {model!s}; pass a checkpoint directory, its config.json, or a "

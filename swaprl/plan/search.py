@@ -253,6 +253,7 @@ def _auto_tp(fields: dict) -> Plan:
     """§Search: plan every tensor-parallel size the node and the model allow; keep the one that fits with the fewest
     rollout waves (the smallest of those), or, when none fits, the closest miss; say what each gave."""
     plans, tried = {}, {}
+    Spec(tp=1, **fields)  # what is wrong whatever the size (one rank always splits the heads): said as it is
     for tp in divisors(fields["cluster"].gpus_per_node):
         try:
             spec = Spec(tp=tp, **fields)
@@ -272,7 +273,7 @@ def _auto_tp(fields: dict) -> Plan:
         why = (f"tp={chosen}: the smallest size that fits with the fewest rollout waves"
                + (f" (tp={min(fitting)} fits too, in {plans[min(fitting)].waves} waves)" if chosen != min(fitting)
                   else ""))
-        result = plans[chosen]
+        result = _build(Spec(tp=chosen, **fields))  # with the fp32-master line of the chosen size
     else:
         chosen = min(plans, key=lambda t: sum(next(c.overflow_bytes for c in plans[t].candidates
                                                    if c.settings == plans[t].shown).values()))
