@@ -174,11 +174,8 @@ class PhaseMeter:
         if not self.cuda:
             a = attribute(status, source="runtime")
             return a["categories"], a["notes"]
-        # The profiler's own inputs (private helpers of swaprl.profile), so both attributions agree.
-        from swaprl.profile.recorder import _private_pool_bytes
-
         driver = memory.device_reserved_bytes(self.rt.device)
-        a = attribute(status, source="nvml", private_pool_bytes=_private_pool_bytes(self.rt.device),
+        a = attribute(status, source="nvml", private_pool_bytes=memory.private_pool_bytes(self.rt.device)[0],
                       process_used_bytes=self.prof._process_used_bytes(), driver_reserved_bytes=driver)
         cats = dict(a["categories"])
         if a["notes"] or not driver:  # the driver's reservation sits in unattributed
@@ -329,7 +326,10 @@ def gpu_info() -> dict | None:
     except pynvml.NVMLError as exc:  # no driver, no GPU
         log.info("no GPU through NVML (%s)", exc)
         return None
-    text = (lambda v: v.decode() if isinstance(v, bytes) else v)
+
+    def text(v):
+        return v.decode() if isinstance(v, bytes) else v
+
     return {"gpu": text(name), "driver": text(driver), "gpu_memory_bytes": total}
 
 
@@ -444,7 +444,8 @@ def markdown(result: dict, lines: list[str]) -> str:
     verdict = ("Every measured phase is within 10% of the plan." if measured and not flagged and result["within_10pct"]
                else f"Outside 10%: {', '.join(flagged)}." if flagged else "No phase total was measured.")
     return "\n".join([
-        f"# The memory planner against measurement: {s['preset']} at reduced depth", "",
+        f"# The memory planner against measurement: {s['preset']}, "
+        f"{', '.join(sorted(result['depths'], key=int))} layers", "",
         "Command:", "", *sorted({f"    {d.get('command') or result['command']}" for d in result["depths"].values()}),
         "",
         f"Hardware: {hw.get('gpu') or 'CPU'}" + (f" (driver {hw['driver']}, {hw['gpu_memory_bytes']:,} B as CUDA "

@@ -107,6 +107,7 @@ def test_attach_threads_lock_host_memory_and_compile_the_check_while_a_graph_is_
     import subprocess
     import sys
 
+    torch.cuda.empty_cache()  # the child needs device memory that earlier tests of this process left cached
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
     proc = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT], capture_output=True, text=True, timeout=300,
                           env=env)

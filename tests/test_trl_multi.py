@@ -39,7 +39,8 @@ def launch(out: Path, checkpoint: Path, *args: str) -> list[dict]:
                           capture_output=True, text=True, check=False, timeout=400)
     results = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     errors = [r["error"] for r in results if "error" in r]
-    assert proc.returncode == 0 and len(results) == 2 and not errors, (errors or proc.stderr[-4000:])
+    assert proc.returncode == 0 and len(results) == 2 and not errors, \
+        (errors or f"exit {proc.returncode}, {len(results)} reports\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return results
 
 
