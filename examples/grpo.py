@@ -106,8 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "'host' (host memory always, streamed through optimizer.step()), or a split "
                          "of their bytes such as device=0.3,swap=0.3,host=0.4 (what `swaprl plan` prints)")
     ap.add_argument("--master-weights", action="store_true",
-                    help="fp32 parameters, and so fp32 AdamW states, with bf16 compute: FSDP2's MixedPrecisionPolicy "
-                         "under torchrun, autocast on one device (--dtype is then the compute dtype)")
+                    help="fp32 master weights for the --dtype (bf16) parameters, kept with their fp32 AdamW states "
+                         "in host memory and updated there by the streamed step (SwapConfig.master_weights; "
+                         "`swaprl plan --master-weights`)")
+    ap.add_argument("--fp32-params", action="store_true",
+                    help="fp32 parameters, and so fp32 AdamW states, with --dtype compute: FSDP2's "
+                         "MixedPrecisionPolicy under torchrun, autocast on one device (`swaprl plan --param-dtype "
+                         "float32`)")
     ap.add_argument("--host-budget-gib", type=float, default=None,
                     help="host memory this rank's runtime may hold (SwapConfig.host_budget_bytes); default: what "
                          "the OS reports available, shared by the node's ranks")
@@ -232,13 +237,13 @@ def main(argv: list[str] | None = None) -> dict:
         dist.barrier()  # the checkpoint and the output directory exist
     torch.manual_seed(args.seed)
     compute = getattr(torch, args.dtype)
-    dtype = torch.float32 if args.master_weights else compute
+    dtype = torch.float32 if args.fp32_params else compute
     if world > 1:
-        model = load_sharded(path, dtype, device, compute=compute if args.master_weights else None)
+        model = load_sharded(path, dtype, device, compute=compute if args.fp32_params else None)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    # One device with master weights: fp32 parameters, the forward and backward in the compute dtype.
-    autocast = (torch.autocast(device.split(":")[0], dtype=compute) if args.master_weights and world == 1
+    # One device with fp32 parameters: the forward and backward in the compute dtype.
+    autocast = (torch.autocast(device.split(":")[0], dtype=compute) if args.fp32_params and world == 1
                 else contextlib.nullcontext())
     model.gradient_checkpointing_enable()  # only active in training mode, and from_pretrained returns eval mode
     model.config.use_cache = False
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     states = args.optimizer_states
     swapped = states in ("auto", "swap") or isinstance(states, dict) and states["swap"] > 0
     config = swaprl.SwapConfig(sleep_level=level, verify_sync=args.verify, grads="free",
-                               optimizer_states=args.optimizer_states,
+                               optimizer_states=args.optimizer_states, master_weights=args.master_weights,
                                verify_tolerance=(tuple(float(x) for x in args.verify_tolerance.split(","))
                                                  if args.verify_tolerance else None),
                                overlap_optimizer_reload=swapped,
@@ -264,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
     profiler = attach_profiler(rt, out / "profile.jsonl") if out else None
     engine = rt.engine
     log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__,
-             str(dtype).removeprefix("torch."), f" computing in {args.dtype}" if args.master_weights else "", device,
+             str(dtype).removeprefix("torch.") + (" with fp32 master weights" if args.master_weights else ""),
+             f" computing in {args.dtype}" if args.fp32_params else "", device,
              args.optimizer_states)
 
     switch = {"s": 0.0}

@@ -10,7 +10,8 @@ plan of what this machine runs, and the run.
     torchrun --nproc-per-node 8 examples/qwen72b.py --layers 80 --tp 4    # the full model on one 8-GPU node
     torchrun --nproc-per-node 2 examples/qwen72b.py --layers 20 --tp 1 --host-memory-gib 140
         # one GPU's share of that node on two: each GPU holds the engine weights of TP 4 at full depth, 1/8 of the
-        # trainer, and 70 GiB of host memory (add --master-weights for fp32 shards, 16 bytes per parameter)
+        # trainer, and 70 GiB of host memory (add --master-weights for fp32 master weights, kept with the AdamW
+        # states in host memory)
 
 The loop is `examples/grpo.py` (colocated vLLM when it is installed and a GPU is present, else the embedded engine):
 prompts -> rollouts -> a verifiable reward -> a policy-gradient step, with `with phase("generate")` and
@@ -71,8 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=None,
                     help="vLLM tensor-parallel size under torchrun (default: the GPUs of a node)")
     ap.add_argument("--master-weights", action="store_true",
-                    help="fp32 parameter shards (and so fp32 AdamW states) with bf16 compute: 16 bytes per parameter "
-                         "(default: bf16 parameters and AdamW states)")
+                    help="fp32 master weights of the bf16 parameters, kept with their fp32 AdamW states in host "
+                         "memory and updated there by the streamed step (`swaprl plan --master-weights`; default: "
+                         "bf16 parameters and AdamW states)")
+    ap.add_argument("--fp32-params", action="store_true",
+                    help="fp32 parameter shards (and so fp32 AdamW states) under bf16 compute, on the GPU: 16 bytes "
+                         "per parameter there (`swaprl plan --param-dtype float32`)")
     ap.add_argument("--host-memory-gib", type=float, default=None,
                     help="host memory per node to plan for (default: the machine's); each rank's runtime then holds "
                          "at most its share of the plan's pinned budget (SwapConfig.host_budget_bytes)")
@@ -113,14 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     # What the loop does, pinned: the parameters stay on the GPU (FSDP2 shards cannot be swapped), the gradients are
     # freed, activation checkpointing is on; the plan chooses the optimizer states' split and the sleep level.
     pinned = {"params": "keep", "grads": "free", "activation_checkpointing": True}
-    dtype = "bfloat16" if on_gpu else "float32"  # the loop's compute, and its parameters without --master-weights
+    # The loop's compute and parameters: bf16 on a GPU (and under master weights, which are for bf16 parameters)
+    dtype = "bfloat16" if on_gpu or args.master_weights else "float32"
     # The loop's micro batch is planned too (its activations): the most sequences per forward/backward, up to 8,
     # that the plan fits; the loop then runs with that micro batch.
     for micro in (8, 4, 2, 1):
         the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers, tp=tp, settings=pinned,
                                 micro_batch_tokens=micro * rollout.sequence_tokens,
-                                param_dtype="float32" if args.master_weights else dtype,
-                                optimizer_dtype="float32" if args.master_weights else dtype)
+                                param_dtype="float32" if args.fp32_params else dtype,
+                                master_weights=args.master_weights,
+                                optimizer_dtype="float32" if args.master_weights or args.fp32_params else dtype)
         if the_plan.ok:
             break
     if rank == 0:
@@ -143,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         loop += ["--dtype", "bfloat16", "--tp", str(tp), "--kv-cache-gib", f"{the_plan.kv_cache_bytes / 2**30:.3f}"]
     if args.release_other:
         loop += ["--release-other"]
-    if args.master_weights:
-        loop += ["--master-weights"] + ([] if on_gpu else ["--dtype", "bfloat16"])
     chosen = the_plan.swap_config()
+    if chosen.get("master_weights"):
+        loop += ["--master-weights"] + ([] if on_gpu else ["--dtype", "bfloat16"])
+    if args.fp32_params:
+        loop += ["--fp32-params"] + ([] if on_gpu else ["--dtype", "bfloat16"])
     budget = the_plan.host_budget_bytes / cluster.gpus_per_node / 2**30  # the ranks of a node share it
     loop += ["--optimizer-states", format_optimizer_states(chosen["optimizer_states"]),
              "--sleep-level", str(chosen["sleep_level"]), "--host-budget-gib", f"{budget:.3f}"]

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from . import checks, fingerprint, regions
+from . import checks, fingerprint, master, regions
 from .checkpoints import checkpoint_dir_of
+from .compat.torch import LR_SCHEDULER_MARK
 from .config import SwapConfig
 from .engines import vllm_available
 from .engines.base import Engine
@@ -25,7 +26,7 @@ from .errors import PhaseError
 from .link import link, unmeasurable
 from .placement import Placement, engine_reserve_bytes
 from .runtime import Phase, PhaseMachine
-from .streaming import install_step
+from .streaming import install_step, override
 from .undo import Step, Undo
 
 logger = logging.getLogger(__name__)
@@ -138,11 +139,15 @@ class Runtime(PhaseMachine):
         self.device = checks.model_device(model)
         why = unmeasurable(engine) if isinstance(engine, Engine) else \
             "attach builds the engine, which takes the memory the states leave when they go"
-        self._placement = place = Placement(model, optimizer, self.device, self.config, unmeasurable=why,
-                                            on_streamed_step=self._on_streamed_step)
+        installed = Undo("the fp32 master weights")  # undone last if attach fails (the step methods sit on theirs)
+        with installed.on_error():
+            if self.config.master_weights:  # before the placement, which homes the masters with the states
+                installed.push(master.install(optimizer, override=_keep_installed)[1], "install")
+            self._placement = place = Placement(model, optimizer, self.device, self.config, unmeasurable=why,
+                                                on_streamed_step=self._on_streamed_step)
         self.config = config = place.config  # "auto" resolved
         built = Undo("the engine attach built")  # closed if attach then fails; kept (the caller's) once attached
-        with self._restore.on_error(), built.on_error():
+        with installed.on_error(), self._restore.on_error(), built.on_error():
             self._restore.push(place.release)  # a failed attach leaves no host memory behind
             place.prepare_host()
             if config.verify_sync and not (isinstance(engine, Engine) and engine.shares_trainer_weights):
@@ -190,6 +195,11 @@ class Runtime(PhaseMachine):
         super()._close()
         if _attached is self:
             _attached = None
+
+
+def _keep_installed(opt: torch.optim.Optimizer, name: str, body: Callable) -> Callable[[], None]:
+    """An optimizer method that stays after detach (the master step: plain torch needs it as much)."""
+    return override(opt, name, body, lambda: False, marks=(LR_SCHEDULER_MARK,))
 
 
 # ---------------------------------------------------------------- the engine attach builds

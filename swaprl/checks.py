@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import master
 from .compat import torch as torch_compat
 from .compat.torch import local_tensor
 from .config import SwapConfig
@@ -22,8 +23,10 @@ def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, conf
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
     mine = {id(p) for p in model.parameters()}
+    masters = master.of(optimizer)  # installed by an earlier attach: each stands for its model parameter
     foreign = [(gi, pi, tuple(p.shape)) for gi, g in enumerate(optimizer.param_groups)
-               for pi, p in enumerate(g["params"]) if id(p) not in mine]
+               for pi, p in enumerate(g["params"])
+               if id(masters.model_param(p) if masters is not None and masters.is_master(p) else p) not in mine]
     if foreign:
         listed = ", ".join(f"group {g} param {i} shape {s}" for g, i, s in foreign[:5])
         raise ValueError(f"{len(foreign)} optimizer parameter(s) are not parameters of the model ({listed}); build "

@@ -73,6 +73,15 @@ class SwapConfig:
     only what the host cannot hold, swaps what `train` has room for, and streams the rest (docs/plan.md §Split).
     `state_split()` gives the fractions in every case."""
 
+    master_weights: bool = False
+    """Train a bf16 (or fp16) model with fp32 master weights: the optimizer updates an fp32 copy of each
+    low-precision parameter, which is cast into the parameter after each step (`swaprl.master`); the forward,
+    backward and gradients stay in bf16. What RL fine-tuning at small learning rates needs, at 2 bytes per
+    parameter on the device instead of fp32 parameters' 4. The masters live in host memory with their optimizer
+    states and are updated there chunk by chunk by the streamed step (ZeRO-Offload's layout), so it goes with
+    `optimizer_states="host"`, which "auto" means here. They stay installed on the optimizer after `detach()`, back
+    on the device; `optimizer.state_dict()` carries them."""
+
     stream_chunk_bytes: int = 2**30
     """With `optimizer_states="host"`: optimizer-state bytes per chunk of the streamed `optimizer.step()`. The GPU
     holds two chunks during the step (one updating, one copying), or two of the largest parameter's states if
@@ -158,10 +167,15 @@ class SwapConfig:
         if self.stream_chunk_bytes < 2**20:
             raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes} is under 1 MiB; chunks that "
                              "small make the streamed step launch-bound: use 256 MiB or more")
-        for name in ("pin_memory", "overlap_optimizer_reload", "overlap_offload", "verify_sync"):
+        for name in ("master_weights", "pin_memory", "overlap_optimizer_reload", "overlap_offload", "verify_sync"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"SwapConfig.{name}={value!r}; give True or False")
+        if self.master_weights and self.optimizer_states != "auto" and self.state_split()["host"] != 1.0:
+            raise ValueError(f"SwapConfig(master_weights=True, optimizer_states={self.optimizer_states!r}): the fp32 "
+                             "master weights live in host memory with their optimizer states, updated there by the "
+                             "streamed step; keeping some on the device or swapping them is not built. Use "
+                             "optimizer_states='host' (or 'auto', which means 'host' with master weights)")
         if self.optimizer_states != "auto" and self.state_split()["swap"] == 0 and self.overlap_optimizer_reload:
             raise ValueError(f"SwapConfig(optimizer_states={self.optimizer_states!r}, overlap_optimizer_reload=True): "
                              "no state is swapped, so there is no reload to overlap (host-resident states never "
@@ -196,9 +210,11 @@ class SwapConfig:
 
     def state_split(self) -> dict[str, float]:
         """The optimizer states' fractions by home, {"device": d, "swap": s, "host": h}; "swap" is {"swap": 1.0}, and
-        so is "auto" until attach has measured what stays on the device (`placement.resolve_auto`)."""
+        so is "auto" until attach has measured what stays on the device (`placement.resolve_auto`); with master
+        weights "auto" is "host"."""
         if isinstance(self.optimizer_states, str):
-            named = "swap" if self.optimizer_states == "auto" else self.optimizer_states
+            auto = "host" if self.master_weights else "swap"
+            named = auto if self.optimizer_states == "auto" else self.optimizer_states
             return {home: float(home == named) for home in STATE_HOMES}
         return dict(self.optimizer_states)
 

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from . import distributed, memory
+from . import distributed, master, memory
 from .compat.torch import local_tensor
 from .config import STATE_HOMES, STATES_PER_PARAMETER, StateHome, SwapConfig
 from .errors import HostBufferError, PhaseError
@@ -56,6 +56,11 @@ class Placement:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  config: SwapConfig, *, unmeasurable: str | None = None,
                  on_streamed_step: Callable[[dict], None] | None = None) -> None:
+        self.masters = master.of(optimizer)
+        """The optimizer's fp32 master weights (`swaprl.master`), if it keeps them: each is one more state of its
+        parameter, in host memory with the others."""
+        if self.masters is not None:
+            config = _masters_config(config)
         self.auto = config.optimizer_states == "auto"
         """`optimizer_states="auto"`: the homes may change as the run shows what fits (`make_room`,
         `home_new_states`)."""
@@ -80,7 +85,8 @@ class Placement:
             self.streamer = StateStreamer(optimizer, device, HostBuffer("streamed optimizer", pin=pin, device=gpu),
                                           owns=lambda p: self.home(p) == "host",
                                           chunk_bytes=config.stream_chunk_bytes,
-                                          check_budget=self.check_budget_for_states, on_step=on_streamed_step)
+                                          check_budget=self.check_budget_for_states, on_step=on_streamed_step,
+                                          masters=self.masters)
             if not self.swaps_states and "host" in self._homes.values():
                 self._res["optimizer"].location = "host"
 
@@ -168,8 +174,8 @@ class Placement:
         """The distinct tensors of a resource that live on the device now; for "optimizer", the states of the
         parameters with one of `homes` (by default those that move at a switch)."""
         if name == "optimizer":
-            candidates = (v for p, state in self.optimizer.state.items() if self.home(p) in homes
-                          for v in state.values())
+            candidates = (v for p in _parameters(self.optimizer) if self.home(p) in homes
+                          for v in self._state_tensors(p))
         elif name == "grads":
             candidates = (p.grad for p in self.model.parameters())
         else:
@@ -221,7 +227,14 @@ class Placement:
             out[self.home(p)] += sum(nbytes(local_tensor(v)) for key, v in state.items() if isinstance(v, torch.Tensor)
                                      and not (key == "step" and local_tensor(v).device != self.device
                                               and local_tensor(v).device.type == "cpu"))
+        for m in self.masters or ():
+            out[self.home(m)] += nbytes(local_tensor(m))
         return out
+
+    def _state_tensors(self, p: torch.Tensor) -> list:
+        """`p`'s optimizer states, and `p` itself when it is an fp32 master."""
+        master = [p] if self.masters is not None and self.masters.is_master(p) else []
+        return master + list(self.optimizer.state.get(p, {}).values())
 
     def _buffers(self) -> list[HostBuffer]:
         return [r.buffer for r in self._res.values()] + ([self.streamer.buffer] if self.streamer else [])
@@ -267,8 +280,12 @@ class Placement:
         creates them, so a buffer locked ahead holds them without a second copy in other host memory."""
         out = {}
         for name, home in (("optimizer", "swap"), ("streamed optimizer", "host")):
-            states = layout_bytes(self.tensors("optimizer", (home,))) if self.optimizer.state else 0
-            states = states or _expected_state_bytes(self.optimizer, lambda p, h=home: self.home(p) == h)
+            counted = self.tensors("optimizer", (home,)) if self.optimizer.state else []
+            states = layout_bytes(counted) or _expected_state_bytes(self.optimizer, lambda p, h=home: self.home(p) == h)
+            # Masters made in host memory (not on the device, so not counted above) move into the buffer at attach.
+            ids = {id(t) for t in counted}
+            states += layout_bytes([local_tensor(m) for m in self.masters or () if self.home(m) == home
+                                    and id(local_tensor(m)) not in ids])
             if states:
                 out[name] = states
         if self.config.params == "offload":
@@ -518,6 +535,21 @@ class Placement:
             f"{what} needs {growth} more bytes ({memory.gib(growth):.2f} GiB) of host memory but only "
             f"{max(available, 0)} bytes ({memory.gib(max(available, 0)):.2f} GiB) are allowed ({source}){elsewhere}. "
             f"{fix}")
+
+
+def _masters_config(config: SwapConfig) -> SwapConfig:
+    """`config` for an optimizer with fp32 master weights: they and their states live in host memory ("auto" is
+    "host"); a config that keeps some elsewhere is refused (`SwapConfig.master_weights`)."""
+    if config.optimizer_states == "auto":
+        logger.info("optimizer_states='auto' with fp32 master weights: the masters and their states live in host "
+                    "memory ('host')")
+        return dataclasses.replace(config, optimizer_states="host", overlap_optimizer_reload=False)
+    if config.state_split()["host"] != 1.0:
+        raise ValueError(f"SwapConfig(optimizer_states={config.optimizer_states!r}) with an optimizer that keeps fp32 "
+                         "master weights: the masters live in host memory with their optimizer states, updated there "
+                         "by the streamed step; keeping some on the device or swapping them is not built. Use "
+                         "optimizer_states='host' (or 'auto')")
+    return config
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

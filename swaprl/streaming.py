@@ -26,6 +26,11 @@ that parameter's gradient and state: all of `torch.optim` except LBFGS (which `s
 Sharded parameters (FSDP2's DTensors) stream the same way: each rank moves its own shards' states, as their local
 tensors, and the optimizer's update goes through DTensor as it does without streaming.
 
+fp32 master weights (`swaprl.master`) stream as one more state of their model parameter: the optimizer's
+parameter is the master, staged with its states; the chunk's step gives it its model parameter's gradient cast to
+fp32 (a chunk-sized transient), and once the chunk is updated the master is cast into the model parameter, on the
+device, before the copies out.
+
 Without CUDA the same code runs with plain copies and no streams, so the CPU tests exercise every path.
 """
 
@@ -41,6 +46,7 @@ import torch
 
 from .compat import torch as compat
 from .compat.torch import local_tensor
+from .master import MasterWeights
 from .residency import HostBuffer, Moved, align, check_dense, host_view, is_dense, layout_bytes, nbytes
 from .undo import Undo
 
@@ -90,8 +96,9 @@ class StateStreamer:
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, buffer: HostBuffer, *,
                  chunk_bytes: int, check_budget: Callable[[int, int, str], None],
                  owns: Callable[[torch.Tensor], bool] = lambda p: True,
-                 on_step: Callable[[dict], None] | None = None) -> None:
+                 on_step: Callable[[dict], None] | None = None, masters: MasterWeights | None = None) -> None:
         self.optimizer, self.device, self.buffer, self.owns = optimizer, device, buffer, owns
+        self.masters = masters
         self.chunk_bytes = chunk_bytes
         self.stepping = False
         self._check_budget, self._on_step = check_budget, on_step
@@ -149,8 +156,10 @@ class StateStreamer:
         `step` counters of non-fused optimizers are none of these, and stay where torch keeps them."""
         if not self.owns(p):
             return []
+        # An fp32 master (`swaprl.master`) moves with its states: it is made in host memory, taken as at home there.
+        master = [("master", p)] if self.masters is not None and self.masters.is_master(p) else []
         out = []
-        for key, v in self.optimizer.state.get(p, {}).items():
+        for key, v in [*master, *self.optimizer.state.get(p, {}).items()]:
             if not isinstance(v, torch.Tensor):
                 continue
             v = local_tensor(v)  # a shard's states move as its local tensors
@@ -174,9 +183,9 @@ class StateStreamer:
                 loss = closure()
         start = time.perf_counter()
         self._end = None
-        stepping = [(p, g) for p, g in self.params() if p.grad is not None]
+        stepping = [(p, g) for p, g in self.params() if self._grad(p) is not None]
         chunks = self._plan(stepping)
-        grads = {p: p.grad for p, _ in stepping}
+        grads = {p: self._grad(p) for p, _ in stepping}
         figures = {"h2d_bytes": 0, "d2h_bytes": 0}
         try:
             for p in grads:
@@ -184,7 +193,8 @@ class StateStreamer:
             self._run(chunks, grads, raw_step, figures)
         finally:
             for p, g in grads.items():  # after an error too: a hidden gradient must come back
-                p.grad = g
+                if not self._is_master(p):  # a master's gradient is its model parameter's, never hidden
+                    p.grad = g
         self.move_into_buffer("This optimizer.step() itself completed; the states it created are intact in ordinary "
                               "host memory.")
         seconds = time.perf_counter() - start
@@ -196,6 +206,13 @@ class StateStreamer:
         if self._on_step is not None and any(self.owns(p) for p, _ in stepping):
             self._on_step(info)
         return loss
+
+    def _is_master(self, p: torch.Tensor) -> bool:
+        return self.masters is not None and self.masters.is_master(p)
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """What `p` steps on: its gradient, or a master's model parameter's."""
+        return self.masters.grad(p) if self._is_master(p) else p.grad
 
     def _plan(self, stepping: list[tuple[torch.nn.Parameter, dict]]) -> list[_Chunk]:
         """The parameters not owned first, in one chunk without copies; then the owned ones, consecutive, in chunks of
@@ -209,7 +226,7 @@ class StateStreamer:
                 continue
             states = self._states(p, group)
             # No state yet (the first step): the step creates it on the device; AdamW makes two of p's size.
-            b = layout_bytes(states) if states else 2 * align(nbytes(local_tensor(p)))
+            b = layout_bytes(states) + (0 if self.optimizer.state.get(p) else 2 * align(nbytes(local_tensor(p))))
             if len(chunks) == first or size + b > self.chunk_bytes:
                 chunks.append(_Chunk([]))
                 size = 0
@@ -272,8 +289,12 @@ class StateStreamer:
                 buf = staging[chunk.slot] if chunk.bytes else None
                 for t, _, offset in chunk.staged:
                     t.data = host_view(buf, offset, t)
+                masters = [p for p, _ in chunk.params if self._is_master(p)]
                 for p, _ in chunk.params:
-                    p.grad = grads[p]
+                    if self._is_master(p):  # the model's gradient in fp32, the chunk's transient
+                        self.masters.load_grad(p, grads[p])
+                    else:
+                        p.grad = grads[p]
                 groups, self.optimizer.param_groups = self.optimizer.param_groups, chunk.groups
                 try:
                     raw_step()
@@ -281,6 +302,8 @@ class StateStreamer:
                     self.optimizer.param_groups = groups
                     for p, _ in chunk.params:
                         p.grad = None
+                if masters:  # cast into the model's parameters while the masters are on the device
+                    self.masters.write_back(masters)
                 figures["h2d_bytes"] += sum(nbytes(t) for t, _, _ in chunk.staged)
                 figures["d2h_bytes"] += self._copy_out(chunk, buf, emptied)
                 figures["d2h_bytes"] += sum(self._send_home(t) for p, g in chunk.params for t in self._states(p, g)
@@ -477,7 +500,9 @@ def install_step(streamer: StateStreamer, *, detached: Callable[[], bool]) -> Ca
         # For the length of the load each owned parameter's data is an empty host tensor of its dtype, so the
         # states land in host memory, and the load's post-hook moves them into the buffer from there. A DTensor
         # shard's device is the DTensor's own: its states load onto the device (a shard's worth) and move from there.
-        params = [p for p, _ in streamer.owned() if local_tensor(p) is p]
+        # A parameter in host memory already (an fp32 master, `swaprl.master`) is left as it is: the masters' own
+        # load hook reads and writes it.
+        params = [p for p, _ in streamer.owned() if local_tensor(p) is p and not streamer._is_master(p)]
         data = [p.data for p in params]
         try:
             for p in params:
@@ -490,8 +515,8 @@ def install_step(streamer: StateStreamer, *, detached: Callable[[], bool]) -> Ca
     undo = Undo("the streamed optimizer step")
     with undo.on_error():
         # An LR scheduler built before attach wrapped the step and marked the wrapper: keep the mark.
-        undo.push(_override(opt, "step", step, detached, marks=(compat.LR_SCHEDULER_MARK,)), "step")
-        undo.push(_override(opt, "load_state_dict", load_state_dict, detached), "load_state_dict")
+        undo.push(override(opt, "step", step, detached, marks=(compat.LR_SCHEDULER_MARK,)), "step")
+        undo.push(override(opt, "load_state_dict", load_state_dict, detached), "load_state_dict")
         # Loaded states belong in the buffer (with a load_state_dict captured before attach, torch put them on the
         # device).
         undo.push(opt.register_load_state_dict_post_hook(
@@ -500,7 +525,7 @@ def install_step(streamer: StateStreamer, *, detached: Callable[[], bool]) -> Ca
     return undo.run
 
 
-def _override(opt: torch.optim.Optimizer, name: str, body: Callable, detached: Callable[[], bool],
+def override(opt: torch.optim.Optimizer, name: str, body: Callable, detached: Callable[[], bool],
               marks: tuple[str, ...] = ()) -> Callable[[], None]:
     """Set `opt.<name>` on the instance to call `body(plain, *args, **kwargs)`, where `plain` is what was there
     before; returns what puts it back."""

@@ -32,11 +32,12 @@ from tests.grpo import ReplicaEngine
 N = 4  # completions per prompt
 
 
-def shard(model: torch.nn.Module, mixed: bool = False) -> torch.nn.Module:
-    """FSDP2 over the layers and the whole; `mixed`: bf16 compute over the fp32 shards (MixedPrecisionPolicy)."""
+def shard(model: torch.nn.Module, mixed: bool = False, reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """FSDP2 over the layers and the whole; `mixed`: bf16 compute over the fp32 shards (MixedPrecisionPolicy), the
+    gradients reduced in `reduce_dtype`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     kwargs = {"mp_policy": policy} if mixed else {}
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
@@ -98,15 +99,26 @@ def fsdp(args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {"rank": rank, "world": world}
 
-    def build(mixed: bool = False):
+    def build(mixed: bool = False, masters: str | None = None):
+        """`masters`: "reference", fp32 shards under bf16 compute reduced in bf16 (fp32-master training as FSDP2
+        does it), or "bf16", bf16 shards (for swaprl's masters); both from weights bf16 holds exactly."""
         torch.manual_seed(0)
         model = random_model("tiny", device="cpu")
         full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if masters is not None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.to(torch.bfloat16))
+            if masters == "bf16":  # the parameters only: the buffers (rotary frequencies) stay as FSDP2's keep them
+                for p in model.parameters():
+                    p.data = p.data.to(torch.bfloat16)
+            return shard(model, masters == "reference", reduce_dtype=torch.bfloat16), full
         return shard(model, mixed), full
 
-    def train(config: swaprl.SwapConfig | None, tag: str = "", steps: int = 3,
-              mixed: bool = False) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
-        model, _ = build(mixed)
+    def train(config: swaprl.SwapConfig | None, tag: str = "", steps: int = 3, mixed: bool = False,
+              masters: str | None = None) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
+        """Losses, the shards the optimizer updates (fp32 masters with master weights) and its states."""
+        model, _ = build(mixed, masters)
         initial = shards(model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         engine = HFEngine(model)
@@ -132,7 +144,11 @@ def fsdp(args) -> dict:
         swaprl.detach()
         trained = shards(model.parameters())
         out[f"moved_{tag}"] = not bitwise_equal(initial, trained)  # training changed the weights
-        return losses, trained, shards(optimizer_states(opt))
+        if masters is not None:
+            out[f"model_dtypes_{tag}"] = sorted({str(p.dtype) for p in model.parameters()})
+            out[f"model_{tag}"] = [t.to(torch.bfloat16).tolist() for t in trained][:2]
+        stepped = shards(p for g in opt.param_groups for p in g["params"])
+        return losses, stepped, shards(optimizer_states(opt))
 
     def compare(reference, run) -> dict:
         (l0, p0, s0), (l1, p1, s1) = reference, run
@@ -154,6 +170,11 @@ def fsdp(args) -> dict:
     config = swaprl.SwapConfig(optimizer_states=splits["mixed"], stream_chunk_bytes=2**20, grads="free")
     out["bitwise_mixed_precision"] = compare(mixed_plain, train(config, "mixed_precision", mixed=True))
     out["mixed_precision_state_dtypes"] = sorted({str(t.dtype) for t in mixed_plain[2] if t.numel() > 1})
+    # fp32 master weights: swaprl's (bf16 shards, masters and states in host memory) against FSDP2's own.
+    reference = train(None, "master_reference", masters="reference")
+    config = swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=2**20, grads="free")
+    out["bitwise_master_weights"] = compare(reference, train(config, "master", masters="bf16"))
+    out["master_state_dtypes"] = sorted({str(t.dtype) for t in reference[1] + reference[2] if t.numel() > 1})
 
     # Refused: an FSDP2 parameter's shard is a view into FSDP2's own buffer.
     model, full = build()

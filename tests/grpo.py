@@ -40,12 +40,13 @@ def policy_loss(model: torch.nn.Module, prompts: list[list[int]], completions: l
 
 
 def run(model, optimizer, engine, *, steps: int, runtime: swaprl.Runtime | None = None, n: int = 4,
-        max_tokens: int = 6) -> list[float]:
-    """`steps` GRPO steps; with `runtime`, generation and training run in their phases."""
+        max_tokens: int = 6, first: int = 0) -> list[float]:
+    """`steps` GRPO steps; with `runtime`, generation and training run in their phases. `first`: the first step's
+    number (its sampling seed), to go on from a run of that many steps."""
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     phase = runtime.phase if runtime is not None else (lambda name: contextlib.nullcontext())
     losses = []
-    for step in range(steps):
+    for step in range(first, first + steps):
         with phase("generate"):
             completions = engine.generate(prompts, swaprl.Sampling(max_tokens=max_tokens, n=n, seed=step))
         with phase("train"):

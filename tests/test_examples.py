@@ -34,12 +34,12 @@ def test_grpo_example_trains_and_reports(tmp_path, monkeypatch):
     assert "generate" in html and "data:image/png;base64," in html
 
 
-def test_grpo_example_splits_fp32_states_of_master_weights(tmp_path):
+def test_grpo_example_splits_fp32_states_of_fp32_params(tmp_path):
     """fp32 parameters with bf16 compute, their AdamW states split over the three homes: the host part is
     streamed through every optimizer step (in the profile), the rest stepped in place."""
     import grpo
 
-    summary = grpo.main(["--steps", "2", "--engine", "hf", "--master-weights", "--dtype", "bfloat16",
+    summary = grpo.main(["--steps", "2", "--engine", "hf", "--fp32-params", "--dtype", "bfloat16",
                          "--optimizer-states", "device=0.3,swap=0.3,host=0.4", "--out", str(tmp_path / "out"),
                          "--checkpoint-dir", str(tmp_path / "ck")])
     assert summary["args"]["optimizer_states"] == {"device": 0.3, "swap": 0.3, "host": 0.4}
@@ -61,6 +61,22 @@ def test_qwen72b_example_plans_then_runs_on_the_tiny_preset(tmp_path, capsys):
     assert "bf16 parameters, fp32 AdamW states: fits" in out and "fp32 master weights:" in out
     assert target < out.index("this run:") < out.index("model     tiny") < out.index("per GPU (GiB)")
     assert (tmp_path / "q" / "report" / "report.md").exists()
+    sys.modules.pop("grpo", None)
+
+
+def test_qwen72b_example_runs_the_master_weights_its_plan_chose(tmp_path, capsys):
+    """--master-weights means the planner's mode: bf16 parameters, the fp32 masters with the states in host memory;
+    the loop runs exactly that (every step streams the masters and their states)."""
+    import qwen72b
+
+    assert qwen72b.main(["--steps", "2", "--master-weights", "--out", str(tmp_path / "q")]) == 0
+    out = capsys.readouterr().out
+    assert "adamw states float32 + fp32 master" in out and "optimizer_states=host" in out
+    metrics = json.loads((tmp_path / "q" / "metrics.json").read_text())
+    assert metrics["args"]["master_weights"] and metrics["args"]["dtype"] == "bfloat16"
+    events = [json.loads(line) for line in (tmp_path / "q" / "profile.jsonl").read_text().splitlines()]
+    streamed = [e for e in events if e.get("transition") == "optimizer.step"]
+    assert len(streamed) == 2 and streamed[-1]["h2d_bytes"] == streamed[-1]["d2h_bytes"] > 0
     sys.modules.pop("grpo", None)
 
 

@@ -84,6 +84,17 @@ def test_fsdp2_mixed_precision_over_fp32_shards_streams_fp32_states(ranks):
         assert r["mixed_precision_state_dtypes"] == ["torch.float32"]
 
 
+def test_fsdp2_with_fp32_master_weights_in_host_memory_trains_like_fsdp2s_own_mixed_precision(ranks):
+    """bf16 shards with swaprl's fp32 masters (host memory, streamed) against fp32 shards under FSDP2's bf16 compute
+    and bf16 reduction: the same losses, masters (= fp32 shards) and AdamW states, bit for bit, and the bf16 model
+    is the masters cast."""
+    for r in ranks:
+        same = r["bitwise_master_weights"]
+        assert same["losses"] and same["params"] and same["optimizer"], (r["rank"], same)
+        assert r["master_state_dtypes"] == ["torch.float32"] and r["model_dtypes_master"] == ["torch.bfloat16"]
+        assert r["model_master"] == r["model_master_reference"] and r["moved_master"]
+
+
 def test_weight_sync_gathers_full_tensors_and_the_check_spans_ranks(ranks):
     for r in ranks:
         assert r["sync_full_tensors"]

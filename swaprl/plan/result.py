@@ -84,7 +84,8 @@ class Plan:
         """The keyword arguments of `swaprl.SwapConfig` for the chosen settings (`Settings.swap_config`)."""
         if self.settings is None:
             raise ValueError(f"no setting fits, so there is no SwapConfig to give: {self.verdict}")
-        return self.settings.swap_config()
+        masters = {"master_weights": True} if self.inputs.get("master_weights") else {}
+        return {**self.settings.swap_config(), **masters}
 
     def total(self, phase: str) -> int:
         return sum(self.gpu[phase].values())

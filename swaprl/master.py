@@ -1,0 +1,213 @@
+"""fp32 master weights for a model trained in bf16 (`SwapConfig(master_weights=True)`).
+
+RL fine-tuning updates at learning rates near 1e-6, and a bf16 parameter (8 bits of mantissa) loses most such
+updates. The usual answer keeps an fp32 copy of each parameter, the master, which the optimizer updates, and casts
+it to the model's bf16 parameter after each step; the forward, the backward and the gradients stay in bf16. This
+module installs that on an optimizer: each bf16 or fp16 parameter in its groups is replaced by an fp32 master (a
+leaf of the parameter's shape; a DTensor of the same placements for an FSDP2 shard), its states become the
+master's, `zero_grad` clears the model parameters' gradients too, and a step:
+
+    master.grad = parameter.grad (cast to fp32); the optimizer's own update of the master; parameter = master
+
+The masters start on the host: they are what the runtime keeps in host memory with their optimizer states (the
+"host" home, `swaprl.streaming`), ZeRO-Offload's layout, so the device holds only the bf16 parameters and
+gradients. The streamed step does the three parts above a chunk at a time, where the chunk's masters and states
+are on the device; `MasterWeights.step` does them for all parameters at once, for an optimizer stepped without the
+runtime (after `detach`, where the masters are back on the device).
+
+`optimizer.state_dict()` carries the masters (under "master_weights", by parameter index) and `load_state_dict`
+puts them back, with the model's parameters cast from them: a checkpoint of the model and the optimizer loses no
+bit of either. Parameters already in fp32 are left as they are: they are their own masters.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .compat.torch import local_tensor
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+KEY = "master_weights"
+
+logger = logging.getLogger(__name__)
+
+_installed: weakref.WeakKeyDictionary[torch.optim.Optimizer, MasterWeights] = weakref.WeakKeyDictionary()
+
+
+class MasterWeights:
+    """The fp32 masters of one optimizer's low-precision parameters, and the model parameters they update."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._param: dict[int, torch.Tensor] = {}  # id(master) -> the model's parameter
+        self._masters: list[torch.Tensor] = []
+
+    # ---------------------------------------------------------------- what is what
+    def __iter__(self):
+        return iter(self._masters)
+
+    def __len__(self) -> int:
+        return len(self._masters)
+
+    def is_master(self, t: torch.Tensor) -> bool:
+        return id(t) in self._param
+
+    def model_param(self, master: torch.Tensor) -> torch.Tensor:
+        """The model's (low-precision) parameter that `master` updates."""
+        return self._param[id(master)]
+
+    def grad(self, master: torch.Tensor) -> torch.Tensor | None:
+        """The model parameter's gradient: what the master steps on (None: it does not step)."""
+        return self._param[id(master)].grad
+
+    # ---------------------------------------------------------------- the step's parts
+    def load_grad(self, master: torch.Tensor, grad: torch.Tensor) -> None:
+        """Give `master` the model's gradient `grad`, cast to fp32, on the device the master is on now."""
+        master.grad = grad.to(dtype=master.dtype)
+
+    def write_back(self, masters: Iterable[torch.Tensor]) -> None:
+        """Cast each master's values into its model parameter (on the device; the copy is ordered on the current
+        stream, before anything that moves the master away)."""
+        with torch.no_grad():
+            for m in masters:
+                local_tensor(self._param[id(m)]).copy_(local_tensor(m), non_blocking=True)
+
+    def step(self, plain: Callable, closure: Callable | None = None) -> object:
+        """The whole step without the runtime: every gradient in, the optimizer's own step (`plain()`, its hooks
+        included), every master out."""
+        loss = None
+        if closure is not None:  # the backward first: the gradients it makes are what the masters step on
+            with torch.enable_grad():
+                loss = closure()
+        stepping = [m for m in self._masters if self.grad(m) is not None]
+        for m in stepping:
+            self.load_grad(m, self.grad(m))
+        try:
+            plain()
+        finally:
+            for m in stepping:
+                m.grad = None
+        self.write_back(stepping)
+        return loss
+
+    def zero_grad(self, plain: Callable, set_to_none: bool = True) -> None:
+        """The optimizer's own zero_grad (its masters'), and the model parameters' gradients, which are what the
+        masters step on: left alone they would add up across steps."""
+        plain(set_to_none)
+        for m in self._masters:
+            p = self._param[id(m)]
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+    # ---------------------------------------------------------------- checkpoints
+    def _state_dict_post_hook(self, optimizer, state_dict: dict) -> dict:
+        index = {id(p): i for i, p in enumerate(_parameters(optimizer))}
+        state_dict[KEY] = {index[id(m)]: m.detach() for m in self._masters}
+        return state_dict
+
+    def _load_state_dict_pre_hook(self, optimizer, state_dict: dict) -> dict:
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(KEY, None)
+        params = _parameters(optimizer)
+        with torch.no_grad():
+            if saved is None:  # saved without masters: the model's parameters, as they are now, are the truth
+                logger.warning("the optimizer state dict loaded has no fp32 master weights: the masters are set "
+                               "from the model's parameters as they are now")
+                for m in self._masters:
+                    local_tensor(m).copy_(local_tensor(self._param[id(m)]))
+                return state_dict
+            for i, value in saved.items():
+                m = params[int(i)]
+                if not self.is_master(m):
+                    raise ValueError(f"the state dict's master weights name parameter {i}, which keeps no master "
+                                     "here: the optimizer's parameters differ from those it was saved with")
+                local_tensor(m).copy_(local_tensor(value))
+        self.write_back(self._masters)
+        return state_dict
+
+
+def of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
+    """The masters installed on `optimizer`, if any."""
+    return _installed.get(optimizer)
+
+
+def install(optimizer: torch.optim.Optimizer, *, override: Callable) -> tuple[MasterWeights, Callable[[], None]]:
+    """Give every low-precision parameter of `optimizer` an fp32 master in host memory, in its place in the groups
+    (its states, if any, cast to fp32 and moved to the master), and make `optimizer.step()` the master step.
+    `override(opt, name, body)` sets an instance method the way the runtime does (`swaprl.streaming.override`) and
+    returns what restores it. Returns the masters and what undoes all of it (the model's parameters back in the
+    groups, holding the masters' values cast). An optimizer that has masters already keeps them (nothing to undo)."""
+    if of(optimizer) is not None:
+        return of(optimizer), lambda: None
+    low = [p for p in _parameters(optimizer) if p.dtype in LOW_PRECISION]
+    if not low:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in _parameters(optimizer)})
+        raise ValueError(f"SwapConfig(master_weights=True): the optimizer's parameters are {', '.join(dtypes)}, "
+                         "so they are their own master weights; load the model in bfloat16 for bf16 compute with "
+                         "fp32 masters, or drop master_weights")
+    masters = MasterWeights(optimizer)
+    with torch.no_grad():
+        for p in low:
+            m = _host_master(p)
+            masters._param[id(m)] = p
+            masters._masters.append(m)
+    master_of = {id(masters.model_param(m)): m for m in masters}
+    groups = [g["params"] for g in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [master_of.get(id(p), p) for p in group["params"]]
+    states = {p: optimizer.state.pop(p) for p in low if p in optimizer.state}
+    for p, state in states.items():  # a step taken before: its states become the master's, in fp32
+        optimizer.state[master_of[id(p)]] = {
+            k: v.to(torch.float32) if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" else v
+            for k, v in state.items()}
+    _installed[optimizer] = masters
+    handles = [optimizer.register_state_dict_post_hook(masters._state_dict_post_hook),
+               optimizer.register_load_state_dict_pre_hook(masters._load_state_dict_pre_hook)]
+    restores = [override(optimizer, "step", lambda plain, *args, **kwargs: masters.step(plain, *args, **kwargs)),
+                override(optimizer, "zero_grad", lambda plain, *args, **kwargs: masters.zero_grad(plain, *args,
+                                                                                                   **kwargs))]
+
+    def uninstall() -> None:
+        for restore in reversed(restores):
+            restore()
+        for h in handles:
+            h.remove()
+        masters.write_back(masters)
+        for group, params in zip(optimizer.param_groups, groups):
+            group["params"] = params
+        for p in low:  # undone right after install (a failed attach): the states are those it found
+            optimizer.state.pop(master_of[id(p)], None)
+        optimizer.state.update(states)
+        masters._masters.clear()
+        masters._param.clear()
+        _installed.pop(optimizer, None)
+
+    return masters, uninstall
+
+
+def _host_master(p: torch.Tensor) -> torch.nn.Parameter:
+    """An fp32 copy of `p` in host memory: a leaf of p's shape (a DTensor of p's placements for a shard, whose local
+    tensor is on the host while the DTensor keeps p's device, as the runtime keeps host-resident states)."""
+    local = local_tensor(p).detach()
+    host = torch.empty(local.shape, dtype=torch.float32, device="cpu")
+    host.copy_(local)
+    if local_tensor(p) is p:
+        return torch.nn.Parameter(host)
+    from torch.distributed.tensor import DTensor
+
+    m = DTensor.from_local(local.to(torch.float32), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                           run_check=False)
+    local_tensor(m).data = host
+    return torch.nn.Parameter(m)
+
+
+def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))
