@@ -10,8 +10,9 @@ model) and each group of `--tp` consecutive ranks shares one vLLM engine; `--pro
 
 No hub is needed: without `--model PATH` it writes a random-weight checkpoint of `--preset` first. The reward is
 the fraction of even token ids in a completion, verifiable and cheap, so the loop runs on random weights. Each
-step prints its time split (generate, train, phase switches); `--out` receives metrics.json, the memory profile
-and its report.
+step prints its time split (generate, train, phase switches); `--out` receives metrics.json, a line per step in
+metrics.jsonl, the memory profile and its report, and with `--save-steps N` a checkpoint every N steps, from which
+`--resume` goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -129,7 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2,
                     help="steps left out of the medians (first-time costs: kernel compilations, buffers not "
                          "prepared at attach)")
-    ap.add_argument("--out", default=None, help="directory for metrics.json, profile.jsonl and the report")
+    ap.add_argument("--out", default=None, help="directory for metrics.json(l), profile.jsonl, the report and the "
+                                                 "checkpoints")
+    ap.add_argument("--save-steps", type=int, default=0,
+                    help="write a checkpoint every N steps under OUT/checkpoints (model, optimizer states with the "
+                         "fp32 masters, RNG and data position; the newest two are kept); 0: none")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the newest complete checkpoint under OUT/checkpoints")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-dir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"),
                     help="where random checkpoints are written (and reused)")
@@ -227,6 +235,15 @@ def main(argv: list[str] | None = None) -> dict:
     from swaprl.checkpoints import write_random_checkpoint
 
     out = Path(args.out) if args.out else None
+    if (args.save_steps or args.resume) and out is None:
+        raise SystemExit("--save-steps and --resume keep their checkpoints under --out: give --out DIR")
+    if args.save_steps < 0:
+        raise SystemExit(f"--save-steps {args.save_steps}: give a number of steps, or 0 for no checkpoints")
+    checkpoints = Checkpoints(out / "checkpoints", rank, world) if out else None
+    resumed = checkpoints.newest() if args.resume else None
+    if args.resume and resumed is None:
+        raise SystemExit(f"--resume: no complete checkpoint under {out / 'checkpoints'}; run with --save-steps N "
+                         "first, or drop --resume to start over")
     if out and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     name = args.preset + (f"-{args.layers}l" if args.layers else "")
@@ -283,8 +300,25 @@ def main(argv: list[str] | None = None) -> dict:
     def device_used() -> int | None:
         return memory.device_used_bytes(torch.device(device)) if cuda else None
 
+    first = 0
+    if resumed is not None:  # after attach: the states load where their homes are, the masters with them
+        state = checkpoints.load(resumed)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if cuda:
+            torch.cuda.set_rng_state(state["rng"]["cuda"])
+        gen.set_state(state["rng"]["prompts"])
+        first = state["step"]
+        log.info("resumed from %s: step %d", resumed, first)
+    metrics_lines = out / "metrics.jsonl" if out else None
+    if metrics_lines and rank == 0:  # one line per step: those after the checkpoint are done again
+        kept = metrics_lines.read_text().splitlines()[:first] if resumed is not None and metrics_lines.exists() \
+            else []
+        metrics_lines.write_text("".join(line + "\n" for line in kept))
+
     steps = []
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
         switch["s"] = 0.0
         t0 = time.perf_counter()
@@ -321,6 +355,15 @@ def main(argv: list[str] | None = None) -> dict:
                # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
                "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
         steps.append(rec)
+        if metrics_lines and rank == 0:
+            with metrics_lines.open("a") as f:
+                f.write(json.dumps({k: rec[k] for k in ("step", "loss", "reward", "rollout_tokens", "train_tokens",
+                                                        "step_s", "switch_s")}) + "\n")
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            checkpoints.save(step + 1, {
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
+                        **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}})
         log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
                  "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
                  rollout_tokens, mean_reward, f", weights {sync['weights']}, mismatch max|dlogp| {check:.3g}"
@@ -357,6 +400,46 @@ def main(argv: list[str] | None = None) -> dict:
     elif world > 1:
         dist.destroy_process_group()
     return summary
+
+
+class Checkpoints:
+    """Checkpoints under `root`, one directory per step (`step-00000004/`, a file per rank), each written under a
+    temporary name and renamed once every rank's file is complete: a process killed at any point leaves the newest
+    complete checkpoint loadable. The newest two are kept."""
+
+    KEEP = 2
+
+    def __init__(self, root: Path, rank: int, world: int) -> None:
+        self.root, self.rank, self.world = root, rank, world
+
+    def newest(self) -> Path | None:
+        done = sorted(p for p in self.root.glob("step-*") if p.is_dir()) if self.root.exists() else []
+        return done[-1] if done else None
+
+    def save(self, step: int, state: dict) -> Path:
+        final, tmp = self.root / f"step-{step:08d}", self.root / f".step-{step:08d}.tmp"
+        if self.rank == 0:
+            if tmp.exists():  # a save killed before its rename
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        torch.save(state, tmp / f"rank{self.rank}.pt")
+        self._barrier()
+        if self.rank == 0:
+            os.replace(tmp, final)
+            for old in sorted(p for p in self.root.glob("step-*") if p.is_dir())[:-self.KEEP]:
+                shutil.rmtree(old)
+            log.info("checkpoint %s written", final)
+        self._barrier()
+        return final
+
+    def load(self, path: Path) -> dict:
+        # Tensors come back on the host: the optimizer's load puts each state where its home is.
+        return torch.load(path / f"rank{self.rank}.pt", map_location="cpu", weights_only=False)
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
 
 
 def all_ranks_sum(values: list[float], device: str) -> list[float]:
