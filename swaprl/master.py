@@ -3,7 +3,7 @@
 RL fine-tuning updates at learning rates near 1e-6, and a bf16 parameter (8 bits of mantissa) loses most such
 updates. The usual answer keeps an fp32 copy of each parameter, the master, which the optimizer updates, and casts
 it to the model's bf16 parameter after each step; the forward, the backward and the gradients stay in bf16. This
-module installs that on an optimizer: each bf16 or fp16 parameter in its groups is replaced by an fp32 master (a
+module installs that on an optimizer: each bf16 parameter in its groups is replaced by an fp32 master (a
 leaf of the parameter's shape; a DTensor of the same placements for an FSDP2 shard), its states become the
 master's, `zero_grad` clears the model parameters' gradients too, and a step:
 
@@ -18,6 +18,12 @@ runtime (after `detach`, where the masters are back on the device).
 `optimizer.state_dict()` carries the masters (under "master_weights", by parameter index) and `load_state_dict`
 puts them back, with the model's parameters cast from them: a checkpoint of the model and the optimizer loses no
 bit of either. Parameters already in fp32 are left as they are: they are their own masters.
+
+The masters are the truth between steps: the model's bf16 parameters are their casts. Weights written into the
+model after the masters were made (`model.load_state_dict`, an in-place edit) are overwritten by the next step;
+load them before `attach`, or load the optimizer's state dict, which sets both. Gradient clipping goes over
+`model.parameters()`, where the gradients are (the masters have none outside the step). fp16 is refused: its
+GradScaler unscales and checks the optimizer's own gradients.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 
 from .compat.torch import local_tensor
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
+LOW_PRECISION = (torch.bfloat16,)
 KEY = "master_weights"
 
 logger = logging.getLogger(__name__)
@@ -45,6 +51,7 @@ class MasterWeights:
         self.optimizer = optimizer
         self._param: dict[int, torch.Tensor] = {}  # id(master) -> the model's parameter
         self._masters: list[torch.Tensor] = []
+        self._loading: dict | None = None  # the masters of a load in progress, checked
 
     # ---------------------------------------------------------------- what is what
     def __iter__(self):
@@ -55,6 +62,14 @@ class MasterWeights:
 
     def is_master(self, t: torch.Tensor) -> bool:
         return id(t) in self._param
+
+    def check(self) -> None:
+        """Refuse a step over a bf16 parameter without a master (a group added after the masters were made): its
+        updates would be rounded away in bf16, the very loss the masters are there to prevent."""
+        added = [p for p in _parameters(self.optimizer) if p.dtype in LOW_PRECISION and not self.is_master(p)]
+        if added:
+            raise ValueError(f"{len(added)} bf16 parameter(s) of this optimizer have no fp32 master (a param group "
+                             "added after swaprl.attach with master_weights=True); add every group before attach")
 
     def model_param(self, master: torch.Tensor) -> torch.Tensor:
         """The model's (low-precision) parameter that `master` updates."""
@@ -79,6 +94,7 @@ class MasterWeights:
     def step(self, plain: Callable, closure: Callable | None = None) -> object:
         """The whole step without the runtime: every gradient in, the optimizer's own step (`plain()`, its hooks
         included), every master out."""
+        self.check()
         loss = None
         if closure is not None:  # the backward first: the gradients it makes are what the masters step on
             with torch.enable_grad():
@@ -114,8 +130,27 @@ class MasterWeights:
         return state_dict
 
     def _load_state_dict_pre_hook(self, optimizer, state_dict: dict) -> dict:
+        """Take the masters out of the state dict and check them all; they are copied in only once torch's own
+        load has accepted the rest (`_load_state_dict_post_hook`): a refused load changes nothing."""
         state_dict = dict(state_dict)
         saved = state_dict.pop(KEY, None)
+        params = _parameters(optimizer)
+        if saved is not None:
+            for i, value in saved.items():
+                m = params[int(i)] if 0 <= int(i) < len(params) else None
+                if m is None or not self.is_master(m):
+                    raise ValueError(f"the state dict's master weights name parameter {i}, which keeps no master "
+                                     "here: the optimizer's parameters differ from those it was saved with")
+                if tuple(local_tensor(value).shape) != tuple(local_tensor(m).shape):
+                    raise ValueError(f"the state dict's master weight of parameter {i} has shape "
+                                     f"{tuple(local_tensor(value).shape)}, this optimizer's "
+                                     f"{tuple(local_tensor(m).shape)}: it was saved with other parameters (or "
+                                     "another order, or another sharding); nothing was loaded")
+        self._loading = saved
+        return state_dict
+
+    def _load_state_dict_post_hook(self, optimizer) -> None:
+        saved, self._loading = self._loading, None
         params = _parameters(optimizer)
         with torch.no_grad():
             if saved is None:  # saved without masters: the model's parameters, as they are now, are the truth
@@ -123,15 +158,10 @@ class MasterWeights:
                                "from the model's parameters as they are now")
                 for m in self._masters:
                     local_tensor(m).copy_(local_tensor(self._param[id(m)]))
-                return state_dict
+                return
             for i, value in saved.items():
-                m = params[int(i)]
-                if not self.is_master(m):
-                    raise ValueError(f"the state dict's master weights name parameter {i}, which keeps no master "
-                                     "here: the optimizer's parameters differ from those it was saved with")
-                local_tensor(m).copy_(local_tensor(value))
+                local_tensor(params[int(i)]).copy_(local_tensor(value))
         self.write_back(self._masters)
-        return state_dict
 
 
 def of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
@@ -147,7 +177,15 @@ def install(optimizer: torch.optim.Optimizer, *, override: Callable) -> tuple[Ma
     groups, holding the masters' values cast). An optimizer that has masters already keeps them (nothing to undo)."""
     if of(optimizer) is not None:
         return of(optimizer), lambda: None
+    if any(p.dtype == torch.float16 for p in _parameters(optimizer)):
+        raise ValueError("SwapConfig(master_weights=True) with float16 parameters: fp16 training needs a GradScaler, "
+                         "which unscales and checks the optimizer's own gradients, and the masters take theirs "
+                         "from the model only inside the step; load the model in bfloat16")
     low = [p for p in _parameters(optimizer) if p.dtype in LOW_PRECISION]
+    if low and any(optimizer.state.get(p) for p in low):
+        logger.warning("the optimizer has states already (a step, or a state dict loaded before attach): the fp32 "
+                       "masters are made from the bf16 parameters, and a checkpoint's masters are not in torch's "
+                       "own load; load a checkpoint saved with master weights after swaprl.attach")
     if not low:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in _parameters(optimizer)})
         raise ValueError(f"SwapConfig(master_weights=True): the optimizer's parameters are {', '.join(dtypes)}, "
@@ -170,7 +208,8 @@ def install(optimizer: torch.optim.Optimizer, *, override: Callable) -> tuple[Ma
             for k, v in state.items()}
     _installed[optimizer] = masters
     handles = [optimizer.register_state_dict_post_hook(masters._state_dict_post_hook),
-               optimizer.register_load_state_dict_pre_hook(masters._load_state_dict_pre_hook)]
+               optimizer.register_load_state_dict_pre_hook(masters._load_state_dict_pre_hook),
+               optimizer.register_load_state_dict_post_hook(masters._load_state_dict_post_hook)]
     restores = [override(optimizer, "step", lambda plain, *args, **kwargs: masters.step(plain, *args, **kwargs)),
                 override(optimizer, "zero_grad", lambda plain, *args, **kwargs: masters.zero_grad(plain, *args,
                                                                                                    **kwargs))]

@@ -183,6 +183,8 @@ class StateStreamer:
                 loss = closure()
         start = time.perf_counter()
         self._end = None
+        if self.masters is not None:
+            self.masters.check()
         stepping = [(p, g) for p, g in self.params() if self._grad(p) is not None]
         chunks = self._plan(stepping)
         grads = {p: self._grad(p) for p, _ in stepping}
@@ -394,6 +396,13 @@ class StateStreamer:
             if self._h2d is not None:
                 for stream in (self._h2d, self._d2h, torch.cuda.current_stream(self.device)):
                     stream.synchronize()
+            # A chunk's masters may hold its update already: the model gets them, so the two agree whatever the
+            # step left done (the chunks before were written back; the step is not atomic).
+            masters = [p for p, _ in params if self._is_master(p)]
+            if masters:
+                self.masters.write_back(masters)
+                if self._h2d is not None:
+                    torch.cuda.current_stream(self.device).synchronize()
             for p, group in params:
                 for t in self._states(p, group):
                     if not self._at_home(t):

@@ -3,6 +3,7 @@ their optimizer states. Against the same recipe written by hand without swaprl, 
 
 from __future__ import annotations
 
+import importlib
 import io
 
 import pytest
@@ -204,3 +205,69 @@ def test_a_model_in_fp32_is_its_own_master_and_is_told_so(tiny_checkpoint):
     with pytest.raises(ValueError, match="load the model in bfloat16"):
         swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True))
     assert master.of(opt) is None and "step" not in vars(opt)
+
+
+def test_a_refused_load_changes_no_master(tiny_checkpoint):
+    """A state dict saved with the parameters in another order: refused naming why, before any master is written."""
+    a = load_bf16(tiny_checkpoint)
+    opt_a = torch.optim.AdamW(reversed(list(a.parameters())), lr=LR)
+    rt = swaprl.attach(a, opt_a, config=swaprl.SwapConfig(master_weights=True))
+    grpo.run(a, opt_a, rt.engine, steps=1, runtime=rt)
+    saved = opt_a.state_dict()
+    swaprl.detach()
+
+    b = load_bf16(tiny_checkpoint)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=LR)
+    swaprl.attach(b, opt_b, config=swaprl.SwapConfig(master_weights=True))
+    before = host_tensors(m for g in opt_b.param_groups for m in g["params"])
+    with pytest.raises(ValueError, match="saved with other parameters"):
+        opt_b.load_state_dict(saved)
+    after = host_tensors(m for g in opt_b.param_groups for m in g["params"])
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    swaprl.detach()
+
+
+def test_a_step_that_fails_mid_way_leaves_the_model_equal_to_its_masters(tiny_checkpoint, monkeypatch):
+    """The streamed step is not atomic (the chunks before the failure are stepped); whatever it left done, the bf16
+    model is its masters' cast, and the states are home."""
+    algorithm = importlib.import_module(torch.optim.AdamW.step.__module__)  # where step finds its update
+    real, calls = algorithm.adam, []
+
+    def second_chunk_fails_after_its_update(*args, **kwargs):  # AdamW's functional update, chunk by chunk
+        real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            raise FloatingPointError("a check after the update")
+
+    model = load_bf16(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    monkeypatch.setattr(algorithm, "adam", second_chunk_fails_after_its_update)
+    with pytest.raises(FloatingPointError):
+        grpo.run(model, opt, rt.engine, steps=1, runtime=rt, first=1)
+    assert len(calls) == 2
+    masters = [m for g in opt.param_groups for m in g["params"]]
+    for m in masters:
+        assert torch.equal(master.of(opt).model_param(m).detach(), m.detach().to(torch.bfloat16))
+    assert rt.status()["optimizer"]["bytes"] == 0  # every state home (the device is the host here: nothing left out)
+    swaprl.detach()
+
+
+def test_a_group_added_after_attach_is_refused_at_the_step(tiny_checkpoint):
+    model = load_bf16(tiny_checkpoint)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params[:-2], lr=LR)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True))
+    opt.add_param_group({"params": params[-2:]})
+    with pytest.raises(ValueError, match="add every group before attach"):
+        grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    swaprl.detach()
+
+
+def test_fp16_is_refused_naming_bf16(tiny_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match="GradScaler.*load the model in bfloat16"):
+        swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True))
+    assert master.of(opt) is None
