@@ -377,11 +377,12 @@ def main(argv: list[str] | None = None) -> dict:
     engine.close()
 
     timed = steps[args.warmup:] or steps
-    med = {k: statistics.median(s[k] for s in timed) for k in ("step_s", "generate_s", "train_s", "switch_s")}
+    med = {k: statistics.median(s[k] for s in timed) if timed else None
+           for k in ("step_s", "generate_s", "train_s", "switch_s")}
     summary = {"args": vars(args), "engine": type(engine).__name__, "device": device, "world_size": world,
                "gpu": torch.cuda.get_device_name() if cuda else None,
                "torch": torch.__version__, "swaprl": swaprl.__version__, "median": med,
-               "switch_fraction": med["switch_s"] / med["step_s"], "steps": steps}
+               "switch_fraction": med["switch_s"] / med["step_s"] if timed else None, "steps": steps}
     if world > 1:
         dist.barrier()  # every rank's profile is complete
     if out and rank == 0:  # one report over the profiles of all ranks (profile.rank{N}.jsonl under torchrun)

@@ -126,7 +126,8 @@ class MasterWeights:
     # ---------------------------------------------------------------- checkpoints
     def _state_dict_post_hook(self, optimizer, state_dict: dict) -> dict:
         index = {id(p): i for i, p in enumerate(_parameters(optimizer))}
-        state_dict[KEY] = {index[id(m)]: m.detach() for m in self._masters}
+        # This rank's part of each (its shard, for FSDP2), as a plain tensor: what it restores on the same ranks.
+        state_dict[KEY] = {index[id(m)]: local_tensor(m).detach() for m in self._masters}
         return state_dict
 
     def _load_state_dict_pre_hook(self, optimizer, state_dict: dict) -> dict:
