@@ -8,11 +8,15 @@
 Under torchrun the trainer is sharded with FSDP2 over all ranks (loaded shard by shard: no rank holds the whole
 model) and each group of `--tp` consecutive ranks shares one vLLM engine; `--prompts` is per rank.
 
-No hub is needed: without `--model PATH` it writes a random-weight checkpoint of `--preset` first. The reward is
-the fraction of even token ids in a completion, verifiable and cheap, so the loop runs on random weights. Each
-step prints its time split (generate, train, phase switches); `--out` receives metrics.json, a line per step in
-metrics.jsonl, the memory profile and its report, and with `--save-steps N` a checkpoint every N steps, from which
-`--resume` goes on.
+No hub is needed: without `--model PATH` it writes a random-weight checkpoint of `--preset` first. The task is
+built-in arithmetic with exact answers through the model's chat template, or `--dataset FILE.jsonl` of
+{"prompt", "answer"} records (tasks.py); the reward is the exact answer plus a format term, or `--reward
+module:function`. The objective is GRPO's: group-normalised advantages, the PPO-clipped ratio to the probabilities
+at rollout time (`--updates N` optimizer steps per rollout), and a truncated importance weight from the engine's own
+log-probabilities of the tokens it sampled (`--tis-cap`), which also give the rollout-training mismatch per step.
+Each step prints its time split (generate, train, phase switches); `--out` receives metrics.json, a line per step in
+metrics.jsonl (reward, exact answers, loss, clip fraction, importance weights, mismatch), the memory profile and its
+report, and with `--save-steps N` a checkpoint every N steps, from which `--resume` goes on.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from swaprl import memory
 from swaprl.profile import attach_profiler
 from swaprl.config import parse_optimizer_states
 
+import tasks  # noqa: E402  (beside this file: the task data and rewards)
+
 log = logging.getLogger("grpo")
 
 
@@ -43,32 +49,80 @@ def reward(completion: list[int]) -> float:
     return sum(t % 2 == 0 for t in completion) / max(len(completion), 1)
 
 
-def grpo_loss(model, prompts, completions, n, *, micro_batch: int, pad_id: int) -> tuple[float, int]:
-    """Backward the group-normalised policy-gradient loss over micro-batches; returns (loss, tokens)."""
-    rewards = torch.tensor([reward(c) for c in completions], dtype=torch.float32)
-    groups = rewards.view(len(prompts), n)
-    adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
+def advantages(rewards: list[float], n: int) -> torch.Tensor:
+    """Group-normalised: each completion's reward against the other completions of its prompt."""
+    groups = torch.tensor(rewards, dtype=torch.float32).view(-1, n)
+    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
+
+
+def grpo_loss(model, prompts, completions, n, *, micro_batch: int, pad_id: int, rewards: list[float] | None = None,
+              engine_logprobs: list[torch.Tensor] | None = None, old_logprobs: list[torch.Tensor] | None = None,
+              clip: float = 0.2, tis_cap: float = 2.0, stats: dict | None = None, score_only: bool = False):
+    """Backward the GRPO objective over micro-batches; returns (loss, tokens), or with `score_only` each
+    completion's token log-probabilities under the model (no gradient).
+
+    Per completion token: the PPO-clipped ratio of the model's probability to its probability at rollout time
+    (`old_logprobs`; without them, the model's own, detached: one update per rollout, ratio 1), times the
+    completion's group-normalised advantage, times the truncated importance weight min(p_rollout / p_engine,
+    `tis_cap`) from the engine's own log-probabilities of the tokens it sampled (`engine_logprobs`): the correction
+    for the engine and the trainer computing slightly different probabilities. Each completion's mean over its
+    tokens, summed over the batch and divided by its size. `stats` receives the clip fraction, the importance
+    weights' mean and truncated fraction, and the mismatch mean |log p_trainer - log p_engine|."""
+    rewards = rewards if rewards is not None else [reward(c) for c in completions]
+    adv = advantages(rewards, n)
     device = next(model.parameters()).device
-    total, tokens = 0.0, 0
+    total, tokens, scored = 0.0, 0, []
+    sums = {"clipped": 0.0, "weight": 0.0, "truncated": 0.0, "mismatch": 0.0}
     for lo in range(0, len(completions), micro_batch):
-        rows = [list(prompts[i // n]) + list(completions[i]) for i in range(lo, min(lo + micro_batch,
-                                                                                   len(completions)))]
+        hi = min(lo + micro_batch, len(completions))
+        rows = [list(prompts[i // n]) + list(completions[i]) for i in range(lo, hi)]
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.float32)
+        behaviour = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+        old = torch.zeros((len(rows), width - 1), dtype=torch.float32)
         for j, r in enumerate(rows):
+            start, end = len(prompts[(lo + j) // n]), len(r)
             ids[j, : len(r)] = torch.tensor(r)
-            mask[j, len(prompts[(lo + j) // n]): len(r)] = 1.0
+            mask[j, start:end] = 1.0
+            if engine_logprobs is not None:  # position k predicts token k + 1
+                behaviour[j, start - 1:end - 1] = engine_logprobs[lo + j][: end - start]
+            if old_logprobs is not None:
+                old[j, start - 1:end - 1] = old_logprobs[lo + j]
         ids, mask = ids.to(device), mask.to(device)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None])[..., 0]
+        with torch.no_grad() if score_only else contextlib.nullcontext():
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None])[..., 0]
         m = mask[:, 1:]
-        per_seq = (logp * m).sum(1) / m.sum(1).clamp(min=1)
-        loss = -(per_seq * adv[lo: lo + len(rows)].to(device)).sum() / len(completions)
+        if score_only:
+            scored += [logp[j][m[j].bool()].cpu() for j in range(len(rows))]
+            continue
+        at_rollout = old.to(device) if old_logprobs is not None else logp.detach()
+        ratio = torch.exp(logp - at_rollout)
+        a = adv[lo:hi].to(device)[:, None]
+        objective = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
+        weight = torch.ones_like(logp)
+        if engine_logprobs is not None:
+            diff = at_rollout - behaviour.to(device)
+            weight = torch.exp(diff).clamp(max=tis_cap)
+            sums["truncated"] += float(((diff.exp() > tis_cap).float() * m).sum())
+            sums["mismatch"] += float((diff.abs() * m).sum())
+        per_seq = (weight * objective * m).sum(1) / m.sum(1).clamp(min=1)
+        loss = -per_seq.sum() / len(completions)
         loss.backward()
         total += loss.item()
         tokens += int(m.sum().item())
+        sums["clipped"] += float((((ratio - 1).abs() > clip).float() * m).sum())
+        sums["weight"] += float((weight.detach() * m).sum())
         del logits, logp
+    if score_only:
+        return scored
+    if stats is not None:
+        stats.update({"clip_fraction": sums["clipped"] / max(tokens, 1),
+                      "tis_weight_mean": sums["weight"] / max(tokens, 1)})
+        if engine_logprobs is not None:
+            stats.update({"tis_truncated_fraction": sums["truncated"] / max(tokens, 1),
+                          "mismatch_mean_abs_dlogp": sums["mismatch"] / max(tokens, 1)})
     return total, tokens
 
 
@@ -91,7 +145,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--completions", type=int, default=4, help="completions per prompt (the GRPO group)")
-    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--task", default="arithmetic", choices=["arithmetic", "even-tokens"],
+                    help="arithmetic: built-in problems with exact answers through the chat template (tasks.py); "
+                         "even-tokens: random token ids as prompts, rewarded by the share of even ids (a load for "
+                         "benchmarks, --prompt-tokens long)")
+    ap.add_argument("--dataset", default=None,
+                    help="a JSONL file of {\"prompt\": ..., \"answer\": ...} records (GSM8K's format) instead of the "
+                         "built-in arithmetic")
+    ap.add_argument("--reward", default=None, metavar="MODULE:FUNCTION",
+                    help="a function of (completion text, problem) -> float instead of the built-in exact-answer "
+                         "and format rewards")
+    ap.add_argument("--updates", type=int, default=1,
+                    help="optimizer steps per rollout, each on a share of the prompts; from the second on, the "
+                         "PPO ratio to the rollout-time probabilities is clipped")
+    ap.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the ratio")
+    ap.add_argument("--tis-cap", type=float, default=2.0,
+                    help="truncation of the importance weight p_trainer / p_engine over the rollout's tokens")
+    ap.add_argument("--prompt-tokens", type=int, default=16, help="with --task even-tokens")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward")
     ap.add_argument("--lr", type=float, default=1e-5)
@@ -252,6 +322,14 @@ def main(argv: list[str] | None = None) -> dict:
         write_random_checkpoint(args.preset, path, layers=args.layers, seed=args.seed)
     if world > 1:
         dist.barrier()  # the checkpoint and the output directory exist
+    task = args.dataset or (None if args.task == "even-tokens" else args.task)
+    if task is not None:  # problems of its own on each rank; the engine's longest sequence fits their prompts
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        problems = tasks.Problems(args.dataset, args.seed + 1000 * rank)
+        score = tasks.load_reward(args.reward)
+        args.prompt_tokens = problems.longest_prompt(tokenizer)
     torch.manual_seed(args.seed)
     compute = getattr(torch, args.dtype)
     dtype = torch.float32 if args.fp32_params else compute
@@ -309,6 +387,8 @@ def main(argv: list[str] | None = None) -> dict:
         if cuda:
             torch.cuda.set_rng_state(state["rng"]["cuda"])
         gen.set_state(state["rng"]["prompts"])
+        if task is not None:
+            problems.position = state["data_position"]
         first = state["step"]
         log.info("resumed from %s: step %d", resumed, first)
     metrics_lines = out / "metrics.jsonl" if out else None
@@ -319,49 +399,63 @@ def main(argv: list[str] | None = None) -> dict:
 
     steps = []
     for step in range(first, args.steps):
-        prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
+        if task is None:
+            prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
+        else:
+            drawn = problems.take(args.prompts)
+            prompts = [tasks.encode(tokenizer, p) for p in drawn]
         switch["s"] = 0.0
         t0 = time.perf_counter()
         with swaprl.phase("generate"):
             tg = time.perf_counter()
-            completions = rt.engine.generate(prompts, swaprl.Sampling(max_tokens=args.max_tokens,
-                                                                      n=args.completions, seed=args.seed + step))
+            # The engine's log-probabilities of the tokens it sampled come with the rollout (vLLM: from the sampling
+            # pass itself): the importance weights' denominators.
+            completions, engine_lp = rt.engine.generate_scored(prompts, swaprl.Sampling(
+                max_tokens=args.max_tokens, n=args.completions, seed=args.seed + step))
             gen_s = time.perf_counter() - tg
             used_generate = device_used()
+        if task is None:
+            rewards, correct = [reward(c) for c in completions], None
+        else:
+            texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+            problem_of = [drawn[i // args.completions] for i in range(len(completions))]
+            rewards = [score(t, p) for t, p in zip(texts, problem_of)]
+            correct = statistics.fmean(tasks.correct(t, p) for t, p in zip(texts, problem_of))
+        stats: dict = {}
         with swaprl.phase("train"):
             tt = time.perf_counter()
-            with autocast:
-                loss, train_tokens = grpo_loss(model, prompts, completions, args.completions,
-                                               micro_batch=args.micro_batch, pad_id=pad_id)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            loss, train_tokens = train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id,
+                                          autocast, stats)
             if cuda:
                 torch.cuda.synchronize()
             train_s = time.perf_counter() - tt
             used_train = device_used()
         total = time.perf_counter() - t0
         rollout_tokens = sum(map(len, completions))
-        mean_reward = statistics.fmean(reward(c) for c in completions)
+        mean_reward = statistics.fmean(rewards)
         if world > 1:  # every rank's rollouts: the step's loss, reward and tokens
             loss, mean_reward, rollout_tokens, train_tokens = all_ranks_sum([loss, mean_reward, rollout_tokens,
                                                                              train_tokens], device)
             loss, mean_reward = loss / world, mean_reward / world
             rollout_tokens, train_tokens = int(rollout_tokens), int(train_tokens)
+            if correct is not None:
+                correct = all_ranks_sum([correct], device)[0] / world
         check = rt.last_sync.max_abs_diff if rt.last_sync else None
         sync = rt.last_sync.as_dict() if rt.last_sync else None
         rec = {"step": step, "step_s": total, "generate_s": gen_s, "train_s": train_s, "switch_s": switch["s"],
                "rollout_tokens": rollout_tokens, "train_tokens": train_tokens, "loss": loss, "reward": mean_reward,
-               "sync_max_abs_diff": check, "sync": sync,
+               "correct": correct, **stats, "sync_max_abs_diff": check, "sync": sync,
                # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
                "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
         steps.append(rec)
         if metrics_lines and rank == 0:
             with metrics_lines.open("a") as f:
-                f.write(json.dumps({k: rec[k] for k in ("step", "loss", "reward", "rollout_tokens", "train_tokens",
-                                                        "step_s", "switch_s")}) + "\n")
+                f.write(json.dumps({k: rec[k] for k in ("step", "loss", "reward", "correct", *stats, "rollout_tokens",
+                                                        "train_tokens", "step_s", "switch_s")}) + "\n")
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save(step + 1, {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                "data_position": problems.position if task else None,
                 "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
                         **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}})
         log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
@@ -401,6 +495,36 @@ def main(argv: list[str] | None = None) -> dict:
     elif world > 1:
         dist.destroy_process_group()
     return summary
+
+
+def train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id, autocast,
+             stats: dict) -> tuple[float, int]:
+    """`args.updates` optimizer steps over the rollout, each on a share of its prompts (with all their
+    completions); from the second on the model has moved, so the ratio to the probabilities at rollout time, scored
+    before the first, is clipped."""
+    n, k = args.completions, max(1, min(args.updates, len(prompts)))
+    kw = dict(micro_batch=args.micro_batch, pad_id=pad_id, clip=args.clip, tis_cap=args.tis_cap)
+    old = None
+    if k > 1:
+        with autocast:
+            old = grpo_loss(model, prompts, completions, n, score_only=True, **kw)
+    loss = tokens = 0
+    bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
+    for lo, hi in zip(bounds, bounds[1:]):
+        c = slice(lo * n, hi * n)
+        part: dict = {}
+        with autocast:
+            part_loss, part_tokens = grpo_loss(model, prompts[lo:hi], completions[c], n, rewards=rewards[c],
+                                               engine_logprobs=engine_lp[c], old_logprobs=old and old[c],
+                                               stats=part, **kw)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss, tokens = loss + part_loss * (hi - lo) / len(prompts), tokens + part_tokens
+        for key, value in part.items():  # token-weighted over the updates
+            stats[key] = stats.get(key, 0.0) + value * part_tokens
+    for key in stats:
+        stats[key] /= max(tokens, 1)
+    return loss, tokens
 
 
 class Checkpoints:

