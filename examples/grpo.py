@@ -135,6 +135,13 @@ def optimizer_states(text: str) -> str | dict[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def report_to(text: str) -> str:
+    unknown = {k.strip() for k in text.split(",")} - {"none", "tensorboard", "wandb", ""}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {sorted(unknown)}; use none, tensorboard or wandb")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a local checkpoint directory (default: write a random one)")
@@ -206,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--save-steps", type=int, default=0,
                     help="write a checkpoint every N steps under OUT/checkpoints (model, optimizer states with the "
                          "fp32 masters, RNG and data position; the newest two are kept); 0: none")
+    ap.add_argument("--report-to", default="none", metavar="{none,tensorboard,wandb}", type=report_to,
+                    help="where the per-step metrics also go, comma-separated: TensorBoard event files under "
+                         "OUT/tensorboard, or a wandb run (each needs its package); metrics.jsonl is always written")
     ap.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint under OUT/checkpoints")
     ap.add_argument("--seed", type=int, default=0)
@@ -391,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
             problems.position = state["data_position"]
         first = state["step"]
         log.info("resumed from %s: step %d", resumed, first)
+    reporter = Reporter(args.report_to, out, vars(args), rank == 0, first, args.steps)
     metrics_lines = out / "metrics.jsonl" if out else None
     if metrics_lines and rank == 0:  # one line per step: those after the checkpoint are done again
         kept = metrics_lines.read_text().splitlines()[:first] if resumed is not None and metrics_lines.exists() \
@@ -448,6 +459,11 @@ def main(argv: list[str] | None = None) -> dict:
                # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
                "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
         steps.append(rec)
+        figures = {k: rec[k] for k in ("loss", "reward", "correct", *stats, "rollout_tokens", "step_s", "generate_s",
+                                       "train_s", "switch_s") if rec[k] is not None}
+        if cuda:
+            figures["device_used_end_of_train_gib"] = used_train / 2**30
+        reporter.step(step, figures)
         if metrics_lines and rank == 0:
             with metrics_lines.open("a") as f:
                 f.write(json.dumps({k: rec[k] for k in ("step", "loss", "reward", "correct", *stats, "rollout_tokens",
@@ -462,6 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
                  rollout_tokens, mean_reward, f", weights {sync['weights']}, mismatch max|dlogp| {check:.3g}"
                  if check is not None else "")
+    reporter.close()
     if profiler is not None:
         profiler.close()
     if rt.config.state_split()["host"] == 0:
@@ -525,6 +542,51 @@ def train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, p
     for key in stats:
         stats[key] /= max(tokens, 1)
     return loss, tokens
+
+
+class Reporter:
+    """A progress bar on rank 0 and the per-step metrics to TensorBoard and wandb (`--report-to`)."""
+
+    def __init__(self, kinds: str, out: Path | None, config: dict, main: bool, first: int, total: int) -> None:
+        from tqdm import tqdm
+
+        wanted = {k.strip() for k in report_to(kinds).split(",")} - {"none", ""}
+        if "tensorboard" in wanted and out is None:
+            raise SystemExit("--report-to tensorboard writes under --out: give --out DIR")
+        self.bar = tqdm(total=total, initial=first, unit="step", disable=not main, dynamic_ncols=True)
+        self.tensorboard = self.wandb = None
+        if not main:
+            return
+        if "tensorboard" in wanted:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise SystemExit(f"--report-to tensorboard needs the tensorboard package: pip install tensorboard "
+                                 f"({exc})") from exc
+            self.tensorboard = SummaryWriter(str(out / "tensorboard"), purge_step=first)  # a resume rewrites after
+        if "wandb" in wanted:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise SystemExit("--report-to wandb needs the wandb package: pip install wandb") from exc
+            self.wandb = wandb.init(project="swaprl", config=config, dir=str(out) if out else None, resume="allow")
+
+    def step(self, step: int, figures: dict) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix({k: f"{figures[k]:.3g}" for k in ("reward", "loss", "switch_s") if k in figures})
+        if self.tensorboard is not None:
+            for key, value in figures.items():
+                self.tensorboard.add_scalar(f"grpo/{key}", value, step + 1)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(figures, step=step + 1)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 class Checkpoints:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -236,3 +237,19 @@ def test_the_importance_weight_is_truncated_where_the_engine_disagrees(tiny_chec
         assert stats["tis_truncated_fraction"] == (1.0 if shift else 0.0)
         assert stats["mismatch_mean_abs_dlogp"] == pytest.approx(shift, abs=1e-5)
     torch.testing.assert_close(grads[1], 2.0 * grads[0])
+
+
+def test_metrics_go_to_tensorboard_as_to_metrics_jsonl(tmp_path):
+    import grpo
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    grpo.main(["--steps", "3", "--engine", "hf", "--report-to", "tensorboard", "--out", str(tmp_path / "o"),
+               "--checkpoint-dir", str(tmp_path / "ck")])
+    events = EventAccumulator(str(tmp_path / "o" / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("grpo/reward")]
+    assert logged == [(i + 1, pytest.approx(r, rel=1e-6)) for i, r in enumerate(rewards_of(tmp_path / "o"))]
+    assert {"grpo/loss", "grpo/clip_fraction", "grpo/tis_weight_mean", "grpo/switch_s"} <= set(
+        events.Tags()["scalars"])
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown \\['tensorbord'\\]; use none, tensorboard or wandb"):
+        grpo.report_to("tensorbord")
