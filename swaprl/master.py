@@ -51,6 +51,7 @@ class MasterWeights:
         self.optimizer = optimizer
         self._param: dict[int, torch.Tensor] = {}  # id(master) -> the model's parameter
         self._masters: list[torch.Tensor] = []
+        self._unfilled: dict[int, torch.Tensor] = {}  # id(a master's local tensor) -> the model's local tensor
         self._loading: dict | None = None  # the masters of a load in progress, checked
 
     # ---------------------------------------------------------------- what is what
@@ -84,17 +85,37 @@ class MasterWeights:
         """Give `master` the model's gradient `grad`, cast to fp32, on the device the master is on now."""
         master.grad = grad.to(dtype=master.dtype)
 
+    def initial(self, local: torch.Tensor) -> torch.Tensor | None:
+        """For a master's local tensor not filled yet, what fills it (the model's parameter, cast by the copy);
+        None for one that holds its values. `filled()` records the fill."""
+        return self._unfilled.get(id(local))
+
+    def filled(self, locals_: Iterable[torch.Tensor]) -> None:
+        for t in locals_:
+            self._unfilled.pop(id(t), None)
+
+    def fill(self) -> None:
+        """Fill every master not filled yet, where it is."""
+        with torch.no_grad():
+            for m in self._masters:
+                source = self.initial(local_tensor(m))
+                if source is not None:
+                    local_tensor(m).copy_(source)
+        self._unfilled.clear()
+
     def write_back(self, masters: Iterable[torch.Tensor]) -> None:
         """Cast each master's values into its model parameter (on the device; the copy is ordered on the current
-        stream, before anything that moves the master away)."""
+        stream, before anything that moves the master away). A master not filled yet has nothing new."""
         with torch.no_grad():
             for m in masters:
-                local_tensor(self._param[id(m)]).copy_(local_tensor(m), non_blocking=True)
+                if self.initial(local_tensor(m)) is None:
+                    local_tensor(self._param[id(m)]).copy_(local_tensor(m), non_blocking=True)
 
     def step(self, plain: Callable, closure: Callable | None = None) -> object:
         """The whole step without the runtime: every gradient in, the optimizer's own step (`plain()`, its hooks
         included), every master out."""
         self.check()
+        self.fill()
         loss = None
         if closure is not None:  # the backward first: the gradients it makes are what the masters step on
             with torch.enable_grad():
@@ -125,6 +146,7 @@ class MasterWeights:
 
     # ---------------------------------------------------------------- checkpoints
     def _state_dict_post_hook(self, optimizer, state_dict: dict) -> dict:
+        self.fill()
         index = {id(p): i for i, p in enumerate(_parameters(optimizer))}
         # This rank's part of each (its shard, for FSDP2), as a plain tensor: what it restores on the same ranks.
         state_dict[KEY] = {index[id(m)]: local_tensor(m).detach() for m in self._masters}
@@ -159,9 +181,12 @@ class MasterWeights:
                                "from the model's parameters as they are now")
                 for m in self._masters:
                     local_tensor(m).copy_(local_tensor(self._param[id(m)]))
+                self._unfilled.clear()
                 return
             for i, value in saved.items():
                 local_tensor(params[int(i)]).copy_(local_tensor(value))
+                self.filled([local_tensor(params[int(i)])])
+        self.fill()  # any the state dict left out keep the model's values
         self.write_back(self._masters)
 
 
@@ -198,6 +223,7 @@ def install(optimizer: torch.optim.Optimizer, *, override: Callable) -> tuple[Ma
             m = _host_master(p)
             masters._param[id(m)] = p
             masters._masters.append(m)
+            masters._unfilled[id(local_tensor(m))] = local_tensor(p)
     master_of = {id(masters.model_param(m)): m for m in masters}
     groups = [g["params"] for g in optimizer.param_groups]
     for group in optimizer.param_groups:
@@ -228,17 +254,19 @@ def install(optimizer: torch.optim.Optimizer, *, override: Callable) -> tuple[Ma
         optimizer.state.update(states)
         masters._masters.clear()
         masters._param.clear()
+        masters._unfilled.clear()
         _installed.pop(optimizer, None)
 
     return masters, uninstall
 
 
 def _host_master(p: torch.Tensor) -> torch.nn.Parameter:
-    """An fp32 copy of `p` in host memory: a leaf of p's shape (a DTensor of p's placements for a shard, whose local
-    tensor is on the host while the DTensor keeps p's device, as the runtime keeps host-resident states)."""
+    """An fp32 leaf of `p`'s shape in host memory, not filled yet (a DTensor of p's placements for a shard, whose
+    local tensor is on the host while the DTensor keeps p's device, as the runtime keeps host-resident states).
+    Untouched, its pages take no memory: the masters are filled where they are first put (`MasterWeights.initial`),
+    so attach never holds them twice."""
     local = local_tensor(p).detach()
     host = torch.empty(local.shape, dtype=torch.float32, device="cpu")
-    host.copy_(local)
     if local_tensor(p) is p:
         return torch.nn.Parameter(host)
     from torch.distributed.tensor import DTensor

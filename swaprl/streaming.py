@@ -461,7 +461,9 @@ class StateStreamer:
             for t in tensors:
                 view = host_view(buf, offset, t)
                 source, record, from_home = t.data, self._homes.get(id(t)), self._at_home(t)
-                view.copy_(source)
+                # A master not filled yet is filled here, from its model parameter: its own pages were never touched.
+                initial = self.masters.initial(t) if self.masters is not None else None
+                view.copy_(source if initial is None else initial)
                 t.data = view  # a host temporary it came from is freed here, before the next one is copied
                 self._homes[id(t)] = _Home(t, view, offset)
                 if not from_home:
@@ -476,6 +478,8 @@ class StateStreamer:
                 else:
                     self._homes[id(t)] = record
             raise
+        if self.masters is not None:
+            self.masters.filled(tensors)
         return moved
 
 
