@@ -43,8 +43,7 @@ class PhaseMachine:
         self.model = self.optimizer = self.engine = self.device = None
         self._unbound: str | None = None  # why nothing is bound yet (a pending runtime); None once bound
         self._phase: Phase = "train"
-        self._depth = 0
-        self._cycle = 0
+        self._depth = self._cycle = 0
         self._closed = False
         self._listeners: list[Callable[[dict], None]] = []
         self._detach_callbacks = Undo("detach")
@@ -266,8 +265,9 @@ class PhaseMachine:
                 if step.commit is not None:
                     committed.append(step.commit)
                 total += int(moved)
+                # "issued": timed to the queueing of copies left running, not to their end (the report gives no rate)
                 event = {"type": "step", "transition": transition, "step": step.name, "bytes": int(moved),
-                         "seconds": t1 - t0}
+                         "seconds": t1 - t0, "issued": self.device.type == "cuda" and not step.blocking}
                 if step.started_by in started:  # the copies ran from their start step until now, under other work
                     event["span_seconds"] = t1 - started[step.started_by]
                 self._emit(event)

@@ -340,6 +340,18 @@ def test_overlapped_offload_is_rated_over_its_whole_span():
     assert row["ceiling_GBps"] == 25.0
 
 
+def test_a_step_that_only_queued_its_copies_has_no_rate():
+    """An optimizer reload left running under the forward (overlap_optimizer_reload) took 0.05 s to queue 16 GiB:
+    no GB/s from that (it read as 233% of the copy ceiling), and no fraction of the ceiling."""
+    from swaprl.profile.report import Run, transition_rows
+
+    run = Run(Path("run.jsonl"), {"copy_bandwidth": {"d2h_GBps": 25.0, "h2d_GBps": 25.0}})
+    run.steps = [{"t": float(i), "transition": "generate->train", "step": "reload optimizer", "bytes": 16 * GiB,
+                  "seconds": 0.05, "issued": True} for i in range(3)]
+    (row,) = transition_rows(run)
+    assert row["GBps"] is None and row["fraction"] is None and row["later_s"] == 0.05
+
+
 def test_streamed_optimizer_step_is_rated_against_both_directions_at_once():
     """The streamed step copies 4 GiB in and 4 GiB out: at best each direction at its own speed, at the same time."""
     from swaprl.profile.report import Run, transition_rows

@@ -10,8 +10,10 @@ object a line; every line is written whole and flushed, so a crash leaves a read
              "torch", "swaprl", "nvml", "device_used_source", "copy_bandwidth": {"h2d_GBps", "d2h_GBps"} | null,
              "interval_s", "engine", "config", "alloc_conf", "t0", ...}  (alloc_conf: PYTORCH_CUDA_ALLOC_CONF)
     sample  {"type": "sample", "t", "host_rss", "host_buffers"[, "device_used", "torch_allocated", "torch_reserved"]}
-    step    {"type": "step", "t", "transition", "step", "bytes", "seconds"[, "span_seconds"]}  (span_seconds: an
-            overlapped copy's time from the step that queued it to this one, which waited for it); also each
+    step    {"type": "step", "t", "transition", "step", "bytes", "seconds"[, "span_seconds"][, "issued"]}
+            (span_seconds: an overlapped copy's time from the step that queued it to this one, which waited for it;
+            issued: true for a step whose copies were queued and left running, e.g. an optimizer reload under the
+            forward, so that "seconds" is not their duration); also each
             streamed optimizer step (SwapConfig(optimizer_states="host")): "transition": "optimizer.step", "step":
             "stream optimizer states", "bytes" both ways, and "h2d_bytes", "d2h_bytes", "chunks"
     error   {"type": "error", "t", "transition", "step", "error"}: a transition that failed and was rolled back
@@ -185,9 +187,9 @@ class Profiler:
     def _on_event(self, event: dict) -> None:
         kind = event.get("type")
         if kind == "step":
-            self._write({"type": "step"} | {k: event[k] for k in ("t", "transition", "step", "bytes", "seconds",
-                                                                  "span_seconds", "h2d_bytes", "d2h_bytes", "chunks")
-                                            if k in event})
+            keys = ("t", "transition", "step", "bytes", "seconds", "span_seconds", "issued", "h2d_bytes", "d2h_bytes",
+                    "chunks")
+            self._write({"type": "step"} | {k: event[k] for k in keys if k in event})
         elif kind == "phase":
             self._write(self._boundary(event))
             self._write(self._sample())

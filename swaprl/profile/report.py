@@ -250,8 +250,9 @@ def transition_rows(run: Run) -> list[dict]:
         later = recs[1:] or recs
         moved = not step.startswith("free")  # "free grads" reports bytes released, not bytes copied
         # An overlapped offload's bytes moved over its whole span (start to finish), not over the final wait.
+        # A step that only queued its copies (an overlapped reload) says nothing of their speed: no rate.
         rates = [r["bytes"] / r.get("span_seconds", r["seconds"]) / 1e9 for r in later
-                 if moved and r["bytes"] > 0 and r.get("span_seconds", r["seconds"]) > 0]
+                 if moved and not r.get("issued") and r["bytes"] > 0 and r.get("span_seconds", r["seconds"]) > 0]
         key = next((v for p, v in _CEILING.items() if p in step.split()), None)
         row = {"transition": transition, "step": step, "count": len(recs),
                "bytes": statistics.median(r["bytes"] for r in recs), "first_s": recs[0]["seconds"],
@@ -583,7 +584,9 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
                                rows, "Host buffers are reused from one transition to the next (their preparation: "
                                      "the Host buffers table). The ceiling is the pinned-copy speed measured at "
                                      "start-up (device to host for offloads, host to device for reloads, both at once "
-                                     "for the streamed optimizer step)."))
+                                     "for the streamed optimizer step). A step that queues its copies and lets them "
+                                     "run under what follows (an optimizer reload under the forward) has no rate: "
+                                     "its seconds are the queueing's."))
     rows = []
     for r in live:
         t0 = r.header.get("t0", 0.0)
