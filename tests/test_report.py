@@ -214,8 +214,8 @@ def test_transitions_against_the_copy_ceiling(tmp_path, capsys):
     assert rc == 0
     md = (tmp_path / "rep" / "report.md").read_text()
     # 16 GiB offloaded in 1.0 s = 17.18 GB/s against a 20 GB/s device-to-host ceiling; reloads in 0.8 s vs 25 GB/s
-    assert "| offload optimizer | 4 | 16.00 GiB | 1.000 | 1.000 | 17.18 | 20.0 | 86% |" in md
-    assert "| reload optimizer | 4 | 16.00 GiB | 0.800 | 0.800 | 21.47 | 25.0 | 86% |" in md
+    assert "| offload optimizer | 4 | 16.00 GiB | 1.000 | 1.000 | 0.859 | 17.18 | 20.0 | 86% |" in md
+    assert "| reload optimizer | 4 | 16.00 GiB | 0.800 | 0.800 | 0.687 | 21.47 | 25.0 | 86% |" in md
     assert "| rank 0 | generate | 4 | 50.50 GiB | 1 |" in md  # peak device used while generating
 
 
@@ -337,7 +337,7 @@ def test_overlapped_offload_is_rated_over_its_whole_span():
                   "bytes": 16 * GiB, "seconds": 0.1, "span_seconds": 0.8} for i in range(3)]
     (row,) = transition_rows(run)
     assert row["GBps"] == pytest.approx(16 * GiB / 0.8 / 1e9)
-    assert row["ceiling_GBps"] == 25.0
+    assert row["ceiling_GBps"] == 25.0 and row["floor_s"] == pytest.approx(16 * GiB / 25e9)
 
 
 def test_a_step_that_only_queued_its_copies_has_no_rate():

@@ -266,6 +266,8 @@ def transition_rows(run: Run) -> list[dict]:
             floor_s = max(split["h2d_bytes"] / ceiling["h2d_GBps"], split["d2h_bytes"] / ceiling["d2h_GBps"]) / 1e9
             row["ceiling_GBps"] = (split["h2d_bytes"] + split["d2h_bytes"]) / floor_s / 1e9
         row["fraction"] = (row["GBps"] / row["ceiling_GBps"]) if row["GBps"] and row["ceiling_GBps"] else None
+        # The physical floor of the step's copies: its bytes at the ceiling measured in the same run.
+        row["floor_s"] = row["bytes"] / row["ceiling_GBps"] / 1e9 if moved and row["ceiling_GBps"] else None
         rows.append(row)
     return rows
 
@@ -577,10 +579,11 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
     for r in live:
         for t in transition_rows(r):
             rows.append([r.label, t["transition"], t["step"], str(t["count"]), _b(t["bytes"]), _f(t["first_s"]),
-                         _f(t["later_s"]), _f(t["GBps"], "{:.2f}"), _f(t["ceiling_GBps"], "{:.1f}"),
+                         _f(t["later_s"]), _f(t["floor_s"]), _f(t["GBps"], "{:.2f}"), _f(t["ceiling_GBps"], "{:.1f}"),
                          _f(t["fraction"], "{:.0%}")])
     trans.tables.append(_Table("Steps", ["rank", "transition", "step", "count", "bytes (median)", "first s",
-                                         "later s (median)", "GB/s (median)", "copy ceiling GB/s", "of ceiling"],
+                                         "later s (median)", "floor s", "GB/s (median)", "copy ceiling GB/s",
+                                         "of ceiling"],
                                rows, "Host buffers are reused from one transition to the next (their preparation: "
                                      "the Host buffers table). The ceiling is the pinned-copy speed measured at "
                                      "start-up (device to host for offloads, host to device for reloads, both at once "
