@@ -135,6 +135,46 @@ def optimizer_states(text: str) -> str | dict[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+RESUME_KEEPS = ("task", "dataset", "prompts", "completions", "seed", "dtype", "master_weights", "fp32_params",
+                "preset", "layers", "model", "max_tokens", "lr")
+
+
+def check_args(args) -> None:
+    """Refuse, before anything loads, settings that cannot train (each error names the flag and the fix)."""
+    problems = []
+    for name, low in (("steps", 1), ("prompts", 1), ("completions", 2), ("max_tokens", 1), ("micro_batch", 1),
+                      ("updates", 1), ("save_steps", 0)):
+        if getattr(args, name) < low:
+            problems.append(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least {low}"
+                            + (" (a GRPO group needs two completions to compare)" if name == "completions" else ""))
+    if not 0 < args.clip < 1:
+        problems.append(f"--clip {args.clip}: give a ratio bound in (0, 1), e.g. 0.2")
+    if not args.tis_cap >= 1:  # NaN too
+        problems.append(f"--tis-cap {args.tis_cap}: give a truncation of 1 or more, e.g. 2")
+    if args.updates > args.prompts:
+        problems.append(f"--updates {args.updates}: each update takes whole prompts, and a rollout has "
+                        f"--prompts {args.prompts}")
+    if args.master_weights and args.dtype != "bfloat16":
+        problems.append("--master-weights keeps fp32 masters of bf16 parameters: add --dtype bfloat16")
+    if "tensorboard" in args.report_to and not args.out:
+        problems.append("--report-to tensorboard writes under --out: give --out DIR")
+    if problems:
+        raise SystemExit("; ".join(problems))
+
+
+def check_resumable(state: dict, args) -> None:
+    """A checkpoint resumes the run that wrote it: a setting that changes what it trains on, or how, is refused."""
+    saved = state.get("args") or {}
+    changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {getattr(args, k)!r}" for k in RESUME_KEEPS
+               if k in saved and saved[k] != getattr(args, k)]
+    if changed:
+        raise SystemExit(f"--resume: the checkpoint's run had other settings ({'; '.join(changed)}); resume with "
+                         "its settings, or start a new run with another --out")
+    if state["step"] >= args.steps:
+        raise SystemExit(f"--resume: the newest checkpoint is at step {state['step']}, and --steps {args.steps} "
+                         f"asks for no more; give --steps above {state['step']} to go on")
+
+
 def report_to(text: str) -> str:
     unknown = {k.strip() for k in text.split(",")} - {"none", "tensorboard", "wandb", ""}
     if unknown:
@@ -317,13 +357,19 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out) if args.out else None
     if (args.save_steps or args.resume) and out is None:
         raise SystemExit("--save-steps and --resume keep their checkpoints under --out: give --out DIR")
-    if args.save_steps < 0:
-        raise SystemExit(f"--save-steps {args.save_steps}: give a number of steps, or 0 for no checkpoints")
+    check_args(args)
     checkpoints = Checkpoints(out / "checkpoints", rank, world) if out else None
-    resumed = checkpoints.newest() if args.resume else None
+    newest = checkpoints.newest() if checkpoints else None
+    resumed = newest if args.resume else None
     if args.resume and resumed is None:
         raise SystemExit(f"--resume: no complete checkpoint under {out / 'checkpoints'}; run with --save-steps N "
                          "first, or drop --resume to start over")
+    resumed_state = checkpoints.load(resumed) if resumed is not None else None
+    if resumed_state is not None:
+        check_resumable(resumed_state, args)
+    if newest is not None and not args.resume and args.save_steps:
+        raise SystemExit(f"{out / 'checkpoints'} holds another run's checkpoints (newest {newest.name}): --resume "
+                         "to go on with it, or give a new --out (nothing was deleted)")
     if out and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     name = args.preset + (f"-{args.layers}l" if args.layers else "")
@@ -390,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     first = 0
     if resumed is not None:  # after attach: the states load where their homes are, the masters with them
-        state = checkpoints.load(resumed)
+        state = resumed_state
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -409,75 +455,83 @@ def main(argv: list[str] | None = None) -> dict:
         metrics_lines.write_text("".join(line + "\n" for line in kept))
 
     steps = []
-    for step in range(first, args.steps):
-        if task is None:
-            prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
-        else:
-            drawn = problems.take(args.prompts)
-            prompts = [tasks.encode(tokenizer, p) for p in drawn]
-        switch["s"] = 0.0
-        t0 = time.perf_counter()
-        with swaprl.phase("generate"):
-            tg = time.perf_counter()
-            # The engine's log-probabilities of the tokens it sampled come with the rollout (vLLM: from the sampling
-            # pass itself): the importance weights' denominators.
-            completions, engine_lp = rt.engine.generate_scored(prompts, swaprl.Sampling(
-                max_tokens=args.max_tokens, n=args.completions, seed=args.seed + step))
-            gen_s = time.perf_counter() - tg
-            used_generate = device_used()
-        if task is None:
-            rewards, correct = [reward(c) for c in completions], None
-        else:
-            texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-            problem_of = [drawn[i // args.completions] for i in range(len(completions))]
-            rewards = [score(t, p) for t, p in zip(texts, problem_of)]
-            correct = statistics.fmean(tasks.correct(t, p) for t, p in zip(texts, problem_of))
-        stats: dict = {}
-        with swaprl.phase("train"):
-            tt = time.perf_counter()
-            loss, train_tokens = train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id,
-                                          autocast, stats)
+    try:  # a run that stops on an error gives the trainer back, as one that ends does
+        for step in range(first, args.steps):
+            if task is None:
+                prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
+            else:
+                drawn = problems.take(args.prompts)
+                prompts = [tasks.encode(tokenizer, p) for p in drawn]
+            switch["s"] = 0.0
+            t0 = time.perf_counter()
+            with swaprl.phase("generate"):
+                tg = time.perf_counter()
+                # The engine's log-probabilities of the tokens it sampled come with the rollout (vLLM: from the sampling
+                # pass itself): the importance weights' denominators.
+                completions, engine_lp = rt.engine.generate_scored(prompts, swaprl.Sampling(
+                    max_tokens=args.max_tokens, n=args.completions, seed=args.seed + step))
+                gen_s = time.perf_counter() - tg
+                used_generate = device_used()
+            if task is None:
+                rewards, correct = [reward(c) for c in completions], None
+            else:
+                texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+                problem_of = [drawn[i // args.completions] for i in range(len(completions))]
+                rewards = [tasks.scored(score, t, p) for t, p in zip(texts, problem_of)]
+                correct = statistics.fmean(tasks.correct(t, p) for t, p in zip(texts, problem_of))
+            stats: dict = {}
+            with swaprl.phase("train"):
+                tt = time.perf_counter()
+                loss, train_tokens = train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id,
+                                              autocast, stats)
+                if cuda:
+                    torch.cuda.synchronize()
+                train_s = time.perf_counter() - tt
+                used_train = device_used()
+            total = time.perf_counter() - t0
+            rollout_tokens = sum(map(len, completions))
+            mean_reward = statistics.fmean(rewards)
+            if world > 1:  # every rank's rollouts: the step's loss, reward and tokens
+                loss, mean_reward, rollout_tokens, train_tokens = all_ranks_sum([loss, mean_reward, rollout_tokens,
+                                                                                 train_tokens], device)
+                loss, mean_reward = loss / world, mean_reward / world
+                rollout_tokens, train_tokens = int(rollout_tokens), int(train_tokens)
+                if correct is not None:
+                    correct = all_ranks_sum([correct], device)[0] / world
+            check = rt.last_sync.max_abs_diff if rt.last_sync else None
+            sync = rt.last_sync.as_dict() if rt.last_sync else None
+            rec = {"step": step, "step_s": total, "generate_s": gen_s, "train_s": train_s, "switch_s": switch["s"],
+                   "rollout_tokens": rollout_tokens, "train_tokens": train_tokens, "loss": loss, "reward": mean_reward,
+                   "correct": correct, **stats, "sync_max_abs_diff": check, "sync": sync,
+                   # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
+                   "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
+            steps.append(rec)
+            figures = {k: rec[k] for k in ("loss", "reward", "correct", *stats, "rollout_tokens", "step_s",
+                                           "generate_s", "train_s", "switch_s") if rec[k] is not None}
             if cuda:
-                torch.cuda.synchronize()
-            train_s = time.perf_counter() - tt
-            used_train = device_used()
-        total = time.perf_counter() - t0
-        rollout_tokens = sum(map(len, completions))
-        mean_reward = statistics.fmean(rewards)
-        if world > 1:  # every rank's rollouts: the step's loss, reward and tokens
-            loss, mean_reward, rollout_tokens, train_tokens = all_ranks_sum([loss, mean_reward, rollout_tokens,
-                                                                             train_tokens], device)
-            loss, mean_reward = loss / world, mean_reward / world
-            rollout_tokens, train_tokens = int(rollout_tokens), int(train_tokens)
-            if correct is not None:
-                correct = all_ranks_sum([correct], device)[0] / world
-        check = rt.last_sync.max_abs_diff if rt.last_sync else None
-        sync = rt.last_sync.as_dict() if rt.last_sync else None
-        rec = {"step": step, "step_s": total, "generate_s": gen_s, "train_s": train_s, "switch_s": switch["s"],
-               "rollout_tokens": rollout_tokens, "train_tokens": train_tokens, "loss": loss, "reward": mean_reward,
-               "correct": correct, **stats, "sync_max_abs_diff": check, "sync": sync,
-               # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
-               "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
-        steps.append(rec)
-        figures = {k: rec[k] for k in ("loss", "reward", "correct", *stats, "rollout_tokens", "step_s", "generate_s",
-                                       "train_s", "switch_s") if rec[k] is not None}
-        if cuda:
-            figures["device_used_end_of_train_gib"] = used_train / 2**30
-        reporter.step(step, figures)
-        if metrics_lines and rank == 0:
-            with metrics_lines.open("a") as f:
-                f.write(json.dumps({k: rec[k] for k in ("step", "loss", "reward", "correct", *stats, "rollout_tokens",
-                                                        "train_tokens", "step_s", "switch_s")}) + "\n")
-        if args.save_steps and (step + 1) % args.save_steps == 0:
-            checkpoints.save(step + 1, {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                "data_position": problems.position if task else None,
-                "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
-                        **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}})
-        log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
-                 "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
-                 rollout_tokens, mean_reward, f", weights {sync['weights']}, mismatch max|dlogp| {check:.3g}"
-                 if check is not None else "")
+                figures["device_used_end_of_train_gib"] = used_train / 2**30
+            reporter.step(step, figures)
+            if metrics_lines and rank == 0:
+                with metrics_lines.open("a") as f:
+                    f.write(json.dumps({k: rec[k] for k in ("step", "loss", "reward", "correct", *stats,
+                                                            "rollout_tokens", "train_tokens", "step_s",
+                                                            "switch_s")}) + "\n")
+            if args.save_steps and (step + 1) % args.save_steps == 0:
+                checkpoints.save(step + 1, {
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                    "data_position": problems.position if task else None, "args": vars(args),
+                    "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
+                            **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}})
+            log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
+                     "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
+                     rollout_tokens, mean_reward, f", weights {sync['weights']}, mismatch max|dlogp| {check:.3g}"
+                     if check is not None else "")
+    except BaseException:
+        for close in (reporter.close, profiler.close if profiler else None, swaprl.detach, engine.close):
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
+        raise
     reporter.close()
     if profiler is not None:
         profiler.close()

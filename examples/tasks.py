@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
+import os
 import random
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +108,23 @@ def formatted(text: str) -> float:
     return sum(c.isdigit() or c in "-. " for c in text) / max(len(text), 1)
 
 
+def scored(fn: Callable[[str, Problem], float], text: str, problem: Problem) -> float:
+    """`fn`'s reward for one completion, checked: a finite number, or an error naming --reward."""
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        raw = fn(text, problem)
+    except Exception as exc:
+        raise SystemExit(f"the reward function {name!r} failed on a completion ({type(exc).__name__}: {exc}); it "
+                         "takes (completion text, problem with .prompt and .answer)") from exc
+    try:
+        value = None if isinstance(raw, str) else float(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not math.isfinite(value):
+        raise SystemExit(f"the reward function {name!r} returned {raw!r}; return a finite number")
+    return value
+
+
 def reward(text: str, problem: Problem) -> float:
     return correct(text, problem) + FORMAT_WEIGHT * formatted(text)
 
@@ -116,6 +136,8 @@ def load_reward(spec: str | None) -> Callable[[str, Problem], float]:
     module, _, name = spec.partition(":")
     if not module or not name:
         raise SystemExit(f"--reward {spec!r}: give module:function, e.g. my_rewards:score")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the working directory, as `python -m` would have it
+        sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:

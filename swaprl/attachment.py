@@ -26,6 +26,7 @@ from .errors import PhaseError
 from .link import link, unmeasurable
 from .placement import Placement, engine_reserve_bytes
 from .runtime import Phase, PhaseMachine
+from .residency import savable
 from .streaming import install_step, override
 from .undo import Step, Undo
 
@@ -165,6 +166,9 @@ class Runtime(PhaseMachine):
             engine.bind(model)
             self._restore.push(optimizer.register_step_pre_hook(lambda *_: self._check_step()).remove)
             self._restore.push(optimizer.register_state_dict_pre_hook(lambda opt: self.wait_reload()).remove)
+            # States carved out of one buffer or allocation: each its own storage, so torch.save takes any mix of
+            # dtypes and writes each tensor's bytes, not the buffer's.
+            self._restore.push(optimizer.register_state_dict_post_hook(lambda opt, sd: savable(sd)).remove)
             steps = []
             if place.streamer is not None:
                 self._restore.push(install_step(place.streamer, detached=lambda: self._closed))

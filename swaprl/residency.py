@@ -469,3 +469,35 @@ class Mover:
             raise
         return done_event
 
+
+
+def savable(state_dict: dict) -> dict:
+    """`optimizer.state_dict()` with each tensor that shares its storage with others (states carved out of one host
+    buffer or one reload allocation) given a storage of its own, so `torch.save` writes each tensor's bytes only,
+    whatever their dtypes (it refuses views of one storage as different types, and writes a shared storage whole).
+    Host tensors keep their memory (a second storage object over the same bytes, no copy); device tensors are copied
+    to the host, as saving them would. Nested dicts and lists are walked; everything else is kept as it is."""
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            return t
+        if t.device.type != "cpu":
+            return t.detach().cpu()
+        raw = t.detach().view(_SAME_SIZE_INT[t.element_size()]) if t.dtype not in _NUMPY else t.detach()
+        alias = torch.from_numpy(raw.numpy())
+        return alias.view(t.dtype) if alias.dtype != t.dtype else alias
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            return own(x) if type(x) is torch.Tensor else x
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(state_dict)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NUMPY = (torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+          torch.bool)

@@ -253,3 +253,44 @@ def test_metrics_go_to_tensorboard_as_to_metrics_jsonl(tmp_path):
         events.Tags()["scalars"])
     with pytest.raises(argparse.ArgumentTypeError, match="unknown \\['tensorbord'\\]; use none, tensorboard or wandb"):
         grpo.report_to("tensorbord")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--completions", "1"], "--completions 1: give at least 2 \\(a GRPO group needs two completions"),
+    (["--tis-cap", "0"], "--tis-cap 0.0: give a truncation of 1 or more"),
+    (["--clip", "-1"], "--clip -1.0: give a ratio bound in \\(0, 1\\)"),
+    (["--updates", "5"], "--updates 5: each update takes whole prompts"),
+    (["--master-weights"], "add --dtype bfloat16"),
+])
+def test_settings_that_cannot_train_are_refused_before_anything_loads(tmp_path, extra, message):
+    import grpo
+
+    with pytest.raises(SystemExit, match=message):
+        grpo.main(["--engine", "hf", "--steps", "1", "--out", str(tmp_path / "o"), *extra])
+
+
+def test_checkpoints_are_never_mixed_with_another_run(tmp_path):
+    """A fresh run into a folder with checkpoints is refused (its own would be deleted as the older ones), and a
+    resume refuses other settings and a --steps it has already reached; nothing is deleted."""
+    import grpo
+
+    common = ["--engine", "hf", "--save-steps", "2", "--out", str(tmp_path / "o"), "--checkpoint-dir",
+              str(tmp_path / "ck")]
+    grpo.main(["--steps", "2", *common])
+    with pytest.raises(SystemExit, match="holds another run's checkpoints \\(newest step-00000002\\): --resume"):
+        grpo.main(["--steps", "4", *common])
+    with pytest.raises(SystemExit, match="other settings \\(--prompts 2 -> 3\\)"):
+        grpo.main(["--steps", "4", "--prompts", "3", "--resume", *common])
+    with pytest.raises(SystemExit, match="at step 2, and --steps 2 asks for no more"):
+        grpo.main(["--steps", "2", "--resume", *common])
+    assert [p.name for p in (tmp_path / "o" / "checkpoints").iterdir()] == ["step-00000002"]
+
+
+def test_a_reward_function_that_returns_no_number_is_named(tmp_path, monkeypatch):
+    import grpo
+
+    (tmp_path / "bad_reward.py").write_text("def score(text, problem):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit, match="reward function 'score' returned None; return a finite number"):
+        grpo.main(["--engine", "hf", "--steps", "1", "--reward", "bad_reward:score", "--checkpoint-dir",
+                   str(tmp_path / "ck")])

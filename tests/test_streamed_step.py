@@ -508,3 +508,24 @@ def test_device_peak_during_the_streamed_step_is_two_chunks():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(states, optimizer_tensors(ref_opt)):
         torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0)
+
+
+def test_a_state_dict_of_bf16_states_in_host_memory_saves_and_loads(tiny_checkpoint, tmp_path):
+    """bf16 AdamW states and fp32 step counters side by side in one host buffer: torch.save refuses views of one
+    storage as different types, so the state dict gives each its own storage over the same bytes, and the file
+    holds the states' bytes, not the buffer's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=host_config())
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    sd = opt.state_dict()
+    torch.save(sd, tmp_path / "opt.pt")
+    states = sum(v.numel() * v.element_size() for st in sd["state"].values() for v in st.values())
+    assert (tmp_path / "opt.pt").stat().st_size < states + 2**20
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(loaded["state"][i][k], v) and loaded["state"][i][k].dtype == v.dtype
+    swaprl.detach()
