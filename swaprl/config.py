@@ -74,8 +74,8 @@ class SwapConfig:
     `state_split()` gives the fractions in every case."""
 
     master_weights: bool = False
-    """Train a bf16 (or fp16) model with fp32 master weights: the optimizer updates an fp32 copy of each
-    low-precision parameter, which is cast into the parameter after each step (`swaprl.master`); the forward,
+    """Train a bf16 model with fp32 master weights: the optimizer updates an fp32 copy of each bf16 parameter,
+    which is cast into the parameter after each step (`swaprl.master`); the forward,
     backward and gradients stay in bf16. What RL fine-tuning at small learning rates needs, at 2 bytes per
     parameter on the device instead of fp32 parameters' 4. The masters live in host memory with their optimizer
     states and are updated there chunk by chunk by the streamed step (ZeRO-Offload's layout), so it goes with

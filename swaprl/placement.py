@@ -538,18 +538,13 @@ class Placement:
 
 
 def _masters_config(config: SwapConfig) -> SwapConfig:
-    """`config` for an optimizer with fp32 master weights: they and their states live in host memory ("auto" is
-    "host"); a config that keeps some elsewhere is refused (`SwapConfig.master_weights`)."""
+    """`config` for an optimizer with fp32 master weights, which says so whatever was asked: they and their states
+    live in host memory ("auto" is "host"); SwapConfig's own check refuses a split that keeps some elsewhere."""
     if config.optimizer_states == "auto":
         logger.info("optimizer_states='auto' with fp32 master weights: the masters and their states live in host "
                     "memory ('host')")
         config = dataclasses.replace(config, optimizer_states="host", overlap_optimizer_reload=False)
-    if config.state_split()["host"] != 1.0:
-        raise ValueError(f"SwapConfig(optimizer_states={config.optimizer_states!r}) with an optimizer that keeps fp32 "
-                         "master weights: the masters live in host memory with their optimizer states, updated there "
-                         "by the streamed step; keeping some on the device or swapping them is not built. Use "
-                         "optimizer_states='host' (or 'auto')")
-    return dataclasses.replace(config, master_weights=True)  # the masters found say so, whatever was asked
+    return dataclasses.replace(config, master_weights=True)
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

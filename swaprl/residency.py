@@ -470,18 +470,16 @@ class Mover:
         return done_event
 
 
-
 def savable(state_dict: dict) -> dict:
     """`optimizer.state_dict()` with each tensor that shares its storage with others (states carved out of one host
     buffer or one reload allocation) given a storage of its own, so `torch.save` writes each tensor's bytes only,
     whatever their dtypes (it refuses views of one storage as different types, and writes a shared storage whole).
-    Host tensors keep their memory (a second storage object over the same bytes, no copy); device tensors are copied
-    to the host, as saving them would. Nested dicts and lists are walked; everything else is kept as it is."""
+    Host tensors only, and no copy: a second storage object over the same bytes. Device tensors are left as they
+    are (copying them here would put every state on the host at each call). Nested dicts and lists are walked;
+    everything else is kept as it is."""
     def own(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        if t.device.type != "cpu" or t.untyped_storage().nbytes() == t.numel() * t.element_size():
             return t
-        if t.device.type != "cpu":
-            return t.detach().cpu()
         raw = t.detach().view(_SAME_SIZE_INT[t.element_size()]) if t.dtype not in _NUMPY else t.detach()
         alias = torch.from_numpy(raw.numpy())
         return alias.view(t.dtype) if alias.dtype != t.dtype else alias

@@ -271,3 +271,13 @@ def test_fp16_is_refused_naming_bf16(tiny_checkpoint):
     with pytest.raises(ValueError, match="GradScaler.*load the model in bfloat16"):
         swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True))
     assert master.of(opt) is None
+
+
+def test_attaching_masters_again_with_a_swap_home_is_refused_naming_host(tiny_checkpoint):
+    model = load_bf16(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True))
+    swaprl.detach()
+    with pytest.raises(ValueError, match="optimizer_states='host'"):
+        swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="swap"))
+    assert master.of(opt) is not None  # the masters stay, as detach left them
