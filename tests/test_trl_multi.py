@@ -26,6 +26,7 @@ from swaprl.engines import vllm_available
 pytest.importorskip("trl")
 
 WORKER = Path(__file__).resolve().parent / "trl_worker.py"
+DONE = "trl_worker: main returned"  # what the worker prints last
 STEPS = 2  # the worker's default
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU layouts (gloo); GPU machines run the gpu test")
 
@@ -37,10 +38,13 @@ def launch(out: Path, checkpoint: Path, *args: str) -> list[dict]:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(WORKER), *args, "--checkpoint", str(checkpoint), "--out", str(out)], env=env,
                           capture_output=True, text=True, check=False, timeout=400)
+    (out / "launch.log").write_text(proc.stdout + "\n" + proc.stderr)  # whole, for what a tail leaves out
     results = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     errors = [r["error"] for r in results if "error" in r]
+    first = proc.stderr.find("Traceback")  # a worker's own, ahead of torchrun's summary
     assert proc.returncode == 0 and len(results) == 2 and not errors, \
-        (errors or f"exit {proc.returncode}, {len(results)} reports\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        (errors or f"exit {proc.returncode}, {len(results)} reports, workers done: {proc.stdout.count(DONE)}\n"
+                   f"{proc.stderr[first:first + 4000] if first >= 0 else ''}\n{proc.stderr[-3000:]}")
     return results
 
 

@@ -228,3 +228,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    print("trl_worker: main returned", flush=True)  # an exit code set after this comes from interpreter shutdown
