@@ -76,7 +76,7 @@ def test_master_weights_train_bit_for_bit_like_the_recipe_by_hand(tiny_checkpoin
 
     ours = load_bf16(tiny_checkpoint, device)
     opt = torch.optim.AdamW(ours.parameters(), lr=LR)
-    rt = swaprl.attach(ours, opt, config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB))
+    rt = swaprl.attach(ours, opt, "hf", config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB))
     events = []
     rt.add_listener(lambda e: events.append(e) if e.get("transition") == "optimizer.step" else None)
     losses = grpo.run(ours, opt, rt.engine, steps=3, runtime=rt)
