@@ -271,10 +271,12 @@ def _host_master(p: torch.Tensor) -> torch.nn.Parameter:
         return torch.nn.Parameter(host)
     from torch.distributed.tensor import DTensor
 
-    m = DTensor.from_local(local.to(torch.float32), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                           run_check=False)
+    # Made on p's device and pointed at the host only once it is a Parameter: a DTensor whose local tensor is on
+    # another device cannot be detached (Parameter() detaches), and from_local copies a host tensor to the device.
+    m = torch.nn.Parameter(DTensor.from_local(torch.empty_like(local, dtype=torch.float32), p.device_mesh,
+                                              p.placements, shape=p.shape, stride=p.stride(), run_check=False))
     local_tensor(m).data = host
-    return torch.nn.Parameter(m)
+    return m
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

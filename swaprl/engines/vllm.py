@@ -209,7 +209,8 @@ class VLLMEngine(Engine):
         # One engine core in this process: the trainer's tensors and the engine share one CUDA context.
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
         args = dict(model=str(self.path), skip_tokenizer_init=True, seed=seed,
-                    tensor_parallel_size=tensor_parallel_size, **kwargs)
+                    tensor_parallel_size=tensor_parallel_size,
+                    **{**vllm_compat.parallel_arguments(tensor_parallel_size, self.cuda), **kwargs})
         if self.tp_group is not None:
             env.update(_external_launcher_environment())
             args.update(distributed_executor_backend="external_launcher", seed=seed + self.tp_group.index)
