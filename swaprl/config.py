@@ -84,9 +84,10 @@ class SwapConfig:
 
     stream_chunk_bytes: int = 2**30
     """With `optimizer_states="host"`: optimizer-state bytes per chunk of the streamed `optimizer.step()`. The GPU
-    holds two chunks during the step (one updating, one copying), or two of the largest parameter's states if
-    those are bigger. The first step, which creates the states, sizes its chunks as if each parameter's states
-    were twice its own bytes (AdamW's two moments)."""
+    holds two chunks during the step (one updating, one copying). Adam, AdamW and SGD step a parameter whose states
+    are larger than a chunk in pieces of a chunk; with other optimizers such a parameter's chunk is its states'
+    size. The first step, which creates the states, steps each parameter whole and sizes its chunks as if each
+    parameter's states were twice its own bytes (AdamW's two moments)."""
 
     grads: GradPolicy = "offload"
     """Gradients during `generate`: "offload" keeps them in host memory and brings them back (costs nothing when

@@ -23,6 +23,13 @@ foreach and fused implementations only batch the parameters they are given, so a
 what the whole step computes for those parameters. This needs an optimizer whose update of a parameter reads only
 that parameter's gradient and state: all of `torch.optim` except LBFGS (which `swaprl.attach` refuses).
 
+A parameter whose states are larger than a chunk (an embedding's, with fp32 masters) is stepped in pieces of about
+`stream_chunk_bytes`, for the optimizers whose update of an element reads only that element's gradient and states
+(`SLICEABLE`): each piece is a slice of the flattened tensors, stepped as a parameter of its own with its states'
+slices, so the staging buffers stay two chunks whatever the largest parameter. Its scalar states (AdamW's step) are
+copied for each piece and written once after the last; elementwise arithmetic makes the result bit for bit the
+whole parameter's step. Other optimizers step such a parameter whole, in one chunk of its size.
+
 Sharded parameters (FSDP2's DTensors) stream the same way: each rank moves its own shards' states, as their local
 tensors, and the optimizer's update goes through DTensor as it does without streaming.
 
@@ -51,6 +58,10 @@ from .residency import HostBuffer, Moved, align, check_dense, host_view, is_dens
 from .undo import Undo
 
 logger = logging.getLogger(__name__)
+
+SLICEABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+"""Optimizers (these exact classes) whose step of one element reads only that element's gradient and states and the
+parameter's scalar states: a parameter may be stepped in pieces."""
 
 
 @dataclass(slots=True)
@@ -81,6 +92,11 @@ class _Chunk:
     """Staging bytes."""
     slot: int = 0
     """Which of the two staging buffers its states pass through."""
+    piece: tuple[int, int] | None = None
+    """For a parameter whose states are larger than a chunk: the elements [start, end) of its (local, flattened)
+    tensor that this chunk steps; its only parameter is that one."""
+    slices: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+    """With `piece`: (state key, the piece of its host home, staging offset); "master" for an fp32 master."""
 
 
 class StateStreamer:
@@ -226,6 +242,11 @@ class StateStreamer:
         for p, group in stepping:
             if not self.owns(p):
                 continue
+            pieces = self._pieces(p, group)
+            if pieces:
+                chunks.extend(_Chunk([(p, group)], piece=piece) for piece in pieces)
+                size = self.chunk_bytes  # the next parameter starts a chunk of its own
+                continue
             states = self._states(p, group)
             # No state yet (the first step): the step creates it on the device; AdamW makes two of p's size.
             b = layout_bytes(states) + (0 if self.optimizer.state.get(p) else 2 * align(nbytes(local_tensor(p))))
@@ -238,6 +259,9 @@ class StateStreamer:
         for chunk in chunks:
             mine = {id(g) for _, g in chunk.params}
             chunk.groups = [g for g in self.optimizer.param_groups if id(g) in mine]
+            if chunk.piece is not None:
+                self._add_slices(chunk)
+                continue
             for p, group in chunk.params:
                 for t in self._states(p, group):
                     if not self._at_home(t):
@@ -253,6 +277,76 @@ class StateStreamer:
         for k, chunk in enumerate(c for c in chunks if c.bytes):  # alternate the staging buffers
             chunk.slot = k % 2
         return chunks
+
+    def _pieces(self, p: torch.Tensor, group: dict) -> list[tuple[int, int]]:
+        """The element ranges to step `p` in, when its states at home are larger than a chunk and may be sliced
+        (`SLICEABLE`); else none. Every state of `p` must be at home and either the parameter's size or a scalar."""
+        if type(self.optimizer) not in SLICEABLE or not self.optimizer.state.get(p):
+            return []
+        numel = local_tensor(p).numel()
+        staged = self._states(p, group)
+        if not staged or not all(self._at_home(t) for t in staged) or layout_bytes(staged) <= self.chunk_bytes:
+            return []
+        if self._is_master(p) and self.masters.initial(local_tensor(p)) is not None:
+            return []  # not filled yet: it is filled whole, where it is placed
+        for v in self.optimizer.state[p].values():
+            if isinstance(v, torch.Tensor) and local_tensor(v).numel() not in (numel, 1):
+                return []
+        if not (is_dense(local_tensor(p)) and all(is_dense(t) and t.numel() == numel for t in staged
+                                                     if t.dim() > 0)):
+            return []
+        per_element = sum(t.element_size() for t in staged if t.dim() > 0)
+        step = max(1, self.chunk_bytes // per_element)
+        return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+    def _add_slices(self, chunk: _Chunk) -> None:
+        """A piece's copies: the slice of each state's host home (the master's too) that holds its elements."""
+        (p, _), (a, e) = chunk.params[0], chunk.piece
+        master = [("master", p)] if self._is_master(p) else []
+        for key, v in [*master, *self.optimizer.state[p].items()]:
+            if not isinstance(v, torch.Tensor) or local_tensor(v).dim() == 0:
+                continue
+            home = self._homes[id(local_tensor(v))].view.reshape(-1)[a:e]
+            chunk.slices.append((key, home, chunk.bytes))
+            chunk.loose.append((home, chunk.bytes))
+            chunk.bytes += align(nbytes(home))
+
+    def _step_piece(self, chunk: _Chunk, buf: torch.Tensor, grad: torch.Tensor, raw_step: Callable[[], object],
+                    scalars: dict) -> None:
+        """Step the elements of one piece as a parameter of their own: views of the staging buffer for its states
+        (and its master), of the model's tensors for the rest. `scalars` carries the parameter's scalar states from
+        its first piece (their values before the step) to its last (written back)."""
+        (p, group), (a, e) = chunk.params[0], chunk.piece
+        staged = {key: host_view(buf, offset, home) for key, home, offset in chunk.slices}
+        grad = local_tensor(grad).detach().reshape(-1)[a:e]
+        if self._is_master(p):
+            q, model = staged.pop("master"), local_tensor(self.masters.model_param(p)).detach().reshape(-1)[a:e]
+            q.grad = grad.to(dtype=q.dtype)
+        else:
+            q, model = local_tensor(p).detach().reshape(-1)[a:e], None
+            q.grad = grad
+        if a == 0:
+            scalars.clear()
+            scalars.update({k: v for k, v in self.optimizer.state[p].items()
+                            if isinstance(v, torch.Tensor) and local_tensor(v).dim() == 0})
+        state = {k: v for k, v in self.optimizer.state[p].items() if not isinstance(v, torch.Tensor)}
+        # A scalar at home in host memory (a fused step's counter) is the device's while it steps.
+        state.update({k: local_tensor(v).to(self.device if self._at_home(local_tensor(v)) else v.device, copy=True)
+                      for k, v in scalars.items()})
+        state.update(staged)
+        groups, self.optimizer.param_groups = self.optimizer.param_groups, [{**group, "params": [q]}]
+        self.optimizer.state[q] = state
+        try:
+            raw_step()
+        finally:
+            self.optimizer.param_groups = groups
+            self.optimizer.state.pop(q, None)
+            q.grad = None
+        if model is not None:  # cast into the model's parameter while the master's piece is on the device
+            model.copy_(q, non_blocking=True)
+        if e == local_tensor(p).numel():
+            for k, v in scalars.items():
+                local_tensor(v).copy_(state[k])
 
     def _add_copy(self, chunk: _Chunk, t: torch.Tensor) -> None:
         h = self._homes[id(t)]
@@ -276,6 +370,7 @@ class StateStreamer:
         staging = [torch.empty(size, dtype=torch.uint8, device=self.device)
                    for _ in range(min(sum(1 for c in chunks if c.bytes), 2))]
         copied_in: list[torch.cuda.Event | None] = [None] * len(chunks)
+        scalars: dict = {}  # a sliced parameter's scalar states, from its first piece to its last
         emptied: list[torch.cuda.Event | None] = [None, None]  # per staging buffer: its last copy out is done
         if cuda:  # the staging memory may have been freed by work still queued on the compute stream
             self._h2d.wait_stream(compute)
@@ -289,6 +384,13 @@ class StateStreamer:
                 if copied_in[i] is not None:
                     compute.wait_event(copied_in[i])
                 buf = staging[chunk.slot] if chunk.bytes else None
+                if chunk.piece is not None:
+                    self._step_piece(chunk, buf, grads[chunk.params[0][0]], raw_step, scalars)
+                    moved = sum(nbytes(home) for _, home, _ in chunk.slices)
+                    self._copy_out(chunk, buf, emptied)
+                    figures["h2d_bytes"] += moved
+                    figures["d2h_bytes"] += moved
+                    continue
                 for t, _, offset in chunk.staged:
                     t.data = host_view(buf, offset, t)
                 masters = [p for p, _ in chunk.params if self._is_master(p)]

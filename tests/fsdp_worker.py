@@ -176,6 +176,39 @@ def fsdp(args) -> dict:
     out["bitwise_master_weights"] = compare(reference, train(config, "master", masters="bf16"))
     out["master_state_dtypes"] = sorted({str(t.dtype) for t in reference[1] + reference[2] if t.numel() > 1})
 
+    # A shard whose states are larger than a chunk (a 1M-parameter embedding, half per rank): stepped in pieces of
+    # its local tensor, against the whole step; with fp32 masters, against the recipe written by hand.
+    def sliced(config: swaprl.SwapConfig | None, masters: bool) -> tuple[list, list, list[int]]:
+        from torch.distributed.fsdp import fully_shard
+
+        from tests.test_master import LR, HandMasters
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(8192, 128), torch.nn.Linear(128, 64))
+        fully_shard(model.to(torch.bfloat16 if masters else torch.float32))
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)  # the hand-written recipe's
+        stepper = HandMasters(model) if masters and config is None else opt
+        rt = swaprl.attach(model, opt, "hf", config=config) if config else None
+        chunks: list[int] = []
+        if rt:
+            rt.add_listener(lambda e: chunks.append(e["chunks"]) if e.get("transition") == "optimizer.step" else None)
+        for step in range(3):
+            ids = torch.randint(0, 8192, (4, 16), generator=torch.Generator().manual_seed(step))
+            model(ids).float().pow(2).mean().backward()
+            stepper.step()
+            stepper.zero_grad()
+        swaprl.detach()
+        hand = stepper is not opt
+        updated = stepper.masters if hand else [p for g in opt.param_groups for p in g["params"]]
+        return (shards(model.parameters()) + shards(updated), shards(optimizer_states(stepper.opt if hand else opt)),
+                chunks)
+
+    for masters in (False, True):
+        config = swaprl.SwapConfig(optimizer_states="host", master_weights=masters, stream_chunk_bytes=2**20)
+        (p0, s0, _), (p1, s1, chunks) = sliced(None, masters), sliced(config, masters)
+        out[f"sliced_masters_{masters}"] = {"params": bitwise_equal(p0, p1), "optimizer": bitwise_equal(s0, s1),
+                                            "chunks": chunks}
+
     # Refused: an FSDP2 parameter's shard is a view into FSDP2's own buffer.
     model, full = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -148,3 +148,15 @@ def test_vllm_tensor_parallel_over_two_ranks_follows_the_fsdp2_trainer(tmp_path)
             assert grpo.proved(c["sync"]), c
         assert r["engine"]["weights_bytes"] > 0
         assert r["engine_moved_mean"] > 1e-2
+
+
+def test_a_shard_larger_than_a_chunk_is_stepped_in_pieces_of_its_local_tensor(ranks):
+    """A 1M-parameter embedding, half per rank: its shard's AdamW states (4 MiB; with fp32 masters 6 MiB) pass
+    through in pieces of at most 1 MiB, bit for bit the whole step (with masters, the recipe written by hand)."""
+    for r in ranks:
+        for masters, per_element in ((False, 8), (True, 12)):  # bytes of each element's states (and master)
+            pieces = -(-4096 * 128 // (2**20 // per_element))
+            same = r[f"sliced_masters_{masters}"]
+            assert same["params"] and same["optimizer"], same
+            # the first step creates the states whole; then the pieces, and one chunk for the Linear
+            assert same["chunks"][1:] == [pieces + 1] * 2, same

@@ -311,9 +311,9 @@ def test_72b_on_8xh100_fits_one_node_by_streaming_most_states_each_rank_its_own_
     p = sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT)
     homes = assert_split_fits(p)
     assert homes["device"] == 0 and 0 < homes["swap"] < homes["host"]
-    # the staging chunks hold one rank's shard of the embedding's states: 152064 x 8192 x 8 B / 8 ranks > 1 GiB
-    m = get_preset("qwen2.5-72b")
-    assert p.gpu["train"]["optimizer"] == homes["swap"] + 2 * (m.vocab_size * m.hidden_size * 8 // 8)
+    # two staging chunks of 1 GiB: AdamW's step takes one rank's shard of the embedding's states (152064 x 8192 x
+    # 8 B / 8 ranks, over 1 GiB) in pieces
+    assert p.gpu["train"]["optimizer"] == homes["swap"] + 2 * GiB
     # generate runs no trainer forward (the check's probe is scored as training starts), yet 80 GB GPUs keep less KV
     # cache than the rollout's one wave needs
     assert p.gpu["generate"]["activations"] == 0 and p.waves > 1
@@ -348,8 +348,8 @@ def test_14b_on_one_h100_fits_only_with_most_optimizer_states_in_host_memory():
     assert sum(homes.values()) == states and homes["device"] == 0 and 0 < homes["swap"] < 0.2 * states
     assert p.settings.optimizer_states["host"] >= 0.8
     train = p.gpu["train"]
-    # each staging chunk holds the largest parameter's states: the embedding, 152064 x 5120 x 2 states x 2 bytes
-    assert train["optimizer"] == homes["swap"] + 2 * m.vocab_size * m.hidden_size * 4
+    # two staging chunks of 1 GiB: the embedding's states (152064 x 5120 x 2 states x 2 bytes) go in pieces
+    assert train["optimizer"] == homes["swap"] + 2 * GiB
     # the swapped share takes what train has left beside them, to the percent
     assert p.gpu_budget_bytes["train"] - p.total("train") < 0.01 * states + m.vocab_size * m.hidden_size * 2
     assert p.host["train"]["optimizer"] == homes["host"]
@@ -363,7 +363,7 @@ def test_14b_on_one_h100_fits_only_with_most_optimizer_states_in_host_memory():
     host = sp.plan("qwen2.5-14b", cluster="1xH100", optimizer_dtype="bfloat16", rollout=rollout,
                    settings={"optimizer_states": "host"})
     assert host.ok and host.swap_config()["optimizer_states"] == "host"
-    assert host.gpu["train"]["optimizer"] == 2 * m.vocab_size * m.hidden_size * 4
+    assert host.gpu["train"]["optimizer"] == 2 * GiB
     assert host.host["train"]["optimizer"] == states and "fits with optimizer states in host memory" in host.verdict
     assert "optimizer_states=host" in host.table()
 
@@ -376,8 +376,12 @@ def test_fsdp_trainers_may_stream_their_states_and_bad_homes_name_the_fix():
     # each staging chunk holds 1 GiB: more than one rank's shard of the embedding's states (152064 x 8192 x 4 B / 8)
     assert p.gpu["train"]["optimizer"] == 2 * GiB
     fp32 = sp.plan("qwen2.5-72b", cluster="8xH100", tp=4, rollout=ROLLOUT, settings={"optimizer_states": "host"})
-    m = get_preset("qwen2.5-72b")
-    assert fp32.gpu["train"]["optimizer"] == 2 * (m.vocab_size * m.hidden_size * 8 // 8)  # over 1 GiB: the shard's
+    assert fp32.gpu["train"]["optimizer"] == 2 * GiB  # the shard's states, over 1 GiB, go in pieces
+    # an optimizer the streamed step cannot slice (Lion) holds the largest parameter's states in each chunk
+    lion = sp.plan("qwen2.5-14b", cluster="1xH100", rollout=ROLLOUT, optimizer="lion",
+                   settings={"optimizer_states": "host"})
+    m = get_preset("qwen2.5-14b")
+    assert lion.gpu["train"]["optimizer"] == 2 * m.vocab_size * m.hidden_size * 4  # one fp32 state, over 1 GiB
     with pytest.raises(ValueError, match="optimizer_states='gpu'"):
         sp.plan("qwen2.5-7b", cluster="1xH100", rollout=ROLLOUT, settings={"optimizer_states": "gpu"})
 

@@ -529,3 +529,64 @@ def test_a_state_dict_of_bf16_states_in_host_memory_saves_and_loads(tiny_checkpo
         for k, v in st.items():
             assert torch.equal(loaded["state"][i][k], v) and loaded["state"][i][k].dtype == v.dtype
     swaprl.detach()
+
+
+# ---------------------------------------------------------------- a parameter larger than a chunk
+SLICED = ["adamw", "adamw_single_tensor", "adamw_fused", "adam_amsgrad", "sgd_momentum"]
+
+
+def embedding_model(device: str, dtype=torch.float32) -> torch.nn.Module:
+    """A 4 MiB embedding (fp32): its AdamW states, 8 MiB, are eight of the smallest chunk."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(4096, 256), torch.nn.Linear(256, 256)).to(device, dtype)
+
+
+def step_both(model: torch.nn.Module, opt, ref: torch.nn.Module, ref_opt, steps: int = 3) -> None:
+    """`steps` optimizer steps of both pairs on the same random gradients."""
+    for step in range(steps):
+        for m in (model, ref):
+            gen = torch.Generator().manual_seed(step)
+            for p in m.parameters():
+                p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+        opt.step()
+        ref_opt.step()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt_name", SLICED)
+def test_a_parameter_larger_than_a_chunk_is_stepped_in_pieces_bit_for_bit(device, opt_name):
+    """The embedding's states pass through the device a chunk at a time, as slices stepped on their own: the
+    staging stays two chunks, and parameters and states end bit for bit where the whole step puts them."""
+    model = embedding_model(device)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref.parameters())
+    rt = swaprl.attach(model, opt, "hf", config=host_config())
+    events = streamed_steps(rt)
+    step_both(model, opt, ref, ref_opt)
+    assert_same_training(snapshot(model, opt), snapshot(ref, ref_opt))
+    # The first step creates the states whole; the later ones step the embedding in pieces of at most a chunk.
+    per_element = 4 * {"adam_amsgrad": 3, "sgd_momentum": 1}.get(opt_name, 2)  # fp32 moments
+    pieces = -(-4096 * 256 // (MiB // per_element))
+    assert [e["chunks"] for e in events[1:]] == [pieces + 1] * 2, events
+    swaprl.detach()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_masters_larger_than_a_chunk_are_stepped_in_pieces_bit_for_bit(device):
+    """bf16 parameters with fp32 masters: the embedding's master and its states (12 MiB) in pieces of 1 MiB, each
+    piece's master cast into the model's bf16 embedding; against the recipe written by hand."""
+    from .test_master import HandMasters
+
+    model = embedding_model(device, torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt, hand = torch.optim.AdamW(model.parameters(), lr=1e-3), HandMasters(ref)
+    rt = swaprl.attach(model, opt, "hf", config=host_config(master_weights=True))
+    events = streamed_steps(rt)
+    step_both(model, opt, ref, hand)
+    assert_bitwise_equal({k: v.cpu() for k, v in model.state_dict().items()},
+                         {k: v.cpu() for k, v in ref.state_dict().items()})
+    masters = [local.cpu() for local in (m.detach() for g in opt.param_groups for m in g["params"])]
+    for a, b in zip(masters, hand.masters):
+        torch.testing.assert_close(a, b.detach().cpu(), rtol=0, atol=0)
+    assert all(e["chunks"] == -(-4096 * 256 // (MiB // 12)) + 1 for e in events[1:]), events  # master, 2 moments
+    swaprl.detach()

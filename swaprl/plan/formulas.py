@@ -137,10 +137,16 @@ def largest_state_bytes(s: Spec) -> int:
     return -(-max(m.vocab_size, m.intermediate_size) * m.hidden_size * state_bytes_per_param(s) // s.shard_degree)
 
 
+SLICED_OPTIMIZERS = ("adam", "adamw", "sgd")
+"""§Phases: the optimizers whose streamed step takes a parameter larger than a chunk in pieces
+(`swaprl.streaming.SLICEABLE`)."""
+
+
 def staging_bytes(s: Spec, streamed: int) -> int:
-    """§Phases: the streamed states' bytes on one GPU during the optimizer step: two staging chunks, each at least
-    the largest parameter's states; all of them when a single chunk holds them; none when nothing streams."""
-    chunk = max(STREAM_CHUNK_BYTES, largest_state_bytes(s))
+    """§Phases: the streamed states' bytes on one GPU during the optimizer step: two staging chunks (for optimizers
+    the step cannot slice, each at least the largest parameter's states); all of them when a single chunk holds
+    them; none when nothing streams."""
+    chunk = STREAM_CHUNK_BYTES if s.optimizer in SLICED_OPTIMIZERS else max(STREAM_CHUNK_BYTES, largest_state_bytes(s))
     return streamed if chunk >= streamed else 2 * chunk
 
 
