@@ -147,9 +147,14 @@ def test_qwen72b_example_under_torchrun_shards_over_two_cpu_ranks(tmp_path):
     assert "rank 1" in (tmp_path / "q" / "report" / "report.md").read_text()
 
 
-def test_under_torchrun_each_rank_resumes_its_shards_and_masters_bit_for_bit(tmp_path):
-    """FSDP2 on two CPU ranks with fp32 master weights: four steps straight, against two saved and two resumed."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")])])
+def test_under_torchrun_each_rank_resumes_its_shards_and_masters_bit_for_bit(tmp_path, device):
+    """FSDP2 on two ranks (gloo on the CPU, NCCL on two GPUs) with fp32 master weights, which are DTensors on the
+    GPU over host memory: four steps straight, against two saved and two resumed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
 
     def run(out: str, *extra: str) -> list[tuple]:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
