@@ -28,7 +28,9 @@ A parameter whose states are larger than a chunk (an embedding's, with fp32 mast
 (`SLICEABLE`): each piece is a slice of the flattened tensors, stepped as a parameter of its own with its states'
 slices, so the staging buffers stay two chunks whatever the largest parameter. Its scalar states (AdamW's step) are
 copied for each piece and written once after the last; elementwise arithmetic makes the result bit for bit the
-whole parameter's step. Other optimizers step such a parameter whole, in one chunk of its size.
+whole parameter's step. Pieces are whole multiples of `PIECE_ALIGN` elements of contiguous tensors; other
+parameters, and other optimizers, step whole, in one chunk of their size. A step that fails inside a sliced parameter
+leaves its earlier pieces updated and its step counter as it was, and logs so.
 
 Sharded parameters (FSDP2's DTensors) stream the same way: each rank moves its own shards' states, as their local
 tensors, and the optimizer's update goes through DTensor as it does without streaming.
@@ -62,6 +64,8 @@ logger = logging.getLogger(__name__)
 SLICEABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 """Optimizers (these exact classes) whose step of one element reads only that element's gradient and states and the
 parameter's scalar states: a parameter may be stepped in pieces."""
+PIECE_ALIGN = 4096
+"""Elements a piece's length is a multiple of."""
 
 
 @dataclass(slots=True)
@@ -292,11 +296,16 @@ class StateStreamer:
         for v in self.optimizer.state[p].values():
             if isinstance(v, torch.Tensor) and local_tensor(v).numel() not in (numel, 1):
                 return []
-        if not (is_dense(local_tensor(p)) and all(is_dense(t) and t.numel() == numel for t in staged
-                                                     if t.dim() > 0)):
+        # Pieces are slices of flattened views: a tensor whose elements are not in order would flatten to a copy,
+        # and the step would update the copy.
+        model = [local_tensor(self.masters.model_param(p))] if self._is_master(p) else []
+        if not all(t.is_contiguous() and t.numel() == numel for t in [local_tensor(p), *model, *staged]
+                   if t.dim() > 0):
             return []
         per_element = sum(t.element_size() for t in staged if t.dim() > 0)
-        step = max(1, self.chunk_bytes // per_element)
+        # Whole multiples of PIECE_ALIGN elements: vectorized kernels (torch's fused CPU Adam) round a piece's
+        # unaligned tail unlike its body, so a piece must start where the whole tensor's vectors start.
+        step = max(PIECE_ALIGN, self.chunk_bytes // per_element // PIECE_ALIGN * PIECE_ALIGN)
         return [(a, min(a + step, numel)) for a in range(0, numel, step)]
 
     def _add_slices(self, chunk: _Chunk) -> None:
@@ -375,6 +384,7 @@ class StateStreamer:
         if cuda:  # the staging memory may have been freed by work still queued on the compute stream
             self._h2d.wait_stream(compute)
             self._d2h.wait_stream(compute)
+        i = 0
         try:
             if chunks:
                 copied_in[0] = self._copy_in(chunks[0], staging, emptied)
@@ -415,6 +425,10 @@ class StateStreamer:
             if cuda:  # the states are complete host tensors when step() returns
                 self._d2h.synchronize()
         except BaseException:
+            if chunks and chunks[i].piece is not None and chunks[i].piece[0] > 0:
+                logger.error("the step failed inside a parameter of shape %s stepped in pieces: its elements before "
+                             "%d are updated, the rest and its step counter are not",
+                             tuple(chunks[i].params[0][0].shape), chunks[i].piece[0])
             self._rescue([pg for c in chunks for pg in c.params])
             raise
 

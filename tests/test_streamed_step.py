@@ -532,7 +532,8 @@ def test_a_state_dict_of_bf16_states_in_host_memory_saves_and_loads(tiny_checkpo
 
 
 # ---------------------------------------------------------------- a parameter larger than a chunk
-SLICED = ["adamw", "adamw_single_tensor", "adamw_fused", "adam_amsgrad", "sgd_momentum"]
+SLICED = ["adamw", "adamw_single_tensor", "adamw_fused", "adamw_fused_amsgrad", "adam_amsgrad", "sgd_momentum"]
+OPTIMIZERS["adamw_fused_amsgrad"] = lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True, amsgrad=True)
 
 
 def embedding_model(device: str, dtype=torch.float32) -> torch.nn.Module:
@@ -565,8 +566,8 @@ def test_a_parameter_larger_than_a_chunk_is_stepped_in_pieces_bit_for_bit(device
     step_both(model, opt, ref, ref_opt)
     assert_same_training(snapshot(model, opt), snapshot(ref, ref_opt))
     # The first step creates the states whole; the later ones step the embedding in pieces of at most a chunk.
-    per_element = 4 * {"adam_amsgrad": 3, "sgd_momentum": 1}.get(opt_name, 2)  # fp32 moments
-    pieces = -(-4096 * 256 // (MiB // per_element))
+    per_element = 4 * (3 if "amsgrad" in opt_name else 1 if opt_name == "sgd_momentum" else 2)  # fp32 moments
+    pieces = -(-4096 * 256 // (MiB // per_element // 4096 * 4096))  # whole multiples of 4096 elements
     assert [e["chunks"] for e in events[1:]] == [pieces + 1] * 2, events
     swaprl.detach()
 
@@ -588,5 +589,37 @@ def test_fp32_masters_larger_than_a_chunk_are_stepped_in_pieces_bit_for_bit(devi
     masters = [local.cpu() for local in (m.detach() for g in opt.param_groups for m in g["params"])]
     for a, b in zip(masters, hand.masters):
         torch.testing.assert_close(a, b.detach().cpu(), rtol=0, atol=0)
-    assert all(e["chunks"] == -(-4096 * 256 // (MiB // 12)) + 1 for e in events[1:]), events  # master, 2 moments
+    assert all(e["chunks"] == -(-4096 * 256 // (MiB // 12 // 4096 * 4096)) + 1 for e in events[1:]), events
+    swaprl.detach()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_fp32_masters_in_pieces_of_a_tail_free_length_are_bit_for_bit(fused):
+    """12 bytes per element cut 1 MiB into 87381-element pieces, whose tails torch's fused CPU AdamW rounded unlike
+    the whole tensor's body: pieces are whole multiples of 4096 elements."""
+    from .test_master import LR, HandMasters
+
+    model = embedding_model("cpu", torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused, amsgrad=True)
+    hand = HandMasters(ref)
+    hand.opt = torch.optim.AdamW(hand.masters, lr=LR, fused=fused, amsgrad=True)
+    swaprl.attach(model, opt, "hf", config=host_config(master_weights=True))
+    step_both(model, opt, ref, hand)
+    assert_bitwise_equal(model.state_dict(), ref.state_dict())
+    swaprl.detach()
+
+
+def test_a_parameter_whose_elements_are_out_of_order_is_stepped_whole():
+    """A transposed parameter flattens to a copy: stepped in pieces, the copy would take the update."""
+    model, ref = (torch.nn.Module() for _ in range(2))
+    torch.manual_seed(0)
+    model.w = torch.nn.Parameter(torch.randn(1024, 512).t())
+    ref.w = torch.nn.Parameter(model.w.detach().clone().t().contiguous().t())
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, "hf", config=host_config())
+    events = streamed_steps(rt)
+    step_both(model, opt, ref, ref_opt)
+    assert_same_training(snapshot(model, opt), snapshot(ref, ref_opt))
+    assert [e["chunks"] for e in events] == [1, 1, 1]
     swaprl.detach()
