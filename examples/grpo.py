@@ -13,7 +13,8 @@ built-in arithmetic with exact answers through the model's chat template, or `--
 {"prompt", "answer"} records (tasks.py); the reward is the exact answer plus a format term, or `--reward
 module:function`. The objective is GRPO's: group-normalised advantages, the PPO-clipped ratio to the probabilities
 at rollout time (`--updates N` optimizer steps per rollout), and a truncated importance weight from the engine's own
-log-probabilities of the tokens it sampled (`--tis-cap`), which also give the rollout-training mismatch per step.
+log-probabilities of the tokens it sampled (`--tis-cap`), which also give the rollout-training mismatch per step;
+`--kl-coef` adds a per-token KL penalty to the policy the run started from (a frozen reference; off by default).
 Each step prints its time split (generate, train, phase switches); `--out` receives metrics.json, a line per step in
 metrics.jsonl (reward, exact answers, loss, clip fraction, importance weights, mismatch), the memory profile and its
 report, and with `--save-steps N` a checkpoint every N steps, from which `--resume` goes on.
@@ -57,7 +58,8 @@ def advantages(rewards: list[float], n: int) -> torch.Tensor:
 
 def grpo_loss(model, prompts, completions, n, *, micro_batch: int, pad_id: int, rewards: list[float] | None = None,
               engine_logprobs: list[torch.Tensor] | None = None, old_logprobs: list[torch.Tensor] | None = None,
-              clip: float = 0.2, tis_cap: float = 2.0, stats: dict | None = None, score_only: bool = False):
+              clip: float = 0.2, tis_cap: float = 2.0, ref_logprobs: list[torch.Tensor] | None = None,
+              kl_coef: float = 0.0, stats: dict | None = None, score_only: bool = False):
     """Backward the GRPO objective over micro-batches; returns (loss, tokens), or with `score_only` each
     completion's token log-probabilities under the model (no gradient).
 
@@ -66,13 +68,15 @@ def grpo_loss(model, prompts, completions, n, *, micro_batch: int, pad_id: int, 
     completion's group-normalised advantage, times the truncated importance weight min(p_rollout / p_engine,
     `tis_cap`) from the engine's own log-probabilities of the tokens it sampled (`engine_logprobs`): the correction
     for the engine and the trainer computing slightly different probabilities. Each completion's mean over its
-    tokens, summed over the batch and divided by its size. `stats` receives the clip fraction, the importance
-    weights' mean and truncated fraction, and the mismatch mean |log p_trainer - log p_engine|."""
+    tokens, summed over the batch and divided by its size. With `ref_logprobs` (a frozen reference's), each token
+    also pays `kl_coef` times the KL estimate exp(r - l) - (r - l) - 1 of l = log p_model against r = log p_ref.
+    `stats` receives the clip fraction, the importance weights' mean and truncated fraction, the mismatch mean
+    |log p_trainer - log p_engine| and, with a reference, the KL's mean."""
     rewards = rewards if rewards is not None else [reward(c) for c in completions]
     adv = advantages(rewards, n)
     device = next(model.parameters()).device
     total, tokens, scored = 0.0, 0, []
-    sums = {"clipped": 0.0, "weight": 0.0, "truncated": 0.0, "mismatch": 0.0}
+    sums = {"clipped": 0.0, "weight": 0.0, "truncated": 0.0, "mismatch": 0.0, "kl": 0.0}
     for lo in range(0, len(completions), micro_batch):
         hi = min(lo + micro_batch, len(completions))
         rows = [list(prompts[i // n]) + list(completions[i]) for i in range(lo, hi)]
@@ -81,6 +85,7 @@ def grpo_loss(model, prompts, completions, n, *, micro_batch: int, pad_id: int, 
         mask = torch.zeros((len(rows), width), dtype=torch.float32)
         behaviour = torch.zeros((len(rows), width - 1), dtype=torch.float32)
         old = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+        ref = torch.zeros((len(rows), width - 1), dtype=torch.float32)
         for j, r in enumerate(rows):
             start, end = len(prompts[(lo + j) // n]), len(r)
             ids[j, : len(r)] = torch.tensor(r)
@@ -89,6 +94,8 @@ def grpo_loss(model, prompts, completions, n, *, micro_batch: int, pad_id: int, 
                 behaviour[j, start - 1:end - 1] = engine_logprobs[lo + j][: end - start]
             if old_logprobs is not None:
                 old[j, start - 1:end - 1] = old_logprobs[lo + j]
+            if ref_logprobs is not None:
+                ref[j, start - 1:end - 1] = ref_logprobs[lo + j]
         ids, mask = ids.to(device), mask.to(device)
         with torch.no_grad() if score_only else contextlib.nullcontext():
             logits = model(input_ids=ids).logits[:, :-1].float()
@@ -107,7 +114,13 @@ def grpo_loss(model, prompts, completions, n, *, micro_batch: int, pad_id: int, 
             weight = torch.exp(diff).clamp(max=tis_cap)
             sums["truncated"] += float(((diff.exp() > tis_cap).float() * m).sum())
             sums["mismatch"] += float((diff.abs() * m).sum())
-        per_seq = (weight * objective * m).sum(1) / m.sum(1).clamp(min=1)
+        per_token = weight * objective
+        if ref_logprobs is not None:
+            d = ref.to(device) - logp
+            kl = torch.exp(d) - d - 1
+            per_token = per_token - kl_coef * kl
+            sums["kl"] += float((kl.detach() * m).sum())
+        per_seq = (per_token * m).sum(1) / m.sum(1).clamp(min=1)
         loss = -per_seq.sum() / len(completions)
         loss.backward()
         total += loss.item()
@@ -123,6 +136,8 @@ def grpo_loss(model, prompts, completions, n, *, micro_batch: int, pad_id: int, 
         if engine_logprobs is not None:
             stats.update({"tis_truncated_fraction": sums["truncated"] / max(tokens, 1),
                           "mismatch_mean_abs_dlogp": sums["mismatch"] / max(tokens, 1)})
+        if ref_logprobs is not None:
+            stats["kl"] = sums["kl"] / max(tokens, 1)
     return total, tokens
 
 
@@ -136,7 +151,7 @@ def optimizer_states(text: str) -> str | dict[str, float]:
 
 
 RESUME_KEEPS = ("task", "dataset", "prompts", "completions", "seed", "dtype", "master_weights", "fp32_params",
-                "preset", "layers", "model", "max_tokens", "lr")
+                "preset", "layers", "model", "max_tokens", "lr", "kl_coef")
 
 
 def check_args(args) -> None:
@@ -151,6 +166,8 @@ def check_args(args) -> None:
         problems.append(f"--clip {args.clip}: give a ratio bound in (0, 1), e.g. 0.2")
     if not args.tis_cap >= 1:  # NaN too
         problems.append(f"--tis-cap {args.tis_cap}: give a truncation of 1 or more, e.g. 2")
+    if not args.kl_coef >= 0:
+        problems.append(f"--kl-coef {args.kl_coef}: give 0 (no reference) or a positive coefficient, e.g. 0.04")
     if args.updates > args.prompts:
         problems.append(f"--updates {args.updates}: each update takes whole prompts, and a rollout has "
                         f"--prompts {args.prompts}")
@@ -208,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the ratio")
     ap.add_argument("--tis-cap", type=float, default=2.0,
                     help="truncation of the importance weight p_trainer / p_engine over the rollout's tokens")
+    ap.add_argument("--kl-coef", type=float, default=0.0,
+                    help="weight of a per-token KL penalty to the policy as the run started (a frozen reference); "
+                         "0, the default, keeps no reference. The reference is a second copy of the parameters on "
+                         "the device in both phases, outside what swaprl moves, and a forward per rollout")
     ap.add_argument("--prompt-tokens", type=int, default=16, help="with --task even-tokens")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward")
@@ -396,6 +417,13 @@ def main(argv: list[str] | None = None) -> dict:
     # One device with fp32 parameters: the forward and backward in the compute dtype.
     autocast = (torch.autocast(device.split(":")[0], dtype=compute) if args.fp32_params and world == 1
                 else contextlib.nullcontext())
+    reference = None
+    if args.kl_coef > 0:  # the policy the run started from (a resumed run's too), frozen; its load draws no random
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.startswith("cuda") else []):
+            reference = (load_sharded(path, dtype, device, compute=compute if args.fp32_params else None)
+                         if world > 1 else AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device))
+        reference.requires_grad_(False)
+        reference.config.use_cache = False
     model.gradient_checkpointing_enable()  # only active in training mode, and from_pretrained returns eval mode
     model.config.use_cache = False
     model.train()
@@ -483,7 +511,7 @@ def main(argv: list[str] | None = None) -> dict:
             with swaprl.phase("train"):
                 tt = time.perf_counter()
                 loss, train_tokens = train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id,
-                                              autocast, stats)
+                                              autocast, stats, reference)
                 if cuda:
                     torch.cuda.synchronize()
                 train_s = time.perf_counter() - tt
@@ -569,16 +597,18 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id, autocast,
-             stats: dict) -> tuple[float, int]:
+             stats: dict, reference=None) -> tuple[float, int]:
     """`args.updates` optimizer steps over the rollout, each on a share of its prompts (with all their
     completions); from the second on the model has moved, so the ratio to the probabilities at rollout time, scored
-    before the first, is clipped."""
+    before the first, is clipped. With a `reference` model, its log-probabilities are scored first, for the KL."""
     n, k = args.completions, max(1, min(args.updates, len(prompts)))
     kw = dict(micro_batch=args.micro_batch, pad_id=pad_id, clip=args.clip, tis_cap=args.tis_cap)
-    old = None
-    if k > 1:
-        with autocast:
+    old = ref = None
+    with autocast:
+        if k > 1:
             old = grpo_loss(model, prompts, completions, n, score_only=True, **kw)
+        if reference is not None:
+            ref = grpo_loss(reference, prompts, completions, n, score_only=True, **kw)
     loss = tokens = 0
     bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
     for lo, hi in zip(bounds, bounds[1:]):
@@ -587,7 +617,7 @@ def train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, p
         with autocast:
             part_loss, part_tokens = grpo_loss(model, prompts[lo:hi], completions[c], n, rewards=rewards[c],
                                                engine_logprobs=engine_lp[c], old_logprobs=old and old[c],
-                                               stats=part, **kw)
+                                               ref_logprobs=ref and ref[c], kl_coef=args.kl_coef, stats=part, **kw)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss, tokens = loss + part_loss * (hi - lo) / len(prompts), tokens + part_tokens

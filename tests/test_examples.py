@@ -192,6 +192,23 @@ def test_the_built_in_task_is_learned(tmp_path, monkeypatch, engine):
     assert last > first + 0.1, (first, last)
 
 
+def test_a_kl_penalty_to_the_starting_policy_is_zero_until_the_policy_moves(tmp_path):
+    """--kl-coef: the first step's policy is the reference, so its KL is 0 and it trains exactly as without the
+    penalty; from the second step the penalty is there, and changes the loss but not that step's rollouts."""
+    import grpo
+
+    def run(name: str, *extra: str) -> list[dict]:
+        grpo.main(["--engine", "hf", "--steps", "3", "--lr", "3e-3", "--prompts", "2", "--completions", "4",
+                   "--max-tokens", "8", "--no-verify", "--out", str(tmp_path / name),
+                   "--checkpoint-dir", str(tmp_path / "ck"), *extra])
+        return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    plain, kl = run("plain"), run("kl", "--kl-coef", "0.5")
+    assert "kl" not in plain[0] and kl[0]["kl"] == 0.0 and kl[0]["loss"] == plain[0]["loss"]
+    assert kl[1]["reward"] == plain[1]["reward"]  # rolled out from the same weights
+    assert kl[1]["kl"] > 0 and kl[1]["loss"] != plain[1]["loss"]
+
+
 def test_a_dataset_a_reward_function_and_clipped_updates(tmp_path, monkeypatch):
     """A JSONL dataset through the chat template, a user's reward function, two optimizer steps per rollout (the
     second's ratio to the rollout-time probabilities is no longer 1, and is clipped where it strays)."""
@@ -266,6 +283,7 @@ def test_metrics_go_to_tensorboard_as_to_metrics_jsonl(tmp_path):
     (["--clip", "-1"], "--clip -1.0: give a ratio bound in \\(0, 1\\)"),
     (["--updates", "5"], "--updates 5: each update takes whole prompts"),
     (["--master-weights"], "add --dtype bfloat16"),
+    (["--kl-coef", "-0.1"], "--kl-coef -0.1: give 0 \\(no reference\\) or a positive coefficient"),
 ])
 def test_settings_that_cannot_train_are_refused_before_anything_loads(tmp_path, extra, message):
     import grpo
