@@ -147,6 +147,30 @@ def test_qwen72b_example_under_torchrun_shards_over_two_cpu_ranks(tmp_path):
     assert "rank 1" in (tmp_path / "q" / "report" / "report.md").read_text()
 
 
+def test_qwen72b_example_over_two_nodes_of_one_rank_each(tmp_path):
+    """Two torchrun launches meeting at a c10d rendezvous, as on two machines, one rank each: every node's only
+    rank is its local rank 0 (LOCAL_WORLD_SIZE 1), the trainer shards over both, each node has an engine of its own."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")])}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-id", "two-nodes",
+                               "--rdzv-endpoint", f"localhost:{port}", str(EXAMPLES / "qwen72b.py"), "--steps", "2",
+                               "--host-memory-gib", "4", "--out", str(tmp_path / "q")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+    assert "per GPU (GiB)" in outputs[0][0] and "per GPU (GiB)" not in outputs[1][0]  # the plan, by rank 0 only
+    metrics = json.loads((tmp_path / "q" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and len(metrics["steps"]) == 2
+    assert {f.name for f in (tmp_path / "q").glob("profile*.jsonl")} == {"profile.rank0.jsonl", "profile.rank1.jsonl"}
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")])])
 def test_under_torchrun_each_rank_resumes_its_shards_and_masters_bit_for_bit(tmp_path, device):
