@@ -166,6 +166,8 @@ def check_args(args) -> None:
         problems.append(f"--clip {args.clip}: give a ratio bound in (0, 1), e.g. 0.2")
     if not args.tis_cap >= 1:  # NaN too
         problems.append(f"--tis-cap {args.tis_cap}: give a truncation of 1 or more, e.g. 2")
+    if args.verify_tolerance and not args.verify:
+        problems.append("--verify-tolerance judges the probe sampled after each weight check: drop --no-verify")
     if not args.kl_coef >= 0:
         problems.append(f"--kl-coef {args.kl_coef}: give 0 (no reference) or a positive coefficient, e.g. 0.04")
     if args.updates > args.prompts:
@@ -235,11 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--sleep-level", default="auto", choices=["auto", "1", "2"])
     ap.add_argument("--no-verify", dest="verify", action="store_false",
-                    help="skip the on-policy check after each weight sync (on by default: the engine's weights are "
-                         "proved to be the trainer's, and the rollout-training mismatch is measured)")
+                    help="skip the weight check after each weight sync (on by default: the engine's weights are "
+                         "proved to be the trainer's; the rollout-training mismatch is measured on the rollouts "
+                         "themselves either way)")
     ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
-                    help="stop when the mismatch exceeds these |dlogp| bounds (SwapConfig.verify_tolerance); "
-                         "default: report it only")
+                    help="stop when the mismatch on swaprl's fixed probe, sampled after each sync, exceeds these "
+                         "|dlogp| bounds (SwapConfig.verify_tolerance); default: no probe, no bound")
     ap.add_argument("--optimizer-states", default="auto", type=optimizer_states,
                     help="where the AdamW states live (SwapConfig.optimizer_states): 'auto' (the default; with the "
                          "engine this loop builds inside attach, 'swap'), 'swap' (host memory while generating), "
@@ -437,6 +440,9 @@ def main(argv: list[str] | None = None) -> dict:
                                optimizer_states=args.optimizer_states, master_weights=args.master_weights,
                                verify_tolerance=(tuple(float(x) for x in args.verify_tolerance.split(","))
                                                  if args.verify_tolerance else None),
+                               # the mismatch comes from the rollouts' own log-probabilities (grpo_loss); the probe
+                               # only where a tolerance judges it
+                               mismatch_probe=args.verify_tolerance is not None,
                                overlap_optimizer_reload=swapped,
                                host_budget_bytes=(int(args.host_budget_gib * 2**30) if args.host_budget_gib
                                                   else None),
@@ -550,10 +556,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "data_position": problems.position if task else None, "args": vars(args),
                     "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
                             **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}})
+            said = [f"weights {sync['weights']}"] if sync else []
+            said += [f"probe max|dlogp| {check:.3g}"] if check is not None else []
+            if "mismatch_mean_abs_dlogp" in stats:
+                said.append(f"rollout mean|dlogp| {stats['mismatch_mean_abs_dlogp']:.3g}")
             log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
                      "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
-                     rollout_tokens, mean_reward, f", weights {sync['weights']}, mismatch max|dlogp| {check:.3g}"
-                     if check is not None else "")
+                     rollout_tokens, mean_reward, "".join(", " + x for x in said))
     except BaseException:
         for close in (reporter.close, profiler.close if profiler else None, swaprl.detach, engine.close):
             if close is not None:

@@ -144,6 +144,12 @@ class SwapConfig:
     sides' weights on the device, one short generation and one short forward; turn it off only to measure without
     it."""
 
+    mismatch_probe: bool = True
+    """With `verify_sync`: measure the rollout-training mismatch on the short probe as well. False keeps the weight
+    check and leaves out the probe's generation and forward from the phase switches: for a loop that measures the
+    mismatch on its own rollouts from the engine's log-probabilities (examples/grpo.py does). `verify_tolerance`
+    judges the probe's figures, so it needs the probe."""
+
     verify_tolerance: tuple[float, float] | None = None
     """(max, mean) bounds on |log p_trainer - log p_engine| over the probe's tokens, past which leaving `generate`
     raises `EngineStateError` (in `train`, before the loop trains on the rollouts).
@@ -168,7 +174,8 @@ class SwapConfig:
         if self.stream_chunk_bytes < 2**20:
             raise ValueError(f"SwapConfig.stream_chunk_bytes={self.stream_chunk_bytes} is under 1 MiB; chunks that "
                              "small make the streamed step launch-bound: use 256 MiB or more")
-        for name in ("master_weights", "pin_memory", "overlap_optimizer_reload", "overlap_offload", "verify_sync"):
+        for name in ("master_weights", "pin_memory", "overlap_optimizer_reload", "overlap_offload", "verify_sync",
+                     "mismatch_probe"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"SwapConfig.{name}={value!r}; give True or False")
@@ -196,6 +203,10 @@ class SwapConfig:
         if self.profile is not None and (not isinstance(self.profile, str | os.PathLike) or not str(self.profile)):
             raise ValueError(f"SwapConfig.profile={self.profile!r}; give the path of the profile to write (a str or "
                              "a pathlib.Path), or None for no profile")
+        if self.verify_tolerance is not None and not (self.verify_sync and self.mismatch_probe):
+            raise ValueError(f"SwapConfig(verify_tolerance={self.verify_tolerance!r}) judges the mismatch the probe "
+                             "measures after each weight sync: keep verify_sync=True and mismatch_probe=True, or drop "
+                             "verify_tolerance")
         if self.verify_tolerance is not None:
             bounds = self.verify_tolerance
             if (not isinstance(bounds, tuple | list) or len(bounds) != 2

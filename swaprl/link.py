@@ -99,7 +99,8 @@ class OwnWeights(SharedWeights):
 
     def ready_steps(self) -> list[Step]:
         steps = [Step("engine wake kv_cache", lambda: self.wake(["kv_cache"]), self.sleep)]
-        if self.config.verify_sync:  # the mismatch's engine half; the trainer scores it when training starts
+        # the mismatch's engine half; the trainer scores it when training starts
+        if self.config.verify_sync and self.config.mismatch_probe:
             steps.append(Step("sample probe", self.verifier.sample_mismatch, self.verifier.drop_probe))
         return steps
 
@@ -156,7 +157,8 @@ class OwnWeights(SharedWeights):
     def _verify_weights(self, cycle: int) -> None:
         seconds, sent = self._synced or (None, None)
         report = self.verifier.check_weights(cycle, sync_seconds=seconds, sync_bytes=sent)
-        if not report.ok:  # nothing is generated: the report is complete without its mismatch
+        # Complete without a mismatch when the check failed (nothing is generated) or no probe follows.
+        if not report.ok or not self.config.mismatch_probe:
             self._emit({"type": "sync", **report.as_dict()})
         raise_if_failed(report)
 

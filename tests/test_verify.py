@@ -516,3 +516,21 @@ def test_without_a_cuda_driver_relaxing_the_capture_mode_warns_and_names_the_way
     with caplog.at_level("WARNING", logger="swaprl.compat.cuda"):
         assert cuda_compat.allow_calls_during_capture() is False
     assert "Build the engine before attach" in caplog.text and "enforce_eager=True" in caplog.text
+
+
+def test_without_the_probe_the_switches_keep_the_weight_check_and_leave_out_the_probes_work():
+    """SwapConfig(mismatch_probe=False), for a loop that measures the mismatch on its own rollouts: every sync still
+    proved and reported, no probe sampled or scored, no mismatch figure; a tolerance without the probe is refused."""
+    model, opt, engine = trainer_and_engine()
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(mismatch_probe=False))
+    events = []
+    rt.add_listener(lambda e: events.append(e))
+    grpo.run(model, opt, engine, steps=2, runtime=rt)
+    steps = [e["step"] for e in events if e["type"] == "step"]
+    assert "verify weights" in steps and not any("probe" in step for step in steps)
+    syncs = [e for e in events if e["type"] == "sync"]
+    assert [e["weights"] for e in syncs] == ["exact", "exact"] and all(e["mismatch"] is None for e in syncs)
+    assert rt.last_sync.weights == "exact" and rt.last_sync.mismatch is None
+    swaprl.detach()
+    with pytest.raises(ValueError, match="keep verify_sync=True and mismatch_probe=True, or drop verify_tolerance"):
+        swaprl.SwapConfig(mismatch_probe=False, verify_tolerance=(1.0, 0.5))
