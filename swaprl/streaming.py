@@ -321,23 +321,25 @@ class StateStreamer:
             chunk.bytes += align(nbytes(home))
 
     def _step_piece(self, chunk: _Chunk, buf: torch.Tensor, grad: torch.Tensor, raw_step: Callable[[], object],
-                    scalars: dict) -> None:
+                    carried: dict) -> None:
         """Step the elements of one piece as a parameter of their own: views of the staging buffer for its states
-        (and its master), of the model's tensors for the rest. `scalars` carries the parameter's scalar states from
-        its first piece (their values before the step) to its last (written back)."""
+        (and its master), of the model's tensors for the rest. `carried` keeps, from a parameter's first piece to
+        its last, its scalar states (their values before the step; written back after the last piece) and its
+        gradient flattened (a copy, once, where the gradient's elements are out of order)."""
         (p, group), (a, e) = chunk.params[0], chunk.piece
         staged = {key: host_view(buf, offset, home) for key, home, offset in chunk.slices}
-        grad = local_tensor(grad).detach().reshape(-1)[a:e]
+        if a == 0:
+            carried.clear()
+            carried["grad"] = local_tensor(grad).detach().reshape(-1)
+            carried["scalars"] = {k: v for k, v in self.optimizer.state[p].items()
+                                  if isinstance(v, torch.Tensor) and local_tensor(v).dim() == 0}
+        grad, scalars = carried["grad"][a:e], carried["scalars"]
         if self._is_master(p):
             q, model = staged.pop("master"), local_tensor(self.masters.model_param(p)).detach().reshape(-1)[a:e]
             q.grad = grad.to(dtype=q.dtype)
         else:
             q, model = local_tensor(p).detach().reshape(-1)[a:e], None
             q.grad = grad
-        if a == 0:
-            scalars.clear()
-            scalars.update({k: v for k, v in self.optimizer.state[p].items()
-                            if isinstance(v, torch.Tensor) and local_tensor(v).dim() == 0})
         state = {k: v for k, v in self.optimizer.state[p].items() if not isinstance(v, torch.Tensor)}
         # A scalar at home in host memory (a fused step's counter) is the device's while it steps.
         state.update({k: local_tensor(v).to(self.device if self._at_home(local_tensor(v)) else v.device, copy=True)
@@ -356,6 +358,7 @@ class StateStreamer:
         if e == local_tensor(p).numel():
             for k, v in scalars.items():
                 local_tensor(v).copy_(state[k])
+            carried.clear()
 
     def _add_copy(self, chunk: _Chunk, t: torch.Tensor) -> None:
         h = self._homes[id(t)]
@@ -379,7 +382,7 @@ class StateStreamer:
         staging = [torch.empty(size, dtype=torch.uint8, device=self.device)
                    for _ in range(min(sum(1 for c in chunks if c.bytes), 2))]
         copied_in: list[torch.cuda.Event | None] = [None] * len(chunks)
-        scalars: dict = {}  # a sliced parameter's scalar states, from its first piece to its last
+        carried: dict = {}  # a sliced parameter's scalar states and flattened gradient, from its first piece on
         emptied: list[torch.cuda.Event | None] = [None, None]  # per staging buffer: its last copy out is done
         if cuda:  # the staging memory may have been freed by work still queued on the compute stream
             self._h2d.wait_stream(compute)
@@ -395,7 +398,7 @@ class StateStreamer:
                     compute.wait_event(copied_in[i])
                 buf = staging[chunk.slot] if chunk.bytes else None
                 if chunk.piece is not None:
-                    self._step_piece(chunk, buf, grads[chunk.params[0][0]], raw_step, scalars)
+                    self._step_piece(chunk, buf, grads[chunk.params[0][0]], raw_step, carried)
                     moved = sum(nbytes(home) for _, home, _ in chunk.slices)
                     self._copy_out(chunk, buf, emptied)
                     figures["h2d_bytes"] += moved
