@@ -16,8 +16,8 @@ state broken):
   b  the same trainer under `swaprl.integrations.trl.wrap(trainer, config=SwapConfig(verify_sync=True,
      grads="free", overlap_optimizer_reload=True))` (no reload to overlap with `--optimizer-states host`; lean
      rollouts, the wrapper's default: vLLM is asked for token ids only), the same utilization search.
-  c  swaprl's own loop, `examples/grpo.py --engine vllm` (the engine sizes itself, the check on as in b), read from
-     its metrics.
+  c  swaprl's own loop, `examples/grpo.py --engine vllm` (the engine sizes itself; the weight check on as in b,
+     the mismatch from the rollouts' own log-probabilities instead of b's probe), read from its metrics.
 
 Workloads: W1 = Qwen2.5-1.5B, 32 prompts x 8 completions, 1024 completion tokens; W2 = Qwen2.5-3B, 64 x 8, 2048;
 W3 = W1's batch on 1.5B, 3B, 7B, 14B for each way until one fails (the largest that ran is reported; `--presets`

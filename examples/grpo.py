@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -168,7 +169,7 @@ def check_args(args) -> None:
         problems.append(f"--tis-cap {args.tis_cap}: give a truncation of 1 or more, e.g. 2")
     if args.verify_tolerance and not args.verify:
         problems.append("--verify-tolerance judges the probe sampled after each weight check: drop --no-verify")
-    if not args.kl_coef >= 0:
+    if not (math.isfinite(args.kl_coef) and args.kl_coef >= 0):
         problems.append(f"--kl-coef {args.kl_coef}: give 0 (no reference) or a positive coefficient, e.g. 0.04")
     if args.updates > args.prompts:
         problems.append(f"--updates {args.updates}: each update takes whole prompts, and a rollout has "

@@ -203,10 +203,6 @@ class SwapConfig:
         if self.profile is not None and (not isinstance(self.profile, str | os.PathLike) or not str(self.profile)):
             raise ValueError(f"SwapConfig.profile={self.profile!r}; give the path of the profile to write (a str or "
                              "a pathlib.Path), or None for no profile")
-        if self.verify_tolerance is not None and not (self.verify_sync and self.mismatch_probe):
-            raise ValueError(f"SwapConfig(verify_tolerance={self.verify_tolerance!r}) judges the mismatch the probe "
-                             "measures after each weight sync: keep verify_sync=True and mismatch_probe=True, or drop "
-                             "verify_tolerance")
         if self.verify_tolerance is not None:
             bounds = self.verify_tolerance
             if (not isinstance(bounds, tuple | list) or len(bounds) != 2
@@ -214,6 +210,10 @@ class SwapConfig:
                 raise ValueError(f"SwapConfig.verify_tolerance={bounds!r}; give (max, mean) as two positive "
                                  "numbers, e.g. (0.5, 0.12), or None for the defaults")
             object.__setattr__(self, "verify_tolerance", (float(bounds[0]), float(bounds[1])))
+            if not self.mismatch_probe:
+                raise ValueError(f"SwapConfig(verify_tolerance={self.verify_tolerance!r}) judges the mismatch the "
+                                 "probe measures after each weight sync: keep mismatch_probe=True, or drop "
+                                 "verify_tolerance")
         if self.gpu_memory_utilization is not None:
             value = self.gpu_memory_utilization
             if not _finite_number(value) or not 0.0 < value <= 1.0:

@@ -102,6 +102,8 @@ class OwnWeights(SharedWeights):
         # the mismatch's engine half; the trainer scores it when training starts
         if self.config.verify_sync and self.config.mismatch_probe:
             steps.append(Step("sample probe", self.verifier.sample_mismatch, self.verifier.drop_probe))
+        elif self.config.verify_sync:  # no probe to wait for: reported once the switch stands, the last step
+            steps.append(Step("report sync", lambda: self._emit({"type": "sync", **self.verifier.last.as_dict()})))
         return steps
 
     def sleep_steps(self) -> list[Step]:
@@ -157,8 +159,7 @@ class OwnWeights(SharedWeights):
     def _verify_weights(self, cycle: int) -> None:
         seconds, sent = self._synced or (None, None)
         report = self.verifier.check_weights(cycle, sync_seconds=seconds, sync_bytes=sent)
-        # Complete without a mismatch when the check failed (nothing is generated) or no probe follows.
-        if not report.ok or not self.config.mismatch_probe:
+        if not report.ok:  # nothing is generated: the report is complete without its mismatch
             self._emit({"type": "sync", **report.as_dict()})
         raise_if_failed(report)
 

@@ -309,6 +309,7 @@ def test_metrics_go_to_tensorboard_as_to_metrics_jsonl(tmp_path):
     (["--master-weights"], "add --dtype bfloat16"),
     (["--verify-tolerance", "1,0.5", "--no-verify"], "--verify-tolerance judges the probe .*: drop --no-verify"),
     (["--kl-coef", "-0.1"], "--kl-coef -0.1: give 0 \\(no reference\\) or a positive coefficient"),
+    (["--kl-coef", "inf"], "--kl-coef inf: give 0 \\(no reference\\) or a positive coefficient"),
 ])
 def test_settings_that_cannot_train_are_refused_before_anything_loads(tmp_path, extra, message):
     import grpo

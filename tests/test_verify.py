@@ -532,5 +532,32 @@ def test_without_the_probe_the_switches_keep_the_weight_check_and_leave_out_the_
     assert [e["weights"] for e in syncs] == ["exact", "exact"] and all(e["mismatch"] is None for e in syncs)
     assert rt.last_sync.weights == "exact" and rt.last_sync.mismatch is None
     swaprl.detach()
-    with pytest.raises(ValueError, match="keep verify_sync=True and mismatch_probe=True, or drop verify_tolerance"):
+    with pytest.raises(ValueError, match="keep mismatch_probe=True, or drop verify_tolerance"):
         swaprl.SwapConfig(mismatch_probe=False, verify_tolerance=(1.0, 0.5))
+    with pytest.raises(ValueError, match="verify_tolerance=.*give \\(max, mean\\) as two positive"):
+        swaprl.SwapConfig(mismatch_probe=False, verify_tolerance=(float("nan"), 1.0))  # the value's fault first
+
+
+def test_without_the_probe_a_rolled_back_switch_reports_no_sync():
+    """The sync is reported as the switch's last step: a switch rolled back after the weight check (here the KV
+    cache's wake-up fails) leaves no report of a sync that the next switch redoes."""
+    model, opt, engine = trainer_and_engine()
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(mismatch_probe=False))
+    syncs = []
+    rt.add_listener(lambda e: syncs.append(e["cycle"]) if e["type"] == "sync" else None)
+    grpo.run(model, opt, engine, steps=1, runtime=rt)
+    wake = engine.wake
+
+    def fail_kv_once(tags=None):
+        if tags and "kv_cache" in tags:
+            engine.wake = wake
+            raise RuntimeError("injected: the KV cache does not wake")
+        return wake(tags)
+
+    engine.wake = fail_kv_once
+    with pytest.raises(RuntimeError, match="injected"):
+        with rt.phase("generate"):
+            pass
+    grpo.run(model, opt, engine, steps=1, runtime=rt)
+    assert syncs == [1, 2], syncs
+    swaprl.detach()

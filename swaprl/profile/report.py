@@ -643,8 +643,9 @@ def _check_section(live: list[Run], figures: dict[str, bytes], warnings: list[st
     """The on-policy check after each sync: were the engine's weights the trainer's, at what cost, how far apart."""
     sec = _Section("On-policy check", [
         ("After each weight sync every tensor the engine holds is fingerprinted and compared with the trainer's "
-         "(bit-exact, no tolerance); then the engine samples a short probe and, once it sleeps, the trainer scores "
-         "the same tokens: the rollout-training mismatch, measured rather than judged.")])
+         "(bit-exact, no tolerance); then, unless the run turned the probe off (SwapConfig.mismatch_probe), the "
+         "engine samples a short probe and, once it sleeps, the trainer scores the same tokens: the rollout-training "
+         "mismatch, measured rather than judged.")])
     rows = []
     for r in live:
         recs = sorted(r.syncs, key=lambda x: x["t"])
@@ -657,7 +658,8 @@ def _check_section(live: list[Run], figures: dict[str, bytes], warnings: list[st
                          str(x.get("unreadable", 0)),
                          _f(x.get("sync_seconds")), _f(x.get("verify_seconds")), _f(ratio, "{:.1%}"),
                          _f(m.get("max_abs"), "{:.4f}"), _f(m.get("mean_abs"), "{:.4f}"), _f(m.get("kl"), "{:.2e}"),
-                         _f(m.get("outside"), "{:.2%}"), str(m.get("tokens", "—")), _f(x.get("mismatch_seconds"))])
+                         _f(m.get("outside"), "{:.2%}"), str(m.get("tokens", "—")),
+                         _f(x.get("mismatch_seconds") if m else None)])  # no probe ran: no probe time either
         for x in recs:
             if x.get("weights") == "differ":
                 warnings.append(f"{r.label}: at cycle {x.get('cycle')} the engine did not hold the trainer's "
