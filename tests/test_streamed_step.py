@@ -623,3 +623,36 @@ def test_a_parameter_whose_elements_are_out_of_order_is_stepped_whole():
     assert_same_training(snapshot(model, opt), snapshot(ref, ref_opt))
     assert [e["chunks"] for e in events] == [1, 1, 1]
     swaprl.detach()
+
+
+@pytest.mark.gpu
+def test_a_parameter_larger_than_a_chunk_holds_the_device_to_two_chunks():
+    """A 32 MiB embedding with 64 MiB of AdamW states, streamed 8 MiB at a time: stepped in pieces, the step's
+    device peak stays within two staging chunks plus the update's temporaries (the whole parameter's states would
+    need 64 MiB), and training matches plain AdamW on the device bit for bit."""
+    chunk = 8 * MiB
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8192, 1024)).cuda()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    rt = swaprl.attach(model, opt, "hf", config=swaprl.SwapConfig(optimizer_states="host", stream_chunk_bytes=chunk))
+    events = streamed_steps(rt)
+    for step in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(step)
+        grad = torch.randn((8192, 1024), device="cuda", generator=gen)
+        model[0].weight.grad, reference[0].weight.grad = grad, grad.clone()
+        ref_opt.step()
+        del grad
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        opt.step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        if step > 0:  # the first step creates the states, whole, on the device
+            assert peak <= 2 * chunk + chunk + 4 * MiB, (step, peak)
+    assert [e["chunks"] for e in events[1:]] == [8] * 2  # 64 MiB of states in pieces of 8 MiB
+    torch.testing.assert_close(model[0].weight, reference[0].weight, rtol=0, atol=0)
+    for a, b in zip(optimizer_tensors(opt), optimizer_tensors(ref_opt)):
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0)
+    swaprl.detach()
