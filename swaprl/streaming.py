@@ -336,7 +336,7 @@ class StateStreamer:
         grad, scalars = carried["grad"][a:e], carried["scalars"]
         if self._is_master(p):
             q, model = staged.pop("master"), local_tensor(self.masters.model_param(p)).detach().reshape(-1)[a:e]
-            q.grad = grad.to(dtype=q.dtype)
+            self.masters.load_grad(q, grad)
         else:
             q, model = local_tensor(p).detach().reshape(-1)[a:e], None
             q.grad = grad
