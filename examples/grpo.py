@@ -414,18 +414,20 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     compute = getattr(torch, args.dtype)
     dtype = torch.float32 if args.fp32_params else compute
-    if world > 1:
-        model = load_sharded(path, dtype, device, compute=compute if args.fp32_params else None)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+
+    def load() -> torch.nn.Module:  # FSDP2 over the ranks under torchrun, else whole on this device
+        if world > 1:
+            return load_sharded(path, dtype, device, compute=compute if args.fp32_params else None)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+
+    model = load()
     # One device with fp32 parameters: the forward and backward in the compute dtype.
     autocast = (torch.autocast(device.split(":")[0], dtype=compute) if args.fp32_params and world == 1
                 else contextlib.nullcontext())
     reference = None
     if args.kl_coef > 0:  # the policy the run started from (a resumed run's too), frozen; its load draws no random
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.startswith("cuda") else []):
-            reference = (load_sharded(path, dtype, device, compute=compute if args.fp32_params else None)
-                         if world > 1 else AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device))
+            reference = load()
         reference.requires_grad_(False)
         reference.config.use_cache = False
     model.gradient_checkpointing_enable()  # only active in training mode, and from_pretrained returns eval mode
