@@ -196,11 +196,11 @@ class PhaseMachine:
         self._unsettled = None  # every step of the switch moved what was out of place for `dst`
         if dst == "generate":
             self._cycle += 1
-        seconds = time.perf_counter() - start
+        seconds, ended = time.perf_counter() - start, time.time()  # the switch's end, not status()'s
         logger.info("%s -> %s: %.2f GiB moved in %.3f s", src, dst, memory.gib(moved), seconds)
         if self._listeners:  # status() reads NVML: only pay for it when someone listens
-            self._emit({"type": "phase", "phase": dst, "from": src, "cycle": self._cycle, "seconds": seconds,
-                        "bytes": moved, "status": self.status()})
+            self._emit({"t": ended, "type": "phase", "phase": dst, "from": src, "cycle": self._cycle,
+                        "seconds": seconds, "bytes": moved, "status": self.status()})
         judged, self._link.judged = self._link.judged, None
         if judged is not None and judge:
             # The weights were proved before generating; a mismatch past the user's bounds stops the run before it

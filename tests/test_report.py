@@ -366,6 +366,42 @@ def test_streamed_optimizer_step_is_rated_against_both_directions_at_once():
     assert row["fraction"] == pytest.approx(floor_s / 0.5)
 
 
+def test_the_ceiling_is_the_faster_of_the_start_and_end_measures_and_a_step_above_it_has_no_floor():
+    """Measured at start-up beside host memory being page-locked, the host-to-device speed read half the link's (26.5
+    GB/s), and the streamed step then showed 126% of its ceiling. The end's measure is taken too; a step still faster
+    than the best measure says the measure is wrong, and gets no floor or fraction rather than one above 100%."""
+    from swaprl.profile.report import Run, copy_ceiling, transition_rows
+
+    steps = [{"t": float(i), "transition": "optimizer.step", "step": "stream optimizer states", "bytes": 8 * GiB,
+              "h2d_bytes": 4 * GiB, "d2h_bytes": 4 * GiB, "seconds": 0.1, "chunks": 4} for i in range(3)]
+    run = Run(Path("run.jsonl"), {"copy_bandwidth": {"d2h_GBps": 55.0, "h2d_GBps": 26.5}})
+    run.steps = steps
+    (row,) = transition_rows(run)
+    assert row.get("over_ceiling") and row["fraction"] is None and row["floor_s"] is None
+    run.end = {"type": "end", "t": 9.0, "reason": "close", "copy_bandwidth": {"d2h_GBps": 54.0, "h2d_GBps": 53.0}}
+    assert copy_ceiling(run) == {"h2d_GBps": 53.0, "d2h_GBps": 55.0}
+    (row,) = transition_rows(run)
+    assert not row.get("over_ceiling") and row["floor_s"] == pytest.approx(4 * GiB / 53e9)
+    assert row["fraction"] == pytest.approx(row["floor_s"] / 0.1)
+
+
+def test_a_sample_taken_after_a_switch_began_is_the_switchs_even_if_its_phase_record_came_late():
+    """Profiles stamped the phase record after a status read (25 ms at 72B), so `t - seconds` began the switch
+    after its first steps: a sample of the engine's wake-up counted as the train peak (74.84 GiB for 60.93). The
+    switch begins at its first step's start."""
+    from swaprl.profile.report import Run, intervals
+
+    run = Run(Path("run.jsonl"), {"t0": 0.0})
+    run.phases = [{"t": 0.0, "phase": "train", "from": None, "cycle": None, "seconds": 0.0},
+                  {"t": 10.0, "phase": "generate", "from": "train", "cycle": 1, "seconds": 0.5}]
+    run.steps = [{"t": 8.0, "transition": "optimizer.step", "step": "stream optimizer states", "seconds": 3.0},
+                 {"t": 9.45, "transition": "train->generate", "step": "free grads", "seconds": 0.01},
+                 {"t": 9.9, "transition": "train->generate", "step": "engine wake weights", "seconds": 0.4}]
+    train, switch, _ = intervals(run)
+    assert (train.kind, switch.kind) == ("train", "transition")
+    assert switch.start == pytest.approx(9.44) and train.end == pytest.approx(9.44)
+
+
 def test_on_policy_check_section_from_a_recorded_run(tmp_path, capsys):
     """A CPU run with an engine of its own weights: each sync's check is in the profile and the report, and a
     refused switch (weights that differ) is flagged at the top."""

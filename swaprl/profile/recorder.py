@@ -26,7 +26,8 @@ object a line; every line is written whole and flushed, so a crash leaves a read
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"
             [, "torch_private_free"]} (the first one, "from": null, is the state when recording started;
             torch_private_free: bytes of torch's private pools that no block holds)
-    end     {"type": "end", "t", "reason": "detach" | "close" | "exit", "samples"}  ("exit": the process ended with
+    end     {"type": "end", "t", "reason": "detach" | "close" | "exit", "samples"[, "copy_bandwidth"]}
+            (copy_bandwidth: measured again at the end, on CUDA, but at "exit"; "exit": the process ended with
             the runtime still attached: the normal end when host-resident optimizer states do not fit on the device
             for `detach()`, or an uncaught exception; a profile without an end record was cut short: a kill, a
             hard crash, or a run still going)
@@ -121,7 +122,10 @@ class Profiler:
         if self._thread is not threading.current_thread():
             self._thread.join()
         self._write(self._sample())
-        self._write({"type": "end", "t": time.time(), "reason": reason, "samples": self._samples})
+        end = {"type": "end", "t": time.time(), "reason": reason, "samples": self._samples}
+        if self._cuda and reason != "exit":  # measured again now that nothing else copies (the report takes the best)
+            end["copy_bandwidth"] = _copy_bandwidth(self._device)
+        self._write(end)
         with self._lock:
             self._closed = True
             self._file.close()
@@ -302,5 +306,6 @@ def _copy_bandwidth(device: torch.device) -> dict | None:
             torch.cuda.empty_cache()  # leave torch's reserved memory as it was: the profile must not show us
         return {"h2d_GBps": round(h2d, 2), "d2h_GBps": round(d2h, 2), "bytes": _COPY_BYTES}
     except Exception as exc:  # out of memory, most likely: the profile is still worth having without a ceiling
-        logger.warning("could not measure host<->device copy bandwidth (%s); the report will show no ceiling", exc)
+        logger.warning("could not measure host<->device copy bandwidth (%s); the report takes the run's other "
+                       "measure, if any, as its ceiling", exc)
         return None

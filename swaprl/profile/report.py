@@ -177,13 +177,24 @@ def intervals(run: Run) -> list[Interval]:
         return [Interval("train", None, run.header.get("t0", 0.0), run.t_end())]
     out = []
     t_end = run.t_end()
+    begins = [_switch_start(run, rec, bounds[i - 1]["t"] if i else None) for i, rec in enumerate(bounds)]
     for i, rec in enumerate(bounds):
         start = rec["t"]
         if rec.get("from") is not None:
-            out.append(Interval("transition", rec.get("cycle"), start - rec.get("seconds", 0.0), start))
-        stop = t_end if i + 1 == len(bounds) else bounds[i + 1]["t"] - bounds[i + 1].get("seconds", 0.0)
+            out.append(Interval("transition", rec.get("cycle"), begins[i], start))
+        stop = t_end if i + 1 == len(bounds) else begins[i + 1]
         out.append(Interval(rec["phase"], rec.get("cycle"), start, max(stop, start)))
     return out
+
+
+def _switch_start(run: Run, rec: dict, after: float | None) -> float:
+    """When the switch that `rec` ends began: its seconds before its time, or its first step's start if earlier
+    (profiles written before the phase record's time was the switch's end stamped it after a status read)."""
+    start = rec["t"] - rec.get("seconds", 0.0)
+    name = f"{rec.get('from')}->{rec['phase']}"
+    steps = [s["t"] - s.get("seconds", 0.0) for s in run.steps
+             if s.get("transition") == name and (after is None or s["t"] > after) and s["t"] <= rec["t"]]
+    return min([start, *steps])
 
 
 def peaks(run: Run) -> list[dict]:
@@ -244,7 +255,7 @@ def transition_rows(run: Run) -> list[dict]:
     groups: dict[tuple[str, str], list[dict]] = {}
     for s in sorted(run.steps, key=lambda r: r["t"]):
         groups.setdefault((s["transition"], s["step"]), []).append(s)
-    ceiling = run.header.get("copy_bandwidth") or {}
+    ceiling = copy_ceiling(run)
     rows = []
     for (transition, step), recs in groups.items():
         later = recs[1:] or recs
@@ -268,8 +279,20 @@ def transition_rows(run: Run) -> list[dict]:
         row["fraction"] = (row["GBps"] / row["ceiling_GBps"]) if row["GBps"] and row["ceiling_GBps"] else None
         # The physical floor of the step's copies: its bytes at the ceiling measured in the same run.
         row["floor_s"] = row["bytes"] / row["ceiling_GBps"] / 1e9 if moved and row["ceiling_GBps"] else None
+        if row["fraction"] is not None and row["fraction"] > 1:  # faster than the link: the ceiling is what is wrong
+            row["fraction"] = row["floor_s"] = row["ceiling_GBps"] = None
+            row["over_ceiling"] = True
         rows.append(row)
     return rows
+
+
+def copy_ceiling(run: Run) -> dict:
+    """The pinned-copy speed each way: the faster of the measures at start-up and at the end. One of them can run
+    beside other traffic (host memory being page-locked in the background, the other rank's copies) and read low; a
+    ceiling is what the link can do."""
+    measures = [run.header.get("copy_bandwidth") or {}, (run.end or {}).get("copy_bandwidth") or {}]
+    return {key: max(m[key] for m in measures if m.get(key)) for key in ("h2d_GBps", "d2h_GBps")
+            if any(m.get(key) for m in measures)}
 
 
 def baselines(run: Run) -> tuple[str, list[tuple[int, int]]]:
@@ -493,7 +516,7 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
     rows = []
     for r in runs:
         h = r.header
-        bw = h.get("copy_bandwidth") or {}
+        bw = copy_ceiling(r)
         cycles = max((p.get("cycle") or 0 for p in r.phases), default=0)
         rows.append([r.label, r.path.name, h.get("device_name") or h.get("device", "?"), h.get("host", "?"),
                      f"torch {h.get('torch', '?')}, swaprl {h.get('swaprl', '?')}",
@@ -580,14 +603,16 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
         for t in transition_rows(r):
             rows.append([r.label, t["transition"], t["step"], str(t["count"]), _b(t["bytes"]), _f(t["first_s"]),
                          _f(t["later_s"]), _f(t["floor_s"]), _f(t["GBps"], "{:.2f}"), _f(t["ceiling_GBps"], "{:.1f}"),
-                         _f(t["fraction"], "{:.0%}")])
+                         "over" if t.get("over_ceiling") else _f(t["fraction"], "{:.0%}")])
     trans.tables.append(_Table("Steps", ["rank", "transition", "step", "count", "bytes (median)", "first s",
                                          "later s (median)", "floor s", "GB/s (median)", "copy ceiling GB/s",
                                          "of ceiling"],
                                rows, "Host buffers are reused from one transition to the next (their preparation: "
-                                     "the Host buffers table). The ceiling is the pinned-copy speed measured at "
-                                     "start-up (device to host for offloads, host to device for reloads, both at once "
-                                     "for the streamed optimizer step). A step that queues its copies and lets them "
+                                     "the Host buffers table). The ceiling is the pinned-copy speed measured in the "
+                                     "run, the faster of its start-up and end measures (device to host for offloads, "
+                                     "host to device for reloads, both at once for the streamed optimizer step); "
+                                     "\"over\": the step ran faster than that, so the measure read low (it ran beside "
+                                     "other copies) and gives no floor. A step that queues its copies and lets them "
                                      "run under what follows (an optimizer reload under the forward) has no rate: "
                                      "its seconds are the queueing's."))
     rows = []
