@@ -28,8 +28,10 @@ A parameter whose states are larger than a chunk (an embedding's, with fp32 mast
 (`SLICEABLE`): each piece is a slice of the flattened tensors, stepped as a parameter of its own with its states'
 slices, so the staging buffers stay two chunks whatever the largest parameter. Its scalar states (AdamW's step) are
 copied for each piece and written once after the last; elementwise arithmetic makes the result bit for bit the
-whole parameter's step. Pieces are whole multiples of `PIECE_ALIGN` elements of contiguous tensors; other
-parameters, and other optimizers, step whole, in one chunk of their size. A step that fails inside a sliced parameter
+whole parameter's step. Where the optimizer's states start as zeros (`ZERO_START`), such a parameter's first
+step finds them made already, at their host home, so the first step's device peak is the others'. Pieces are whole
+multiples of `PIECE_ALIGN` elements of contiguous tensors; other parameters, and other optimizers, step whole, in
+one chunk of their size. A step that fails inside a sliced parameter
 leaves its earlier pieces updated and its step counter as it was, and logs so.
 
 Sharded parameters (FSDP2's DTensors) stream the same way: each rank moves its own shards' states, as their local
@@ -66,6 +68,9 @@ SLICEABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 parameter's scalar states: a parameter may be stepped in pieces."""
 PIECE_ALIGN = 4096
 """Elements a piece's length is a multiple of."""
+ZERO_START = (torch.optim.Adam, torch.optim.AdamW)
+"""Optimizers whose states start as zeros: a parameter to be stepped in pieces gets them made at their host home
+before its first step, so that step too takes it in pieces instead of making them whole on the device."""
 
 
 @dataclass(slots=True)
@@ -206,6 +211,7 @@ class StateStreamer:
         if self.masters is not None:
             self.masters.check()
         stepping = [(p, g) for p, g in self.params() if self._grad(p) is not None]
+        self._start_at_home(stepping)
         chunks = self._plan(stepping)
         grads = {p: self._grad(p) for p, _ in stepping}
         figures = {"h2d_bytes": 0, "d2h_bytes": 0}
@@ -281,6 +287,34 @@ class StateStreamer:
         for k, chunk in enumerate(c for c in chunks if c.bytes):  # alternate the staging buffers
             chunk.slot = k % 2
         return chunks
+
+    def _start_at_home(self, stepping: list[tuple[torch.nn.Parameter, dict]]) -> None:
+        """Give each owned parameter without states that will be stepped in pieces the states torch would make at
+        its first step, made at their host home: zeros, and the scalars as torch makes them."""
+        if type(self.optimizer) not in ZERO_START:
+            return
+        for p, group in stepping:
+            if not self.owns(p) or self.optimizer.state.get(p) or local_tensor(p) is not p or not p.is_contiguous():
+                continue  # a shard's states are DTensors, and pieces need contiguous tensors: made by the step
+            made = compat.first_state(self.optimizer, group, p.dtype, self.device)
+            if made is None:
+                return
+            big = sum(p.numel() * v.element_size() for v in made.values() if v.dim() > 0)
+            if big + (nbytes(p) if self._is_master(p) else 0) <= self.chunk_bytes:
+                continue  # stepped whole: its states are made where it steps
+            state = {}
+            for key, v in made.items():
+                if v.device != self.device:  # a counter torch keeps on the CPU, off the device (`_states`)
+                    state[key] = v
+                    continue
+                view, offset = self._slot(torch.empty(p.shape if v.dim() else (), dtype=v.dtype, device="meta"))
+                if v.dim():
+                    view.zero_()
+                else:
+                    view.copy_(v)
+                state[key] = t = view.detach()  # its own object: a step points it at the staging buffer
+                self._homes[id(t)] = _Home(t, view, offset)
+            self.optimizer.state[p] = state
 
     def _pieces(self, p: torch.Tensor, group: dict) -> list[tuple[int, int]]:
         """The element ranges to step `p` in, when its states at home are larger than a chunk and may be sliced
@@ -488,18 +522,21 @@ class StateStreamer:
                 t.dtype, t.shape, t.stride()):
             home = h.view
         else:
-            end, size = self._buffer_end(), align(nbytes(t))
-            if is_dense(t) and end + size <= self.buffer.capacity:
-                home = host_view(self.buffer.span(end + size), end, t)
-                h = _Home(t, home, end)
-                self._end = end + size
-            else:
-                home = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                h = _Home(t, home, None)
+            home, offset = self._slot(t)
+            h = _Home(t, home, offset)
         home.copy_(t.data)
         t.data = home
         self._homes[id(t)] = h
         return nbytes(t)
+
+    def _slot(self, like: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """A new home of `like`'s dtype, shape and strides: the next free slot of the buffer, or (offset None) new
+        ordinary host memory when the buffer has no room left."""
+        end, size = self._buffer_end(), align(nbytes(like))
+        if is_dense(like) and end + size <= self.buffer.capacity:
+            self._end = end + size
+            return host_view(self.buffer.span(end + size), end, like), end
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="cpu"), None
 
     def _buffer_end(self) -> int:
         """Where the states in the buffer end: new ones go after it. Kept between calls within a step (a step that

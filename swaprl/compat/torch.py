@@ -55,6 +55,22 @@ def with_step_hooks(step: Callable) -> Callable:
     return torch.optim.Optimizer.profile_hook_step(step)
 
 
+def first_state(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
+                device: torch.device) -> dict[str, torch.Tensor] | None:
+    """The state torch's Adam or AdamW gives a parameter at its first step, made by its own lazy initialisation
+    (`_init_group`) for a stand-in of no elements: the keys, dtypes and devices of each state, with the parameter-sized
+    ones empty (their values are zeros). None where that private method is not what it was (a newer torch)."""
+    q = torch.empty(0, dtype=dtype, device=device)
+    q.grad = torch.empty(0, dtype=dtype, device=device)
+    try:
+        optimizer._init_group({**group, "params": [q]}, [], [], [], [], [], [])
+    except (AttributeError, TypeError):
+        return None
+    finally:
+        made = optimizer.state.pop(q, None)
+    return dict(made) if made else None
+
+
 LR_SCHEDULER_MARK = "_wrapped_by_lr_sched"
 """What an LR scheduler sets on the `optimizer.step` wrapper it installs, to record that the optimizer stepped
 (https://github.com/pytorch/pytorch/issues/20124). A step method that replaces that wrapper keeps the mark."""
