@@ -717,6 +717,11 @@ class Checkpoints:
         return final
 
     def load(self, path: Path) -> dict:
+        saved = len(list(path.glob("rank*.pt")))
+        if saved != self.world:  # each rank saved its own shards: another number of ranks would train on others'
+            raise SystemExit(f"--resume: {path} was written by {saved} rank(s) and this run has {self.world}; "
+                             f"resume with the same number (torchrun --nproc-per-node {saved}), or start a new run "
+                             "with another --out")
         # Tensors come back on the host: the optimizer's load puts each state where its home is.
         return torch.load(path / f"rank{self.rank}.pt", map_location="cpu", weights_only=False)
 

@@ -318,6 +318,21 @@ def test_settings_that_cannot_train_are_refused_before_anything_loads(tmp_path, 
         grpo.main(["--engine", "hf", "--steps", "1", "--out", str(tmp_path / "o"), *extra])
 
 
+def test_a_checkpoint_resumes_only_with_the_number_of_ranks_that_wrote_it(tmp_path):
+    """Each rank saves its own shards: a resume on another number of ranks is refused with the number to use, and
+    the checkpoint is left as it was."""
+    import grpo
+
+    grpo.main(["--engine", "hf", "--steps", "2", "--save-steps", "2", "--out", str(tmp_path / "o"),
+               "--checkpoint-dir", str(tmp_path / "ck")])
+    newest = grpo.Checkpoints(tmp_path / "o" / "checkpoints", 0, 1).newest()
+    before = sorted(p.name for p in newest.iterdir())
+    with pytest.raises(SystemExit, match="written by 1 rank\(s\) and this run has 2; resume with the same number "
+                                         "\(torchrun --nproc-per-node 1\)"):
+        grpo.Checkpoints(tmp_path / "o" / "checkpoints", 0, 2).load(newest)
+    assert sorted(p.name for p in newest.iterdir()) == before == ["rank0.pt"]
+
+
 def test_checkpoints_are_never_mixed_with_another_run(tmp_path):
     """A fresh run into a folder with checkpoints is refused (its own would be deleted as the older ones), and a
     resume refuses other settings and a --steps it has already reached; nothing is deleted."""
