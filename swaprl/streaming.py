@@ -211,7 +211,8 @@ class StateStreamer:
         if self.masters is not None:
             self.masters.check()
         stepping = [(p, g) for p, g in self.params() if self._grad(p) is not None]
-        self._start_at_home(stepping)
+        had = list(self.optimizer.state)
+        made = self._start_at_home(stepping)
         chunks = self._plan(stepping)
         grads = {p: self._grad(p) for p, _ in stepping}
         figures = {"h2d_bytes": 0, "d2h_bytes": 0}
@@ -223,6 +224,8 @@ class StateStreamer:
             for p, g in grads.items():  # after an error too: a hidden gradient must come back
                 if not self._is_master(p):  # a master's gradient is its model parameter's, never hidden
                     p.grad = g
+            if made:  # torch's order (the state dict's): the states a step makes follow the parameters'
+                self._reorder_state(had)
         self.move_into_buffer("This optimizer.step() itself completed; the states it created are intact in ordinary "
                               "host memory.")
         seconds = time.perf_counter() - start
@@ -288,26 +291,34 @@ class StateStreamer:
             chunk.slot = k % 2
         return chunks
 
-    def _start_at_home(self, stepping: list[tuple[torch.nn.Parameter, dict]]) -> None:
+    def _start_at_home(self, stepping: list[tuple[torch.nn.Parameter, dict]]) -> bool:
         """Give each owned parameter without states that will be stepped in pieces the states torch would make at
-        its first step, made at their host home: zeros, and the scalars as torch makes them."""
+        its first step, made at their host home: zeros, and the scalars as torch makes them. True if any were."""
         if type(self.optimizer) not in ZERO_START:
-            return
+            return False
+        any_made = False
         for p, group in stepping:
-            if not self.owns(p) or self.optimizer.state.get(p) or local_tensor(p) is not p or not p.is_contiguous():
-                continue  # a shard's states are DTensors, and pieces need contiguous tensors: made by the step
+            grad = self._grad(p)
+            # A shard's states are DTensors, pieces need contiguous tensors, and torch refuses sparse gradients and
+            # differentiable steps of leaves itself: those are left to the step, as before.
+            if (not self.owns(p) or self.optimizer.state.get(p) or local_tensor(p) is not p
+                    or not p.is_contiguous() or grad.is_sparse or group.get("differentiable")):
+                continue
             made = compat.first_state(self.optimizer, group, p.dtype, self.device)
             if made is None:
-                return
-            big = sum(p.numel() * v.element_size() for v in made.values() if v.dim() > 0)
-            if big + (nbytes(p) if self._is_master(p) else 0) <= self.chunk_bytes:
+                return any_made
+            big = sum(align(p.numel() * v.element_size()) for v in made.values() if v.dim() > 0)
+            if big + (align(nbytes(p)) if self._is_master(p) else 0) <= self.chunk_bytes:
                 continue  # stepped whole: its states are made where it steps
             state = {}
             for key, v in made.items():
                 if v.device != self.device:  # a counter torch keeps on the CPU, off the device (`_states`)
                     state[key] = v
                     continue
-                view, offset = self._slot(torch.empty(p.shape if v.dim() else (), dtype=v.dtype, device="meta"))
+                # zeros_like(p) keeps p's strides
+                like = torch.empty_strided(p.shape, p.stride(), dtype=v.dtype, device="meta") if v.dim() else \
+                    torch.empty((), dtype=v.dtype, device="meta")
+                view, offset = self._slot(like)
                 if v.dim():
                     view.zero_()
                 else:
@@ -315,6 +326,18 @@ class StateStreamer:
                 state[key] = t = view.detach()  # its own object: a step points it at the staging buffer
                 self._homes[id(t)] = _Home(t, view, offset)
             self.optimizer.state[p] = state
+            any_made = True
+        return any_made
+
+    def _reorder_state(self, had: list) -> None:
+        """`optimizer.state` in the order torch's own step leaves it: the entries there before, then the new ones in
+        parameter order (the state dict lists states in this order)."""
+        state = self.optimizer.state
+        new = [p for p, _ in self.params() if p in state and p not in set(had)]
+        placed = set(had) | set(new)
+        items = [(p, state[p]) for p in [*had, *new, *(p for p in state if p not in placed)] if p in state]
+        state.clear()
+        state.update(items)
 
     def _pieces(self, p: torch.Tensor, group: dict) -> list[tuple[int, int]]:
         """The element ranges to step `p` in, when its states at home are larger than a chunk and may be sliced

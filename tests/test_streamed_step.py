@@ -574,6 +574,37 @@ def test_a_parameter_larger_than_a_chunk_is_stepped_in_pieces_bit_for_bit(device
     swaprl.detach()
 
 
+def test_states_made_at_home_keep_torchs_order_and_a_sparse_gradient_gets_torchs_own_error():
+    """The embedding's first-step states are made before the step: the optimizer's state (and its state dict, byte
+    for byte) still lists them in parameter order, as torch's own step does. A sparse gradient is left to torch,
+    which refuses it, and no state is left behind."""
+    import io
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Embedding(4096, 256))  # the large one second
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, "hf", config=host_config())
+    events = streamed_steps(rt)
+    step_both(model, opt, ref, ref_opt, steps=1)
+    assert events[0]["chunks"] > 2  # the embedding went in pieces at the first step
+    assert list(opt.state_dict()["state"]) == list(ref_opt.state_dict()["state"]) == [0, 1, 2]
+    saved, ref_saved = io.BytesIO(), io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    torch.save(ref_opt.state_dict(), ref_saved)
+    assert saved.getvalue() == ref_saved.getvalue()
+    swaprl.detach()
+
+    sparse = torch.nn.Embedding(4096, 256, sparse=True)
+    opt = torch.optim.Adam(sparse.parameters())
+    swaprl.attach(sparse, opt, "hf", config=host_config())
+    sparse(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="Adam does not support sparse gradients"):
+        opt.step()
+    assert not opt.state.get(sparse.weight)
+    swaprl.detach()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp32_masters_larger_than_a_chunk_are_stepped_in_pieces_bit_for_bit(device):
     """bf16 parameters with fp32 masters: the embedding's master and its states (12 MiB) in pieces of 1 MiB, each
