@@ -198,7 +198,9 @@ def _switch_start(run: Run, rec: dict, after: float | None) -> float:
 
 
 def peaks(run: Run) -> list[dict]:
-    """Per phase kind: the highest sampled figures and the cycle where the device peak happened."""
+    """Per phase kind: the highest sampled figures and the cycle where the device peak happened; and the device
+    peak of the first cycle (the spans up to the first numbered one: the first optimizer step is in it) apart from
+    that of the later cycles ("first_device", "later_device")."""
     keys = ("device_used", "torch_reserved", "torch_allocated", "host_rss")
     best: dict[str, dict] = {}
     ordered = sorted(run.samples, key=lambda s: s["t"])
@@ -210,12 +212,18 @@ def peaks(run: Run) -> list[dict]:
         """The private pools' free bytes at the last boundary before `t` (they change with captures, not steps)."""
         i = bisect.bisect_right(bound_times, t) - 1
         return int(bounds[i].get("torch_private_free", 0)) if i >= 0 else 0
+    first_cycle: dict[str, int] = {}  # per kind: the first numbered cycle seen
     for iv in intervals(run):
         lo, hi = bisect.bisect_left(times, iv.start), bisect.bisect_right(times, iv.end)
         row = best.setdefault(iv.kind, {"phase": iv.kind, "intervals": 0, "samples": 0, "cycle": None})
         row["intervals"] += 1
         row["samples"] += hi - lo
+        if iv.cycle is not None:
+            first_cycle.setdefault(iv.kind, iv.cycle)
+        part = "first_device" if iv.cycle is None or iv.cycle == first_cycle[iv.kind] else "later_device"
         for s in ordered[lo:hi]:
+            if "device_used" in s:
+                row[part] = max(row.get(part, 0), s["device_used"])
             for k in keys:
                 if k in s and s[k] > row.get(k, -math.inf):
                     row[k] = s[k]
@@ -230,6 +238,18 @@ def peaks(run: Run) -> list[dict]:
 
 
 FRAGMENTATION_SHARE = 0.05  # of the device: cached free blocks at a peak worth a note
+
+
+def _first_cycle_notes(run: Run) -> list[str]:
+    """A note for each phase whose first cycle peaked above the later ones by more than `FRAGMENTATION_SHARE` of the
+    device: what the plan must leave room for once, or what the first step should not have done."""
+    total = run.header.get("device_total")
+    if not total:
+        return []
+    return [f"{run.label}, {p['phase']}: the first cycle peaked {_b(p['first_device'] - p['later_device'])} above the "
+            f"later ones ({_b(p['first_device'])} against {_b(p['later_device'])})." for p in peaks(run)
+            if p["phase"] != "transition" and p.get("later_device")
+            and p.get("first_device", 0) - p["later_device"] > FRAGMENTATION_SHARE * total]
 
 
 def _fragmentation_notes(run: Run) -> list[str]:
@@ -551,12 +571,16 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
     for r in live:
         for p in peaks(r):
             rows.append([r.label, p["phase"], str(p["intervals"]), _b(p.get("device_used")),
-                         "—" if p["cycle"] is None else str(p["cycle"]), _b(p.get("torch_reserved")),
+                         "—" if p["cycle"] is None else str(p["cycle"]), _b(p.get("first_device")),
+                         _b(p.get("later_device")), _b(p.get("torch_reserved")),
                          _b(p.get("torch_allocated")), _b(p.get("free_cached")), _b(p.get("host_rss"))])
-        peak.text.extend(_fragmentation_notes(r))
-    peak.tables.append(_Table("", ["rank", "phase", "spans", "peak device used", "at cycle", "peak torch reserved",
-                                   "peak torch allocated", "cached free at the peak", "peak host RSS"], rows,
-                              "Peaks over the samples taken in each kind of span; transitions are listed when a "
+        peak.text.extend(_fragmentation_notes(r) + _first_cycle_notes(r))
+    peak.tables.append(_Table("", ["rank", "phase", "spans", "peak device used", "at cycle", "first cycle",
+                                   "later cycles", "peak torch reserved", "peak torch allocated",
+                                   "cached free at the peak", "peak host RSS"], rows,
+                              "Peaks over the samples taken in each kind of span; the first cycle (with the first "
+                              "optimizer step, and anything before the first switch) apart from the later ones' "
+                              "highest; transitions are listed when a "
                               "sample fell inside one. Torch's reserved and allocated counters include the engine's "
                               "sleep-mode pool, which torch keeps counting while the engine sleeps, so in train they "
                               "can exceed the device's own figure. Cached free: torch's reserved less allocated in "
