@@ -235,6 +235,7 @@ def _gpu_attribution_check(path, floor: int = 0) -> list[dict]:
     header = recs[0]
     assert header["device_used_source"] in ("nvml", "cuda_driver")
     assert header["copy_bandwidth"]["h2d_GBps"] > 1 and header["copy_bandwidth"]["d2h_GBps"] > 1
+    assert header["copy_bandwidth"]["d2d_GBps"] > header["copy_bandwidth"]["h2d_GBps"]  # HBM against PCIe
     end = next(r for r in recs if r["type"] == "end")  # measured again at the end: the report takes the faster
     assert end["copy_bandwidth"]["h2d_GBps"] > 1 and end["copy_bandwidth"]["d2h_GBps"] > 1
     phases = [r for r in recs if r["type"] == "phase"]

@@ -386,6 +386,20 @@ def test_the_ceiling_is_the_faster_of_the_start_and_end_measures_and_a_step_abov
     assert row["fraction"] == pytest.approx(row["floor_s"] / 0.1)
 
 
+def test_a_weight_sync_is_rated_against_device_to_device_copying():
+    """The sync copies the trainer's weights into the engine's: its floor is those bytes at the device-to-device
+    copy speed measured in the run. Other steps named after the sync (its report) have no ceiling."""
+    from swaprl.profile.report import Run, transition_rows
+
+    run = Run(Path("run.jsonl"), {"copy_bandwidth": {"d2h_GBps": 50.0, "h2d_GBps": 50.0, "d2d_GBps": 1500.0}})
+    run.steps = [{"t": float(i), "transition": "train->generate", "step": step, "bytes": b, "seconds": 0.2}
+                 for i in range(3) for step, b in (("sync weights", 30 * GiB), ("report sync", 0))]
+    sync, report_row = transition_rows(run)
+    assert sync["ceiling_GBps"] == 1500.0 and sync["floor_s"] == pytest.approx(30 * GiB / 1500e9)
+    assert sync["fraction"] == pytest.approx(sync["floor_s"] / 0.2)
+    assert report_row["step"] == "report sync" and report_row["ceiling_GBps"] is None
+
+
 def test_a_sample_taken_after_a_switch_began_is_the_switchs_even_if_its_phase_record_came_late():
     """Profiles stamped the phase record after a status read (25 ms at 72B), so `t - seconds` began the switch
     after its first steps: a sample of the engine's wake-up counted as the train peak (74.84 GiB for 60.93). The

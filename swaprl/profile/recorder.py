@@ -7,7 +7,8 @@ One file per rank (`run.rank3.jsonl` when torch.distributed runs more than one r
 object a line; every line is written whole and flushed, so a crash leaves a readable prefix:
 
     header  {"schema": "swaprl.profile", "version": 1, "type": "header", "rank", "world_size", "device", "host",
-             "torch", "swaprl", "nvml", "device_used_source", "copy_bandwidth": {"h2d_GBps", "d2h_GBps"} | null,
+             "torch", "swaprl", "nvml", "device_used_source",
+             "copy_bandwidth": {"h2d_GBps", "d2h_GBps", "d2d_GBps", "bytes"} | null,
              "interval_s", "engine", "config", "alloc_conf", "t0", ...}  (alloc_conf: PYTORCH_CUDA_ALLOC_CONF)
     sample  {"type": "sample", "t", "host_rss", "host_buffers"[, "device_used", "torch_allocated", "torch_reserved"]}
     step    {"type": "step", "t", "transition", "step", "bytes", "seconds"[, "span_seconds"][, "issued"]}
@@ -284,7 +285,8 @@ def _rank_path(path: Path) -> Path:
 
 
 def _copy_bandwidth(device: torch.device) -> dict | None:
-    """Host<->device copy speed through pinned memory: the median of a few 256 MiB copies each way, in GB/s."""
+    """Copy speeds in GB/s, the median of a few 256 MiB copies: host<->device through pinned memory each way, and
+    device to device (bytes copied, each read once and written once: the floor of a weight sync)."""
     try:
         with torch.cuda.device(device):
             host = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -302,9 +304,11 @@ def _copy_bandwidth(device: torch.device) -> dict | None:
 
             h2d = _COPY_BYTES / median_seconds(dev, host) / 1e9
             d2h = _COPY_BYTES / median_seconds(host, dev) / 1e9
-            del dev, host
+            del host
+            d2d = _COPY_BYTES / median_seconds(torch.empty_like(dev), dev) / 1e9
+            del dev
             torch.cuda.empty_cache()  # leave torch's reserved memory as it was: the profile must not show us
-        return {"h2d_GBps": round(h2d, 2), "d2h_GBps": round(d2h, 2), "bytes": _COPY_BYTES}
+        return {"h2d_GBps": round(h2d, 2), "d2h_GBps": round(d2h, 2), "d2d_GBps": round(d2d, 2), "bytes": _COPY_BYTES}
     except Exception as exc:  # out of memory, most likely: the profile is still worth having without a ceiling
         logger.warning("could not measure host<->device copy bandwidth (%s); the report takes the run's other "
                        "measure, if any, as its ceiling", exc)

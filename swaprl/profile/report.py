@@ -36,7 +36,9 @@ _MAX_BARS = 16
 _MAX_POINTS = 20_000
 _DPI = 100
 _SHADE = {"train": "#d6e6f5", "generate": "#fde2c8", "transition": "#e0e0e0"}
-_CEILING = {"offload": "d2h_GBps", "reload": "h2d_GBps"}  # word of a step's name -> header copy_bandwidth key
+# words in a step's name -> copy_bandwidth key: a sync copies the trainer's weights into the engine's on the device (or
+# gathers them over NVLink, slower): device-to-device copying is its floor
+_CEILING = {"offload": "d2h_GBps", "reload": "h2d_GBps", "sync weights": "d2d_GBps"}
 
 
 class ProfileFormatError(ValueError):
@@ -284,7 +286,7 @@ def transition_rows(run: Run) -> list[dict]:
         # A step that only queued its copies (an overlapped reload) says nothing of their speed: no rate.
         rates = [r["bytes"] / r.get("span_seconds", r["seconds"]) / 1e9 for r in later
                  if moved and not r.get("issued") and r["bytes"] > 0 and r.get("span_seconds", r["seconds"]) > 0]
-        key = next((v for p, v in _CEILING.items() if p in step.split()), None)
+        key = next((v for words, v in _CEILING.items() if f" {words} " in f" {step} "), None)
         row = {"transition": transition, "step": step, "count": len(recs),
                "bytes": statistics.median(r["bytes"] for r in recs), "first_s": recs[0]["seconds"],
                "later_s": statistics.median(r["seconds"] for r in later) if len(recs) > 1 else None,
@@ -311,7 +313,7 @@ def copy_ceiling(run: Run) -> dict:
     beside other traffic (host memory being page-locked in the background, the other rank's copies) and read low; a
     ceiling is what the link can do."""
     measures = [run.header.get("copy_bandwidth") or {}, (run.end or {}).get("copy_bandwidth") or {}]
-    return {key: max(m[key] for m in measures if m.get(key)) for key in ("h2d_GBps", "d2h_GBps")
+    return {key: max(m[key] for m in measures if m.get(key)) for key in ("h2d_GBps", "d2h_GBps", "d2d_GBps")
             if any(m.get(key) for m in measures)}
 
 
@@ -541,7 +543,8 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
         rows.append([r.label, r.path.name, h.get("device_name") or h.get("device", "?"), h.get("host", "?"),
                      f"torch {h.get('torch', '?')}, swaprl {h.get('swaprl', '?')}",
                      "yes" if h.get("nvml") else "no", _f(bw.get("h2d_GBps"), "{:.1f}"),
-                     _f(bw.get("d2h_GBps"), "{:.1f}"), f"{r.t_end() - h.get('t0', r.t_end()):.1f}",
+                     _f(bw.get("d2h_GBps"), "{:.1f}"), _f(bw.get("d2d_GBps"), "{:.0f}"),
+                     f"{r.t_end() - h.get('t0', r.t_end()):.1f}",
                      str(len(r.samples)), str(cycles), r.end["reason"] if r.end else "no end record"])
         if not r.has_device:
             summary.text.append(f"{r.label} ran on {h.get('device')}: no device memory figures; host figures and the "
@@ -553,7 +556,7 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
             summary.text.append(f"{r.label}: empty run: the file holds a header only (no samples, steps or phases "
                                 "were recorded).")
     summary.tables.append(_Table("", ["rank", "file", "device", "host", "versions", "NVML", "H2D GB/s", "D2H GB/s",
-                                      "seconds", "samples", "cycles", "ended"], rows))
+                                      "D2D GB/s", "seconds", "samples", "cycles", "ended"], rows))
     secs.append(summary)
     live = [r for r in runs if not r.empty]
     if not live:
@@ -634,7 +637,8 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
                                rows, "Host buffers are reused from one transition to the next (their preparation: "
                                      "the Host buffers table). The ceiling is the pinned-copy speed measured in the "
                                      "run, the faster of its start-up and end measures (device to host for offloads, "
-                                     "host to device for reloads, both at once for the streamed optimizer step); "
+                                     "host to device for reloads, both at once for the streamed optimizer step, "
+                                     "device to device for the weight sync); "
                                      "\"over\": the step ran faster than that, so the measure read low (it ran beside "
                                      "other copies) and gives no floor. A step that queues its copies and lets them "
                                      "run under what follows (an optimizer reload under the forward) has no rate: "
