@@ -332,9 +332,9 @@ class StateStreamer:
     def _reorder_state(self, had: list) -> None:
         """`optimizer.state` in the order torch's own step leaves it: the entries there before, then the new ones in
         parameter order (the state dict lists states in this order)."""
-        state = self.optimizer.state
-        new = [p for p, _ in self.params() if p in state and p not in set(had)]
-        placed = set(had) | set(new)
+        state, before = self.optimizer.state, set(had)
+        new = [p for p, _ in self.params() if p in state and p not in before]
+        placed = before | set(new)
         items = [(p, state[p]) for p in [*had, *new, *(p for p in state if p not in placed)] if p in state]
         state.clear()
         state.update(items)
