@@ -178,6 +178,9 @@ def check_args(args) -> None:
         problems.append("--master-weights keeps fp32 masters of bf16 parameters: add --dtype bfloat16")
     if "tensorboard" in args.report_to and not args.out:
         problems.append("--report-to tensorboard writes under --out: give --out DIR")
+    if args.trace_step is not None and not (args.out and 0 <= args.trace_step < args.steps):
+        problems.append(f"--trace-step {args.trace_step}: give a step from 0 to --steps - 1 ({args.steps - 1}), "
+                        "and --out DIR for the trace")
     if problems:
         raise SystemExit("; ".join(problems))
 
@@ -281,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--report-to", default="none", metavar="{none,tensorboard,wandb}", type=report_to,
                     help="where the per-step metrics also go, comma-separated: TensorBoard event files under "
                          "OUT/tensorboard, or a wandb run (each needs its package); metrics.jsonl is always written")
+    ap.add_argument("--trace-step", type=int, default=None, metavar="N",
+                    help="record step N (its switches, generation and training) with torch's profiler into "
+                         "OUT/trace.stepN[.rankR].json, a Chrome trace (chrome://tracing, Perfetto): swaprl's steps "
+                         "are named in it")
     ap.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint under OUT/checkpoints")
     ap.add_argument("--seed", type=int, default=0)
@@ -492,6 +499,7 @@ def main(argv: list[str] | None = None) -> dict:
         metrics_lines.write_text("".join(line + "\n" for line in kept))
 
     steps = []
+    trace = None  # torch's profiler while it records --trace-step
     try:  # a run that stops on an error gives the trainer back, as one that ends does
         for step in range(first, args.steps):
             if task is None:
@@ -500,6 +508,10 @@ def main(argv: list[str] | None = None) -> dict:
                 drawn = problems.take(args.prompts)
                 prompts = [tasks.encode(tokenizer, p) for p in drawn]
             switch["s"] = 0.0
+            if step == args.trace_step:
+                trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+                trace.start()
             t0 = time.perf_counter()
             with swaprl.phase("generate"):
                 tg = time.perf_counter()
@@ -526,6 +538,10 @@ def main(argv: list[str] | None = None) -> dict:
                 train_s = time.perf_counter() - tt
                 used_train = device_used()
             total = time.perf_counter() - t0
+            if step == args.trace_step:
+                trace.stop()
+                trace.export_chrome_trace(str(out / f"trace.step{step}{f'.rank{rank}' if world > 1 else ''}.json"))
+                trace = None
             rollout_tokens = sum(map(len, completions))
             mean_reward = statistics.fmean(rewards)
             if world > 1:  # every rank's rollouts: the step's loss, reward and tokens
@@ -567,7 +583,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
                      rollout_tokens, mean_reward, "".join(", " + x for x in said))
     except BaseException:
-        for close in (reporter.close, profiler.close if profiler else None, swaprl.detach, engine.close):
+        for close in (trace.stop if trace else None, reporter.close, profiler.close if profiler else None,
+                      swaprl.detach, engine.close):
             if close is not None:
                 with contextlib.suppress(Exception):
                     close()

@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                          "at most its share of the plan's pinned budget (SwapConfig.host_budget_bytes)")
     ap.add_argument("--release-other", action="store_true",
                     help="release vLLM's CUDA graphs, buffers and workspaces while it sleeps (needs swaprl.kernels)")
+    ap.add_argument("--trace-step", type=int, default=None, metavar="N",
+                    help="record step N with torch's profiler (examples/grpo.py --trace-step)")
     ap.add_argument("--out", default="out/qwen72b")
     args = ap.parse_args(argv)
 
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         loop += ["--dtype", "bfloat16", "--tp", str(tp), "--kv-cache-gib", f"{the_plan.kv_cache_bytes / 2**30:.3f}"]
     if args.release_other:
         loop += ["--release-other"]
+    if args.trace_step is not None:
+        loop += ["--trace-step", str(args.trace_step)]
     chosen = the_plan.swap_config()
     if chosen.get("master_weights"):
         loop += ["--master-weights"] + ([] if on_gpu else ["--dtype", "bfloat16"])

@@ -248,17 +248,17 @@ class PhaseMachine:
     def _run_steps(self, transition: str, steps: list[Step]) -> int:
         undo = Undo(transition)
         committed: list[Callable[[], object]] = []
-        total = 0
-        current = "?"
+        total, current = 0, "?"
         started: dict[str, float] = {}
         try:
             for step in steps:
                 current = step.name
                 t0 = started[step.name] = time.perf_counter()
-                moved = step.do() or 0
-                if self.device.type == "cuda" and step.blocking:
-                    # The compute stream only: an overlapped offload's copies on the side stream run on.
-                    torch.cuda.current_stream(self.device).synchronize()
+                with torch.profiler.record_function(f"swaprl {transition}: {step.name}"):  # named in a trace
+                    moved = step.do() or 0
+                    if self.device.type == "cuda" and step.blocking:
+                        # The compute stream only: an overlapped offload's copies on the side stream run on.
+                        torch.cuda.current_stream(self.device).synchronize()
                 t1 = time.perf_counter()
                 if step.undo is not None:
                     undo.push(step.undo, step.name)

@@ -301,6 +301,21 @@ def test_metrics_go_to_tensorboard_as_to_metrics_jsonl(tmp_path):
         grpo.report_to("tensorbord")
 
 
+def test_a_traced_step_names_every_step_of_both_switches(tmp_path):
+    """--trace-step records one step with torch's profiler: the Chrome trace names each of swaprl's switch steps,
+    as the memory profile lists them, so time in a switch can be read off the trace."""
+    import grpo
+
+    out = tmp_path / "o"
+    grpo.main(["--steps", "2", "--engine", "hf", "--out", str(out), "--trace-step", "1"])
+    assert not (out / "trace.step0.json").exists()
+    events = json.loads((out / "trace.step1.json").read_text())["traceEvents"]
+    traced = {e["name"].removeprefix("swaprl ") for e in events if e.get("name", "").startswith("swaprl ")}
+    profiled = {f"{r['transition']}: {r['step']}" for r in map(json.loads, (out / "profile.jsonl").open())
+                if r["type"] == "step" and r["transition"] in ("train->generate", "generate->train")}
+    assert profiled and traced == profiled, (traced, profiled)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--completions", "1"], "--completions 1: give at least 2 \\(a GRPO group needs two completions"),
     (["--tis-cap", "0"], "--tis-cap 0.0: give a truncation of 1 or more"),
@@ -310,6 +325,7 @@ def test_metrics_go_to_tensorboard_as_to_metrics_jsonl(tmp_path):
     (["--verify-tolerance", "1,0.5", "--no-verify"], "--verify-tolerance judges the probe .*: drop --no-verify"),
     (["--kl-coef", "-0.1"], "--kl-coef -0.1: give 0 \\(no reference\\) or a positive coefficient"),
     (["--kl-coef", "inf"], "--kl-coef inf: give 0 \\(no reference\\) or a positive coefficient"),
+    (["--trace-step", "1"], "--trace-step 1: give a step from 0 to --steps - 1 \\(0\\)"),
 ])
 def test_settings_that_cannot_train_are_refused_before_anything_loads(tmp_path, extra, message):
     import grpo
@@ -327,8 +343,8 @@ def test_a_checkpoint_resumes_only_with_the_number_of_ranks_that_wrote_it(tmp_pa
                "--checkpoint-dir", str(tmp_path / "ck")])
     newest = grpo.Checkpoints(tmp_path / "o" / "checkpoints", 0, 1).newest()
     before = sorted(p.name for p in newest.iterdir())
-    with pytest.raises(SystemExit, match="written by 1 rank\(s\) and this run has 2; resume with the same number "
-                                         "\(torchrun --nproc-per-node 1\)"):
+    with pytest.raises(SystemExit, match=r"written by 1 rank\(s\) and this run has 2; resume with the same number "
+                                         r"\(torchrun --nproc-per-node 1\)"):
         grpo.Checkpoints(tmp_path / "o" / "checkpoints", 0, 2).load(newest)
     assert sorted(p.name for p in newest.iterdir()) == before == ["rank0.pt"]
 
