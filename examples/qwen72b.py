@@ -48,7 +48,7 @@ TARGET = ["qwen2.5-72b", "--cluster", "8xH200", "--tp", "4"]
 
 
 def print_target() -> None:
-    """The target's verdicts (bf16 parameters, then fp32 master weights), in a few lines before this run's plan."""
+    """The target's verdicts (bf16 parameters, then fp32 parameters), in a few lines before this run's plan."""
     parser = argparse.ArgumentParser()
     planner.add_arguments(parser)
     target = planner.from_args(parser.parse_args(TARGET))
@@ -58,7 +58,7 @@ def print_target() -> None:
           f"{r['completion_tokens']} tokens per step (`swaprl plan {' '.join(TARGET)}` for the whole plan)")
     print(f"  bf16 parameters, fp32 AdamW states: {target.verdict}")
     if target.full_precision:
-        print(f"  fp32 master weights: {target.full_precision}")
+        print(f"  fp32 parameters (--param-dtype float32): {target.full_precision}")
     print("\nthis run:")
 
 

@@ -445,11 +445,12 @@ def test_fp32_master_weights_are_planned_16_bytes_per_parameter():
     root = 2 * m.vocab_size * h + h
     bf16 = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT)
     assert train["activations"] - bf16.gpu["train"]["activations"] == (layer + root) * (4 - 2)
-    # the default plan (bf16 parameters, fp32 states) says what fits with fp32 master weights: this plan
+    # the default plan (bf16 parameters, fp32 states) says what fits with fp32 parameters: this plan
     assert bf16.full_precision.startswith("param_dtype=float32 (16 B per parameter with the states")
     assert fp32.settings.describe() in bf16.full_precision and "fits with" in bf16.full_precision
     assert f"{fp32.kv_cache_bytes / GiB:.2f} GiB of KV cache" in bf16.full_precision
-    assert f"fp32 master weights: {bf16.full_precision}" in bf16.table() and fp32.full_precision is None
+    assert f"fp32 parameters (--param-dtype float32): {bf16.full_precision}" in bf16.table()
+    assert fp32.full_precision is None
     # a separate fp32 master copy of bf16 parameters is 16 bytes per parameter too, 12 of them with the states in
     # host memory, where the runtime keeps them: 812 GiB per node, more than the 8xH200 preset's 560
     master = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, master_weights=True)

@@ -120,7 +120,7 @@ class Plan:
                 f"tp={t} {what}" for t, what in i["tp_auto"]["tried"].items()))
         lines += [f"  - {s}" for s in self.suggestions]
         if self.full_precision:
-            lines.append(f"fp32 master weights: {self.full_precision}")
+            lines.append(f"fp32 parameters (--param-dtype float32): {self.full_precision}")
         lines += [
             "",
             f"model     {self.model}: {self.parameters / 1e9:.2f} B parameters, {self.layers} layers",

@@ -304,8 +304,9 @@ def _fit_summary(s: Spec, chosen: Settings, ev: dict) -> str:
 
 
 def _full_precision(s: Spec) -> str | None:
-    """§Trainer state: the verdict of the same step with fp32 master weights (param_dtype = grad_dtype = float32
-    under bf16 compute), when the trainer's parameters are below fp32 and it keeps no master copy."""
+    """§Trainer state: the verdict of the same step with fp32 parameters (param_dtype = grad_dtype = float32 under
+    bf16 compute, `--param-dtype float32`; not `--master-weights`, which keeps bf16 parameters and an fp32 copy with
+    the states), when the trainer's parameters are below fp32 and it keeps no master copy."""
     if dtype_bytes(s.param_dtype)[1] >= 4 or s.master_weights:
         return None
     alt = dataclasses.replace(s, param_dtype="float32", grad_dtype="float32")
