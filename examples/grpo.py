@@ -178,6 +178,31 @@ def check_args(args) -> None:
         problems.append("--master-weights keeps fp32 masters of bf16 parameters: add --dtype bfloat16")
     if "tensorboard" in args.report_to and not args.out:
         problems.append("--report-to tensorboard writes under --out: give --out DIR")
+    if "wandb" in args.report_to:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            problems.append("--report-to wandb needs the wandb package: pip install wandb")
+    if args.model is None:
+        try:
+            from swaprl.presets import get_preset
+            get_preset(args.preset)
+        except ValueError as exc:
+            problems.append(f"--preset {args.preset}: {exc}")
+    elif not (Path(args.model) / "config.json").is_file():
+        problems.append(f"--model {args.model}: no config.json there; give a local checkpoint directory "
+                        "(save_pretrained's), or leave --model out for a random checkpoint of --preset")
+    if args.layers is not None and args.layers < 1:
+        problems.append(f"--layers {args.layers}: give at least 1")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        problems.append(f"--out {args.out} is a file: give a directory")
+    if args.verify_tolerance:
+        try:
+            bounds = [float(x) for x in args.verify_tolerance.split(",")]
+        except ValueError:
+            bounds = []
+        if len(bounds) != 2:
+            problems.append(f"--verify-tolerance {args.verify_tolerance}: give two numbers, MAX,MEAN (e.g. 1,0.05)")
     if args.trace_step is not None and not (args.out and 0 <= args.trace_step < args.steps):
         problems.append(f"--trace-step {args.trace_step}: give a step from 0 to --steps - 1 ({args.steps - 1}), "
                         "and --out DIR for the trace")
@@ -193,6 +218,9 @@ def check_resumable(state: dict, args) -> None:
     if changed:
         raise SystemExit(f"--resume: the checkpoint's run had other settings ({'; '.join(changed)}); resume with "
                          "its settings, or start a new run with another --out")
+    if args.trace_step is not None and args.trace_step < state["step"]:
+        raise SystemExit(f"--trace-step {args.trace_step}: the run resumes at step {state['step']}; give a step from "
+                         f"{state['step']} to --steps - 1 ({args.steps - 1})")
     if state["step"] >= args.steps:
         raise SystemExit(f"--resume: the newest checkpoint is at step {state['step']}, and --steps {args.steps} "
                          f"asks for no more; give --steps above {state['step']} to go on")
@@ -399,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
     resumed_state = checkpoints.load(resumed) if resumed is not None else None
     if resumed_state is not None:
         check_resumable(resumed_state, args)
-    if newest is not None and not args.resume and args.save_steps:
+    if newest is not None and not args.resume:  # a fresh run would rewrite the logs that run's resume goes on with
         raise SystemExit(f"{out / 'checkpoints'} holds another run's checkpoints (newest {newest.name}): --resume "
                          "to go on with it, or give a new --out (nothing was deleted)")
     if out and rank == 0:
@@ -461,7 +489,9 @@ def main(argv: list[str] | None = None) -> dict:
     # engine's start rather than before the first step.
     rt = swaprl.attach(model, optimizer, lambda: make_engine(args, path, config, optimizer), config=config)
     # Closed before the report is written, whether or not the runtime is detached at the end.
-    profiler = attach_profiler(rt, out / "profile.jsonl") if out else None
+    # A resumed run records beside the run it goes on from: that run's profile (one killed, perhaps) is kept.
+    stem = "profile" if resumed_state is None else f"profile.resumed-{resumed_state['step']}"
+    profiler = attach_profiler(rt, out / f"{stem}.jsonl") if out else None
     engine = rt.engine
     log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__,
              str(dtype).removeprefix("torch.") + (" with fp32 master weights" if args.master_weights else ""),
@@ -604,7 +634,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"args": vars(args), "engine": type(engine).__name__, "device": device, "world_size": world,
                "gpu": torch.cuda.get_device_name() if cuda else None,
                "torch": torch.__version__, "swaprl": swaprl.__version__, "median": med,
-               "switch_fraction": med["switch_s"] / med["step_s"] if timed else None, "steps": steps}
+               "switch_fraction": med["switch_s"] / med["step_s"] if timed else None, "steps": steps,
+               "resumed_from": first if resumed is not None else None}
     if world > 1:
         dist.barrier()  # every rank's profile is complete
     if out and rank == 0:  # one report over the profiles of all ranks (profile.rank{N}.jsonl under torchrun)
@@ -612,8 +643,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             from swaprl.profile.report import load_run, write_report
 
-            names = ["profile.jsonl"] if world == 1 else [f"profile.rank{r}.jsonl" for r in range(world)]
-            write_report([load_run(out / n) for n in names], out / "report")
+            names = [f"{stem}.jsonl"] if world == 1 else [f"{stem}.rank{r}.jsonl" for r in range(world)]
+            write_report([load_run(out / n) for n in names], out / stem.replace("profile", "report"))
         except ImportError:
             log.info("report module unavailable; the profiles are in %s", out)
     if rank == 0:

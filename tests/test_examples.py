@@ -110,7 +110,7 @@ def test_qwen72b_example_plans_then_runs_on_the_tiny_preset(tmp_path, capsys):
     out = capsys.readouterr().out
     # First the target's plan (the full model on one 8 x H200 node, whatever this machine is), then this run's.
     target = out.index("the target: Qwen2.5-72B, all 80 layers, on one 8 x H200 node")
-    assert "bf16 parameters, fp32 AdamW states: fits" in out and "fp32 master weights:" in out
+    assert "bf16 parameters, fp32 AdamW states: fits" in out and "fp32 parameters (--param-dtype float32):" in out
     assert target < out.index("this run:") < out.index("model     tiny") < out.index("per GPU (GiB)")
     assert (tmp_path / "q" / "report" / "report.md").exists()
     sys.modules.pop("grpo", None)
@@ -326,6 +326,10 @@ def test_a_traced_step_names_every_step_of_both_switches(tmp_path):
     (["--kl-coef", "-0.1"], "--kl-coef -0.1: give 0 \\(no reference\\) or a positive coefficient"),
     (["--kl-coef", "inf"], "--kl-coef inf: give 0 \\(no reference\\) or a positive coefficient"),
     (["--trace-step", "1"], "--trace-step 1: give a step from 0 to --steps - 1 \\(0\\)"),
+    (["--preset", "nosuch"], "--preset nosuch: unknown model preset 'nosuch'; choose one of tiny"),
+    (["--model", "no/such/dir"], "--model no/such/dir: no config.json there; give a local checkpoint directory"),
+    (["--layers", "0"], "--layers 0: give at least 1"),
+    (["--verify-tolerance", "abc"], "--verify-tolerance abc: give two numbers, MAX,MEAN"),
 ])
 def test_settings_that_cannot_train_are_refused_before_anything_loads(tmp_path, extra, message):
     import grpo
@@ -363,7 +367,19 @@ def test_checkpoints_are_never_mixed_with_another_run(tmp_path):
         grpo.main(["--steps", "4", "--prompts", "3", "--resume", *common])
     with pytest.raises(SystemExit, match="at step 2, and --steps 2 asks for no more"):
         grpo.main(["--steps", "2", "--resume", *common])
+    # without --save-steps too: the fresh run would rewrite metrics.jsonl, which that run's resume goes on with
+    with pytest.raises(SystemExit, match="holds another run's checkpoints"):
+        grpo.main(["--steps", "4", *[a for a in common if a not in ("--save-steps", "2")]])
+    with pytest.raises(SystemExit, match="--trace-step 1: the run resumes at step 2; give a step from 2"):
+        grpo.main(["--steps", "4", "--resume", "--trace-step", "1", *common])
     assert [p.name for p in (tmp_path / "o" / "checkpoints").iterdir()] == ["step-00000002"]
+    # a resume records beside the run it goes on from, whose profile and report stay as they were
+    before = (tmp_path / "o" / "profile.jsonl").read_bytes()
+    grpo.main(["--steps", "3", "--resume", *common])
+    assert (tmp_path / "o" / "profile.jsonl").read_bytes() == before
+    assert (tmp_path / "o" / "profile.resumed-2.jsonl").is_file()
+    assert (tmp_path / "o" / "report.resumed-2" / "report.md").is_file()
+    assert json.loads((tmp_path / "o" / "metrics.json").read_text())["resumed_from"] == 2
 
 
 def test_a_reward_function_that_returns_no_number_is_named(tmp_path, monkeypatch):
