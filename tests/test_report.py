@@ -417,6 +417,20 @@ def test_a_sample_taken_after_a_switch_began_is_the_switchs_even_if_its_phase_re
     assert switch.start == pytest.approx(9.44) and train.end == pytest.approx(9.44)
 
 
+def test_the_attribution_figure_shows_whole_cycles_when_it_leaves_boundaries_out():
+    """21 boundaries in 16 bars: picked one by one, every odd cycle lost its train bar (c1 gen, c2 gen, c2 train, c3
+    gen, ...). Whole cycles are kept instead, the first and the last among them."""
+    from swaprl.profile.report import _boundary_name, boundaries_shown
+
+    recs = [{"phase": "train", "from": None, "cycle": None}]
+    for c in range(1, 11):
+        recs += [{"phase": "generate", "from": "train", "cycle": c}, {"phase": "train", "from": "generate", "cycle": c}]
+    names = [_boundary_name(r) for r in boundaries_shown(recs, 16)]
+    assert len(names) <= 16 and names[0] == "start" and names[-2:] == ["c10 gen", "c10 train"]
+    assert all(names[i].split()[0] == names[i + 1].split()[0] for i in range(1, len(names), 2)), names
+    assert boundaries_shown(recs[:5], 16) == recs[:5]
+
+
 def test_the_first_cycles_peak_is_reported_apart_from_the_later_ones():
     """14B with fp32 masters peaked 11.6 GiB higher in its first train phase than in the later ones (the first step
     made its states whole on the device), which the single peak column hid: the first cycle and the later cycles

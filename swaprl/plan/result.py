@@ -130,7 +130,8 @@ class Plan:
             (f"trainer   shard degree {i['shard_degree']}, params {i['param_dtype']}, grads {i['grad_dtype']}, "
              f"{i['optimizer']} states {i['optimizer_dtype']}{' + fp32 master' if i['master_weights'] else ''}, "
              f"compute {i['compute_dtype']}, micro batch {i['micro_batch_tokens']} tokens"),
-            (f"engine    vLLM TP {i['tp']} ({i['engines']} engines), weights {i['engine_dtype']}, "
+            (f"engine    vLLM TP {i['tp']} ({i['engines']} engine{'s' if i['engines'] != 1 else ''}), "
+             f"weights {i['engine_dtype']}, "
              f"KV {i['kv_dtype']}, max {i['engine_max_batched_tokens']} batched tokens / {i['engine_max_seqs']} seqs, "
              f"CUDA graphs {'on' if i['cuda_graphs'] else 'off'}"),
             (f"rollout   {r['prompts']} prompts x {r['completions_per_prompt']} = "

@@ -425,6 +425,18 @@ def _pick(records: list[dict], n: int) -> list[dict]:
     return [records[i] for i in idx]
 
 
+def boundaries_shown(records: list[dict], n: int) -> list[dict]:
+    """At most about `n` phase boundaries, whole cycles at a time (a cycle's generate and train boundaries together),
+    evenly spread and the first and last kept: every other boundary picked evenly would show only one phase."""
+    groups: list[list[dict]] = []
+    for r in records:
+        if groups and r.get("cycle") is not None and groups[-1][-1].get("cycle") == r.get("cycle"):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return [r for g in _pick(groups, max(n // 2, 2)) for r in g] if len(records) > n else records
+
+
 def _boundary_name(rec: dict) -> str:
     if rec.get("from") is None:
         return "start"
@@ -435,7 +447,7 @@ def attribution_figure(run: Run) -> bytes:
     """A stacked bar per phase boundary: device bytes by category (negative unattributed below zero)."""
     from matplotlib.figure import Figure
 
-    recs = _pick(sorted(run.phases, key=lambda r: r["t"]), _MAX_BARS)
+    recs = boundaries_shown(sorted(run.phases, key=lambda r: r["t"]), _MAX_BARS)
     top = max((r["attribution"]["total"] for r in recs), default=0)
     unit, size = _unit(top)
     fig = Figure(figsize=(10, 4))
