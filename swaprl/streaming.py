@@ -304,11 +304,14 @@ class StateStreamer:
             if (not self.owns(p) or self.optimizer.state.get(p) or local_tensor(p) is not p
                     or not p.is_contiguous() or grad.is_sparse or group.get("differentiable")):
                 continue
+            master = align(nbytes(p)) if self._is_master(p) else 0
+            if master + 3 * align(nbytes(p)) <= self.chunk_bytes:
+                continue  # whole even with amsgrad's third state: not worth asking torch for its states' layout
             made = compat.first_state(self.optimizer, group, p.dtype, self.device)
             if made is None:
                 return any_made
             big = sum(align(p.numel() * v.element_size()) for v in made.values() if v.dim() > 0)
-            if big + (align(nbytes(p)) if self._is_master(p) else 0) <= self.chunk_bytes:
+            if big + master <= self.chunk_bytes:
                 continue  # stepped whole: its states are made where it steps
             state = {}
             for key, v in made.items():
