@@ -301,7 +301,7 @@ def test_metrics_go_to_tensorboard_as_to_metrics_jsonl(tmp_path):
         grpo.report_to("tensorbord")
 
 
-def test_a_traced_step_names_every_step_of_both_switches(tmp_path):
+def test_a_traced_step_names_every_step_of_both_switches(tmp_path, monkeypatch):
     """--trace-step records one step with torch's profiler: the Chrome trace names each of swaprl's switch steps,
     as the memory profile lists them, so time in a switch can be read off the trace."""
     import grpo
@@ -314,6 +314,18 @@ def test_a_traced_step_names_every_step_of_both_switches(tmp_path):
     profiled = {f"{r['transition']}: {r['step']}" for r in map(json.loads, (out / "profile.jsonl").open())
                 if r["type"] == "step" and r["transition"] in ("train->generate", "generate->train")}
     assert profiled and traced == profiled, (traced, profiled)
+
+    # benchmarks/trace_steps.py reads the same trace: one row per switch step, time split into what was traced
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import trace_steps
+
+    rows = trace_steps.summarize(json.loads((out / "trace.step1.json").read_text()))
+    assert {r["step"] for r in rows} == profiled
+    assert all(r["ms"] > 0 and 0 <= r["traced_ms"] <= r["ms"] for r in rows), rows
+    assert trace_steps.main([str(out / "trace.step1.json"), "--out", str(out / "steps.md")]) == 0
+    assert "release cached memory" in (out / "steps.md").read_text()
+    with pytest.raises(ValueError, match="no swaprl switch steps in this trace"):
+        trace_steps.summarize({"traceEvents": []})
 
 
 @pytest.mark.parametrize("extra, message", [
