@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -51,3 +54,30 @@ def test_smoke_plans_measures_each_depth_in_its_own_process_and_reports(tmp_path
     readme = (out / "README.md").read_text()
     assert "python benchmarks/bench_plan.py --smoke" in readme and "No phase total was measured" in readme
     assert (out / "profile_1l.jsonl.gz").exists() and (out / "profile_2l.jsonl.gz").exists()
+
+
+def test_bench_vmm_refuses_without_a_gpu_or_with_bad_sizes(monkeypatch):
+    """benchmarks/bench_vmm.py (the page-table floor of a switch) says what it needs instead of measuring nothing."""
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_vmm
+
+    with pytest.raises(SystemExit, match="--repeats 0: give 1 or more"):
+        bench_vmm.main(["--repeats", "0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="run it on a machine with a CUDA GPU"):
+            bench_vmm.main(["--gib", "1"])
+
+
+@pytest.mark.gpu
+def test_bench_vmm_maps_real_memory_and_reports_every_way(tmp_path, monkeypatch):
+    """On a GPU: each way of handing memory over is timed on mappings proved to hold the bytes written."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_vmm
+
+    r = bench_vmm.main(["--gib", "0.25", "--pieces-mib", "2,4", "--repeats", "1", "--out", str(tmp_path / "v.json")])
+    assert r["bytes"] == 256 * 2**20 and set(r["pieces"]) == {"2", "4"}
+    for t in r["pieces"].values():
+        assert set(t) == {"create_map", "unmap_release", "unmap_only", "map_only"} and min(t.values()) > 0
+    assert r["write_floor_s"] > 0 and r["torch_empty_fresh"] > 0
+    assert "map + access with kept handles, 2 MiB pieces" in (tmp_path / "v.md").read_text()

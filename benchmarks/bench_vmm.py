@@ -1,0 +1,275 @@
+"""The page-table floor of a phase switch: what handing device memory between owners costs the CUDA driver.
+
+    python benchmarks/bench_vmm.py [--gib 16] [--repeats 5] [--out OUT.json]
+
+Each cycle, the trainer's freed memory goes back to the driver (torch's `empty_cache`), the driver gives it to vLLM
+(the sleep-mode wake-ups create physical memory and map it at the engine's fixed addresses), vLLM gives it back
+(sleep) and torch takes it again. A traced 72B step spends most of its switches there
+(benchmarks/results/switch_trace_h200x2_72b20l/). This measures, on one GPU, the ways that memory can change hands:
+
+- create + map: `cuMemCreate` + `cuMemMap` + `cuMemSetAccess` per piece (what vLLM's wake-up and torch's
+  expandable segments do), for pieces of 2 MiB and 20 MiB (torch's small and large segment pages) and one piece per
+  GiB (vLLM maps each allocation whole);
+- unmap + release: `cuMemUnmap` + `cuMemRelease` (sleep, `empty_cache`);
+- unmap only, then map + access again with the same handles: the cost if the pages stayed with the process and
+  only changed addresses, which is what an owner-to-owner hand-over would pay;
+- torch with this process's allocator settings: a fresh `torch.empty` of the size after `empty_cache`, and
+  `empty_cache` after freeing it;
+- the floor of writing the same bytes (`cuMemsetD8` at the device's memory bandwidth), beside the rates above.
+
+Every mapping is checked: a byte pattern is written through the mapped range and read back, so a measure of a
+mapping that does not hold memory fails instead of reading fast. Medians over --repeats after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+MIB = 2**20
+GIB = 2**30
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _Prop(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+
+
+class _Access(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+_PINNED, _ON_DEVICE, _READ_WRITE = 1, 1, 3
+
+
+class Driver:
+    """The CUDA driver's virtual-memory calls on one device, through ctypes (no build step)."""
+
+    def __init__(self, device: int):
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        self.prop = _Prop(type=_PINNED, location=_Location(type=_ON_DEVICE, id=device))
+        self.access = _Access(location=_Location(type=_ON_DEVICE, id=device), flags=_READ_WRITE)
+        granularity = ctypes.c_size_t()
+        self.check(self.cu.cuMemGetAllocationGranularity(ctypes.byref(granularity), ctypes.byref(self.prop), 0),
+                   "cuMemGetAllocationGranularity")
+        self.granularity = granularity.value
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.cu.cuGetErrorString(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else rc}")
+
+    def reserve(self, size: int) -> int:
+        ptr = ctypes.c_uint64()
+        self.check(self.cu.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
+                                               ctypes.c_uint64(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+        return ptr.value
+
+    def free_address(self, base: int, size: int) -> None:
+        self.check(self.cu.cuMemAddressFree(ctypes.c_uint64(base), ctypes.c_size_t(size)), "cuMemAddressFree")
+
+    def create(self, size: int) -> int:
+        handle = ctypes.c_ulonglong()
+        self.check(self.cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(self.prop),
+                                       ctypes.c_ulonglong(0)), "cuMemCreate")
+        return handle.value
+
+    def map(self, ptr: int, size: int, handle: int) -> None:
+        self.check(self.cu.cuMemMap(ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
+                                    ctypes.c_ulonglong(handle), ctypes.c_ulonglong(0)), "cuMemMap")
+        self.check(self.cu.cuMemSetAccess(ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.byref(self.access),
+                                          ctypes.c_size_t(1)), "cuMemSetAccess")
+
+    def unmap(self, ptr: int, size: int) -> None:
+        self.check(self.cu.cuMemUnmap(ctypes.c_uint64(ptr), ctypes.c_size_t(size)), "cuMemUnmap")
+
+    def release(self, handle: int) -> None:
+        self.check(self.cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
+
+    def fill(self, ptr: int, value: int, size: int) -> None:
+        self.check(self.cu.cuMemsetD8_v2(ctypes.c_uint64(ptr), ctypes.c_ubyte(value), ctypes.c_size_t(size)),
+                   "cuMemsetD8")
+        self.check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def read(self, ptr: int, size: int) -> bytes:
+        out = (ctypes.c_ubyte * size)()
+        self.check(self.cu.cuMemcpyDtoH_v2(out, ctypes.c_uint64(ptr), ctypes.c_size_t(size)), "cuMemcpyDtoH")
+        return bytes(out)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _prove_mapped(drv: Driver, base: int, size: int, piece: int, value: int) -> None:
+    """Write `value` through the whole range, read a few bytes of each piece back: the mapping holds memory."""
+    drv.fill(base, value, size)
+    for offset in range(0, size, max(piece, size // 64)):
+        got = drv.read(base + offset, 8)
+        if got != bytes([value]) * 8:
+            raise RuntimeError(f"the mapped range read {got!r} at offset {offset}, not the byte {value} written: the "
+                               "measure mapped no memory there")
+
+
+def hand_over(drv: Driver, size: int, piece: int, repeats: int) -> dict:
+    """The driver's ways of giving `size` bytes to an address range in pieces of `piece` and taking them back."""
+    base = drv.reserve(size)
+    offsets = range(0, size, piece)
+    times: dict[str, list[float]] = {"create_map": [], "unmap_release": [], "unmap_only": [], "map_only": []}
+    try:
+        for rep in range(repeats + 1):
+            handles: list[int] = []
+
+            def create_map():
+                for off in offsets:
+                    handles.append(drv.create(piece))
+                    drv.map(base + off, piece, handles[-1])
+
+            t_create = _timed(create_map)
+            _prove_mapped(drv, base, size, piece, 0x5A + rep)
+            t_unmap = _timed(lambda: [drv.unmap(base + off, piece) for off in offsets])
+            t_map = _timed(lambda: [drv.map(base + off, piece, h) for off, h in zip(offsets, handles)])
+            _prove_mapped(drv, base, size, piece, 0xA5 - rep)
+
+            def unmap_release():
+                for off, h in zip(offsets, handles):
+                    drv.unmap(base + off, piece)
+                    drv.release(h)
+
+            t_release = _timed(unmap_release)
+            if rep:  # the first round warms the driver up
+                for key, t in zip(("create_map", "unmap_only", "map_only", "unmap_release"),
+                                  (t_create, t_unmap, t_map, t_release)):
+                    times[key].append(t)
+    finally:
+        drv.free_address(base, size)
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+def torch_hand_over(size: int, repeats: int) -> dict:
+    """torch's allocator with this process's settings: new pages for a fresh tensor, and `empty_cache` after it."""
+    import torch
+
+    fresh, empty = [], []
+    for rep in range(repeats + 1):
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        t = torch.empty(size, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        t_fresh = time.perf_counter() - start
+        t.fill_(rep)  # touched, as a real buffer is
+        del t
+        torch.cuda.synchronize()
+        t_empty = _timed(torch.cuda.empty_cache)
+        if rep:
+            fresh.append(t_fresh)
+            empty.append(t_empty)
+    return {"torch_empty_fresh": statistics.median(fresh), "torch_empty_cache": statistics.median(empty)}
+
+
+def write_floor(drv: Driver, size: int, piece: int, repeats: int) -> float:
+    """Seconds to write `size` bytes on the device (one memset over mapped memory): memory bandwidth, no driver."""
+    base = drv.reserve(size)
+    handles = [drv.create(piece) for _ in range(0, size, piece)]
+    try:
+        for off, h in zip(range(0, size, piece), handles):
+            drv.map(base + off, piece, h)
+        drv.fill(base, 1, size)  # warm-up
+        ts = [_timed(lambda: drv.fill(base, 2, size)) for _ in range(repeats)]
+        for off in range(0, size, piece):
+            drv.unmap(base + off, piece)
+    finally:
+        for h in handles:
+            drv.release(h)
+        drv.free_address(base, size)
+    return statistics.median(ts)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=16.0, help="bytes handed over per measure, in GiB (default 16)")
+    ap.add_argument("--pieces-mib", default="2,20,1024", help="piece sizes in MiB (default: torch's 2 and 20, "
+                    "and 1024 for vLLM's whole allocations)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="JSON result; a markdown table with the same stem beside it")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: give 1 or more")
+    if args.gib <= 0:
+        raise SystemExit(f"--gib {args.gib}: give a positive size")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_vmm measures the CUDA driver's virtual-memory calls: run it on a machine with a "
+                         "CUDA GPU")
+    torch.cuda.set_device(args.device)
+    torch.zeros(1, device="cuda")  # the primary context, current on this thread, as the driver calls need
+    drv = Driver(args.device)
+    pieces = [int(p) * MIB for p in args.pieces_mib.split(",")]
+    bad = [p // MIB for p in pieces if p <= 0 or p % drv.granularity]
+    if bad:
+        raise SystemExit(f"--pieces-mib: {bad} are not multiples of the device's granularity "
+                         f"({drv.granularity // MIB} MiB)")
+    step = math.lcm(*pieces)  # every piece size tiles the range exactly
+    size = int(args.gib * GIB) // step * step
+    if not size:
+        raise SystemExit(f"--gib {args.gib}: give at least {step / GIB:.2f} GiB (a whole number of every piece size)")
+    free = torch.cuda.mem_get_info()[0]
+    if size > free - 2 * GIB:
+        raise SystemExit(f"--gib {args.gib}: {free / GIB:.1f} GiB are free on the GPU; give at most "
+                         f"{max(free / GIB - 2, 0):.1f}")
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "bytes": size,
+              "granularity": drv.granularity, "repeats": args.repeats,
+              "write_floor_s": write_floor(drv, size, max(pieces), args.repeats),
+              "pieces": {str(p // MIB): hand_over(drv, size, p, args.repeats) for p in pieces}}
+    result.update(torch_hand_over(size, args.repeats))
+    text = markdown(result)
+    print(text, end="")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(text)
+    return result
+
+
+def markdown(r: dict) -> str:
+    gib = r["bytes"] / GIB
+
+    def row(what, s):
+        return f"| {what} | {1e3 * s:.1f} | {1e3 * s / gib:.2f} | {s / r['write_floor_s']:.1f}x |"
+
+    out = [f"{r['gpu']}, torch {r['torch']}: {gib:.0f} GiB handed over, median of {r['repeats']} after a warm-up; "
+           f"floor: writing the same bytes once ({1e3 * r['write_floor_s']:.1f} ms).", "",
+           "| way | ms | ms per GiB | against the write floor |", "|---|---:|---:|---:|"]
+    for piece, t in r["pieces"].items():
+        out += [row(f"create + map + access, {piece} MiB pieces", t["create_map"]),
+                row(f"unmap + release, {piece} MiB pieces", t["unmap_release"]),
+                row(f"unmap only (handles kept), {piece} MiB pieces", t["unmap_only"]),
+                row(f"map + access with kept handles, {piece} MiB pieces", t["map_only"])]
+    out += [row("torch.empty, fresh pages", r["torch_empty_fresh"]),
+            row("torch.cuda.empty_cache", r["torch_empty_cache"])]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
