@@ -70,7 +70,7 @@ import threading
 import time
 from pathlib import Path
 
-from child import rank_result_path, run_child, start
+from child import hold_beyond, rank_result_path, run_child, start
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = {"a": "TRL colocate + sleep mode", "b": "TRL + swaprl.wrap", "c": "swaprl loop"}
@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--utilizations-b", default=None,
                     help="the values tried for way b (whose optimizer states leave the GPU: it usually runs at the "
                          "first, 0.9, where way a runs out of memory)")
+    ap.add_argument("--as-gpu", default=None, metavar="GPU",
+                    help="run every way on a GPU made to offer the memory of this smaller one (a name the planner "
+                         "knows: H100, A100, L40S...): each process first holds the rest with a driver allocation, "
+                         "which the peaks leave out, and the utilizations stay fractions of the smaller card; the "
+                         "speed stays this card's")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"),
                     help="where random checkpoints are written (and reused)")
@@ -267,7 +272,7 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         gradient_checkpointing=True, bf16=cuda, use_cpu=not cuda, beta=0.0, report_to=[], logging_steps=1,
         save_strategy="no", disable_tqdm=True,
         use_vllm=use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode=use_vllm and cuda,
-        vllm_gpu_memory_utilization=spec["util"] or 0.3,
+        vllm_gpu_memory_utilization=engine_share(spec["util"] or 0.3, spec),
         vllm_max_model_length=max_model_len(spec),
         vllm_importance_sampling_correction=False, **spread)
     trainer = GRPOTrainer(model=str(checkpoint_dir(spec)), reward_funcs=even_tokens, args=args,
@@ -380,6 +385,19 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
     return {"steps": steps, **extra}
 
 
+def engine_share(util: float, spec: dict, card_bytes: int | None = None) -> float:
+    """The `vllm_gpu_memory_utilization` to pass for `util` of the GPU: vLLM takes a fraction of the whole card
+    (`card_bytes`, this process's GPU unless given), so on a card emulating a smaller one (--as-gpu) the fraction is
+    scaled to the same bytes."""
+    if not spec.get("as_gpu_bytes"):
+        return util
+    if card_bytes is None:
+        import torch
+
+        card_bytes = torch.cuda.mem_get_info()[1]
+    return util * spec["as_gpu_bytes"] / card_bytes
+
+
 def run_loop(spec: dict) -> dict:
     """Way c: examples/grpo.py's main() in this process, read back from its metrics.json."""
     sys.path.insert(0, str(ROOT / "examples"))
@@ -424,6 +442,7 @@ def child(spec_path: str) -> None:
         import torch
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before the sampler and the floor pick a device
+    held = hold_beyond(spec["as_gpu_bytes"]) if spec.get("as_gpu_bytes") else 0
     if spec["way"] == "write":
         import torch
 
@@ -435,8 +454,10 @@ def child(spec_path: str) -> None:
     sampler = PeakSampler()
     t0 = time.perf_counter()
     result = run_loop(spec) if spec["way"] == "c" else run_trl(spec, sampler)
-    result.update(peak_device_bytes=sampler.stop(), peak_device_bytes_by_phase=sampler.peaks,
-                  baseline_device_bytes=sampler.baseline, wall_s=time.perf_counter() - t0)
+    peak = sampler.stop()
+    result.update(peak_device_bytes=peak and peak - held, wall_s=time.perf_counter() - t0, held_bytes=held,
+                  peak_device_bytes_by_phase={k: v - held for k, v in sampler.peaks.items()},
+                  baseline_device_bytes=sampler.baseline and sampler.baseline - held)
     rank_result_path(spec["result"]).write_text(json.dumps(result, default=str))
     import torch.distributed as dist
 
@@ -597,12 +618,30 @@ def markdown(result: dict, lines: list[str]) -> str:
         setting += (f" Ways a and b ran as {ranks} under torchrun, one GPU each, the trainer spread with "
                     f"accelerate's {s['layout'].upper()}, vLLM tensor-parallel over {s['vllm_tp']} of them per "
                     "engine; peak memory is per GPU, the largest over the ranks.")
+    if s.get("as_gpu"):
+        setting += (f" Every process ran on a GPU made to offer an {s['as_gpu']}'s memory "
+                    f"({gib(s['as_gpu_bytes'])} GiB as CUDA counts it): a driver allocation held the rest of the "
+                    "card from the start and is left out of the peaks; the utilizations are fractions of that "
+                    "memory (scaled to the card's own total when passed to vLLM). Speeds are the card's own.")
     return "\n".join([
         f"# GRPO, three ways: {result['workload']}", "", "Command:", "", f"    {result['command']}", "",
         about, "", setting, "", "```", *lines, "```", "", *phases_and_losses(result),
         "Failed attempts (the utilization search and W3's size ladder):" if failed else "No attempt failed.",
         *failed, "",
     ])
+
+
+def as_gpu_bytes(args: argparse.Namespace) -> int | None:
+    """--as-gpu's memory as CUDA counts it (the planner's figure for that GPU), or None."""
+    if args.as_gpu is None:
+        return None
+    from swaprl.plan.hardware import GPUS
+
+    if args.as_gpu not in GPUS:
+        raise SystemExit(f"--as-gpu {args.as_gpu}: unknown GPU; choose among {', '.join(GPUS)}")
+    if args.smoke:
+        raise SystemExit("--as-gpu emulates a smaller GPU's memory; --smoke runs on the CPU: drop one of them")
+    return GPUS[args.as_gpu].memory_bytes
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -620,7 +659,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "verify_tolerance": args.verify_tolerance,
                 "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
                 "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir,
-                "nproc": args.nproc, "layout": args.layout, "vllm_tp": args.vllm_tp}
+                "nproc": args.nproc, "layout": args.layout, "vllm_tp": args.vllm_tp,
+                "as_gpu": args.as_gpu, "as_gpu_bytes": as_gpu_bytes(args)}
     if args.nproc is not None:
         if args.nproc < 1 or args.nproc % args.vllm_tp:
             raise SystemExit(f"--vllm-tp {args.vllm_tp} must divide --nproc {args.nproc} (vLLM's tensor-parallel "

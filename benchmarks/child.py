@@ -32,6 +32,34 @@ class Child:
         return self.log.read_text(errors="replace").splitlines()
 
 
+_HELD: list = []  # the driver allocations that hold_beyond made: kept for the life of the process
+
+
+def hold_beyond(total_bytes: int) -> int:
+    """Make this process's GPU offer `total_bytes` as CUDA counts them (`cudaMemGetInfo`'s total), so that a larger
+    card runs what a smaller one would hold: a driver allocation that torch and vLLM do not see (`cuMemAlloc`) takes
+    the rest for the life of the process. Returns its size; NVML's device figure includes it, so a caller subtracts
+    it from what it reads there."""
+    import ctypes
+
+    import torch
+
+    torch.zeros(1, device="cuda")  # the primary context, current on this thread, as the driver call needs
+    real = torch.cuda.mem_get_info()[1]
+    held = real - total_bytes
+    if held < 0:
+        raise SystemExit(f"this GPU has {real / 2**30:.2f} GiB, less than the {total_bytes / 2**30:.2f} GiB asked for: "
+                         "emulate a card no larger than the one here")
+    if held:
+        ptr = ctypes.c_uint64()
+        rc = ctypes.CDLL("libcuda.so.1").cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(held))
+        if rc:
+            raise RuntimeError(f"cuMemAlloc of {held / 2**30:.2f} GiB to emulate a smaller GPU failed (CUDA error "
+                               f"{rc}): free the GPU first")
+        _HELD.append(ptr)
+    return held
+
+
 def rank_result_path(result: str | Path) -> Path:
     """Where this process writes its result: `result` on rank 0 (or without torchrun), `result.rank{r}` on rank r."""
     rank = int(os.environ.get("RANK", "0"))

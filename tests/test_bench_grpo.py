@@ -99,3 +99,22 @@ def test_smoke_on_two_ranks_runs_ways_a_and_b_under_torchrun(tmp_path, monkeypat
         bench_grpo.main(["--smoke", "--nproc", "2", "--out", str(out)])
     with pytest.raises(SystemExit, match="must divide"):
         bench_grpo.main(["--smoke", "--ways", "a,b", "--nproc", "2", "--vllm-tp", "4", "--out", str(out)])
+
+
+def test_as_gpu_names_a_known_card_and_needs_one(monkeypatch):
+    """--as-gpu (a GPU made to offer a smaller card's memory) is refused before anything runs when it cannot hold."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_grpo
+
+    with pytest.raises(SystemExit, match="--as-gpu H300: unknown GPU; choose among .*H100"):
+        bench_grpo.main(["--as-gpu", "H300", "--ways", "a"])
+    with pytest.raises(SystemExit, match="--smoke runs on the CPU: drop one of them"):
+        bench_grpo.main(["--as-gpu", "H100", "--smoke"])
+
+
+def test_an_emulated_card_scales_vllms_share_to_the_same_bytes(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_grpo
+
+    assert bench_grpo.engine_share(0.35, {}) == 0.35
+    assert bench_grpo.engine_share(0.35, {"as_gpu_bytes": 80 * 2**30}, card_bytes=140 * 2**30) == pytest.approx(0.2)
