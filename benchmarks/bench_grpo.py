@@ -45,6 +45,9 @@ by accelerate (`--layout ddp`, or `fsdp2`: `GRPOConfig(fsdp=True, fsdp_config={"
 colocated in groups of `--vllm-tp` ranks. The batch stays the workload's: each rank takes micro-batches of
 `--micro-batch` sequences, with the accumulation that makes prompts x completions per optimizer step over all
 ranks. Step times are rank 0's (the ranks step together); peak memory is the largest over the ranks, per GPU.
+`--nnodes K` runs them as K nodes of `--nproc` ranks on this machine (each a torchrun with its own GPUs, meeting
+through the c10d rendezvous), so that the multi-node path runs: tensor parallelism inside a node, data parallelism
+across nodes.
 
 Also per way: the peak memory while the engine holds its memory (from its wake-up to its sleep: TRL's in way a,
 swaprl's in way b) and while it does not, and each step's loss as TRL logs it, so a wrapped run can be compared
@@ -103,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward in every way")
     ap.add_argument("--nproc", type=int, default=None,
                     help="ways a and b as this many ranks under torchrun, one GPU each (way c runs on one)")
+    ap.add_argument("--nnodes", type=int, default=1,
+                    help="with --nproc: ways a and b as this many nodes of --nproc ranks on this machine, each node "
+                         "a torchrun of its own with its own GPUs, meeting through the c10d rendezvous (the "
+                         "multi-node path: tensor parallelism inside a node, data parallelism across)")
     ap.add_argument("--layout", default="ddp", choices=["ddp", "fsdp2"],
                     help="with --nproc: how accelerate spreads the trainer (fsdp2: accelerate's FSDP2)")
     ap.add_argument("--vllm-tp", type=int, default=1, help="with --nproc: TRL's vllm_tensor_parallel_size")
@@ -368,7 +375,7 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         s["loss"] = losses.get(s["step"])
         s["train_s"] = s["step_s"] - s["generate_s"] - s["switch_s"]
     extra = {"torch_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None, "wrap_s": wrap_s,
-             "world_size": world}
+             "world_size": world, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
     if floor is not None:
         floor.fill(steps)
         extra["floor_GBps"] = floor.gbps
@@ -473,7 +480,7 @@ def launch(spec: dict, run_dir: Path, timeout: float) -> dict:
     """Run one child; returns its result with ok=True, or ok=False and the error line from its log."""
     name = f"{spec['way']}_{spec['preset']}" + (f"_u{spec['util']}" if spec.get("util") else "")
     nproc = spec.get("nproc") if spec["way"] in ("a", "b") else None  # the checkpoint and way c: one process
-    child = run_child(__file__, spec, name, run_dir, timeout, nproc=nproc)
+    child = run_child(__file__, spec, name, run_dir, timeout, nproc=nproc, nnodes=spec.get("nnodes", 1) if nproc else 1)
     attempt = {"way": spec["way"], "preset": spec["preset"], "util": spec.get("util"), "rc": child.rc,
                "seconds": child.seconds, "log": str(child.log)}
     if child.result is not None:
@@ -614,7 +621,11 @@ def markdown(result: dict, lines: list[str]) -> str:
                "20 ms. TRL runs with bf16=True on a GPU (autocast; with float32 parameters the loop computes in "
                "float32).")
     if s.get("nproc"):
-        ranks = f"{s['nproc']} rank{'s' if s['nproc'] > 1 else ''}"
+        nodes = s.get("nnodes", 1)
+        world = s["nproc"] * nodes
+        ranks = f"{world} rank{'s' if world > 1 else ''}" + (
+            f" ({nodes} nodes of {s['nproc']} on this machine, each its own torchrun and GPUs, meeting through the "
+            "c10d rendezvous)" if nodes > 1 else "")
         setting += (f" Ways a and b ran as {ranks} under torchrun, one GPU each, the trainer spread with "
                     f"accelerate's {s['layout'].upper()}, vLLM tensor-parallel over {s['vllm_tp']} of them per "
                     "engine; peak memory is per GPU, the largest over the ranks.")
@@ -659,8 +670,10 @@ def main(argv: list[str] | None = None) -> dict:
                 "verify_tolerance": args.verify_tolerance,
                 "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
                 "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir,
-                "nproc": args.nproc, "layout": args.layout, "vllm_tp": args.vllm_tp,
+                "nproc": args.nproc, "nnodes": args.nnodes, "layout": args.layout, "vllm_tp": args.vllm_tp,
                 "as_gpu": args.as_gpu, "as_gpu_bytes": as_gpu_bytes(args)}
+    if args.nnodes != 1 and (args.nproc is None or args.nnodes < 1):
+        raise SystemExit(f"--nnodes {args.nnodes}: give 1 or more, with --nproc (the ranks of each node)")
     if args.nproc is not None:
         if args.nproc < 1 or args.nproc % args.vllm_tp:
             raise SystemExit(f"--vllm-tp {args.vllm_tp} must divide --nproc {args.nproc} (vLLM's tensor-parallel "
@@ -695,6 +708,7 @@ def main(argv: list[str] | None = None) -> dict:
                 extra={k: r.get(k) for k in ("torch_max_reserved_bytes", "last_sync_max_abs_diff", "engine",
                                              "wall_s", "floor_GBps", "wrap_s", "optimizer_states",
                                              "peak_device_bytes_by_phase", "peak_device_bytes_per_rank", "world_size",
+                                             "local_world_size",
                                              "optimizer_homes", "demotes", "weights")})
     base_a = ways.get("a", {})
     if args.spread and base_a.get("ok"):

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,28 +67,56 @@ def rank_result_path(result: str | Path) -> Path:
     return Path(result) if rank == 0 else Path(f"{result}.rank{rank}")
 
 
-def run_child(script: str, spec: dict, name: str, run_dir: Path, timeout: float, *, nproc: int | None = None) -> Child:
+def run_child(script: str, spec: dict, name: str, run_dir: Path, timeout: float, *, nproc: int | None = None,
+              nnodes: int = 1) -> Child:
     """Run `script --child` on `spec` (plus `result`, a path in `run_dir`); spec, result and log are `name.*`.
     `nproc`: run it as that many ranks under torchrun on this node (1 included: a process group of one); the
-    result is rank 0's, the others' are in `ranks`."""
+    result is rank 0's, the others' are in `ranks`. `nnodes` > 1: as that many nodes of `nproc` ranks on this
+    machine, each its own torchrun with its own GPUs (CUDA_VISIBLE_DEVICES), meeting through torchrun's c10d
+    rendezvous as the nodes of a cluster do."""
     spec = {**spec, "result": str(run_dir / f"{name}.json")}
     spec_path, log_path = run_dir / f"{name}.spec.json", run_dir / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
-    launcher = [sys.executable] if nproc is None else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    if nproc is None:
+        launches = [([sys.executable], None)]
+    elif nnodes == 1:
+        launches = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)],
+                     None)]
+    else:
+        endpoint = f"localhost:{_free_port()}"
+        launches = [([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
+                      str(nproc), "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-id", name,
+                      "--rdzv-endpoint", endpoint],
+                     {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(node * nproc + i) for i in range(nproc))})
+                    for node in range(nnodes)]
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
+        procs = [subprocess.Popen([*cmd, script, "--child", str(spec_path)], stdout=logf, stderr=subprocess.STDOUT,
+                                  env=env) for cmd, env in launches]
+        rc: int | str = 0
         try:
-            rc: int | str = subprocess.run([*launcher, script, "--child", str(spec_path)], stdout=logf,
-                                           stderr=subprocess.STDOUT, timeout=timeout, check=False).returncode
+            for p in procs:
+                code = p.wait(timeout=max(timeout - (time.perf_counter() - t0), 0))
+                rc = rc or code
         except subprocess.TimeoutExpired:
             rc = "timeout"
+            for p in procs:
+                p.kill()
+                p.wait()
     seconds = time.perf_counter() - t0
-    paths = [Path(spec["result"])] + [Path(f"{spec['result']}.rank{r}") for r in range(1, nproc or 1)]
+    world = (nproc or 1) * nnodes
+    paths = [Path(spec["result"])] + [Path(f"{spec['result']}.rank{r}") for r in range(1, world)]
     if rc != 0 or not all(p.exists() for p in paths):
         return Child(rc, seconds, log_path, None)
     result, *ranks = (json.loads(p.read_text()) for p in paths)
     return Child(rc, seconds, log_path, result, tuple(ranks))
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now, for a rendezvous of local nodes."""
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
 
 
 def result_or_say_why(script: str, spec: dict, name: str, run_dir: Path, timeout: float, *,

@@ -118,3 +118,21 @@ def test_an_emulated_card_scales_vllms_share_to_the_same_bytes(monkeypatch):
 
     assert bench_grpo.engine_share(0.35, {}) == 0.35
     assert bench_grpo.engine_share(0.35, {"as_gpu_bytes": 80 * 2**30}, card_bytes=140 * 2**30) == pytest.approx(0.2)
+
+
+def test_smoke_as_two_nodes_of_one_rank_each(tmp_path, monkeypatch):
+    """--nnodes 2 --nproc 1: each way is two torchrun launches, one per node, meeting through the c10d rendezvous
+    (LOCAL_WORLD_SIZE 1 on each), and both ranks report."""
+    pytest.importorskip("trl")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_grpo
+
+    with pytest.raises(SystemExit, match="--nnodes 2: give 1 or more, with --nproc"):
+        bench_grpo.main(["--smoke", "--ways", "a,b", "--nnodes", "2"])
+    out = tmp_path / "grpo.json"
+    result = bench_grpo.main(["--smoke", "--ways", "a,b", "--nproc", "1", "--nnodes", "2", "--out", str(out),
+                              "--workdir", str(tmp_path / "ck")])
+    for way, w in result["ways"].items():
+        assert w["ok"], (way, w["attempts"])
+        assert w["extra"]["world_size"] == 2 and w["extra"]["local_world_size"] == 1
+    assert "2 nodes of 1 on this machine" in out.with_suffix(".md").read_text()
