@@ -84,25 +84,34 @@ def run_child(script: str, spec: dict, name: str, run_dir: Path, timeout: float,
                      None)]
     else:
         endpoint = f"localhost:{_free_port()}"
+        # Each node takes the next `nproc` of the GPUs this process may use.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(nproc * nnodes)]
+        if len(gpus) < nproc * nnodes:
+            raise ValueError(f"{nnodes} nodes of {nproc} ranks need {nproc * nnodes} GPUs; CUDA_VISIBLE_DEVICES "
+                             f"names {len(gpus)}: name more, or run fewer nodes")
         launches = [([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
                       str(nproc), "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-id", name,
                       "--rdzv-endpoint", endpoint],
-                     {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(node * nproc + i) for i in range(nproc))})
+                     {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus[node * nproc:(node + 1) * nproc])})
                     for node in range(nnodes)]
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
         procs = [subprocess.Popen([*cmd, script, "--child", str(spec_path)], stdout=logf, stderr=subprocess.STDOUT,
                                   env=env) for cmd, env in launches]
         rc: int | str = 0
-        try:
-            for p in procs:
-                code = p.wait(timeout=max(timeout - (time.perf_counter() - t0), 0))
-                rc = rc or code
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-            for p in procs:
+        # One node that fails leaves the others waiting for it in a collective: stop them at once.
+        while any(p.poll() is None for p in procs) and not rc:
+            if time.perf_counter() - t0 > timeout:
+                rc = "timeout"
+            else:
+                rc = next((p.returncode for p in procs if p.returncode), 0)
+                time.sleep(0.1)
+        for p in procs:
+            if p.poll() is None:
                 p.kill()
-                p.wait()
+            p.wait()
+        rc = rc or next((p.returncode for p in procs if p.returncode), 0)
     seconds = time.perf_counter() - t0
     world = (nproc or 1) * nnodes
     paths = [Path(spec["result"])] + [Path(f"{spec['result']}.rank{r}") for r in range(1, world)]
