@@ -240,7 +240,8 @@ class Placement:
         return [r.buffer for r in self._res.values()] + ([self.streamer.buffer] if self.streamer else [])
 
     def _held(self) -> int:
-        return sum(b.capacity for b in self._buffers())
+        orphaned = self.streamer.orphaned_bytes() if self.streamer is not None else 0
+        return sum(b.capacity for b in self._buffers()) + orphaned
 
     # ---------------------------------------------------------------- host memory ahead of the first switch
     def prepare_host(self) -> dict[str, int]:

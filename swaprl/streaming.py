@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 import time
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -129,6 +130,12 @@ class StateStreamer:
         self._check_budget, self._on_step = check_budget, on_step
         self._homes: dict[int, _Home] = {}  # id(state tensor) -> its home; holding the tensor keeps the id unique
         self._end: int | None = None  # `_buffer_end()`, while known
+        # Tensors outside the optimizer that view the buffer: a state_dict()'s (`lend`) and states the optimizer let
+        # go of (load_state_dict replaced them). Plain torch leaves a state_dict's tensors as they were when the
+        # optimizer moves on to others, so their space is not written while they live: (tensor, offset, end).
+        self._lent: list[tuple[weakref.ref, int, int]] = []
+        # Earlier buffers that such tensors keep alive after a new layout: (their tensors, the buffer's bytes).
+        self._orphans: list[tuple[list[weakref.ref], int]] = []
         cuda = device.type == "cuda"
         self._h2d = torch.cuda.Stream(device) if cuda else None
         self._d2h = torch.cuda.Stream(device) if cuda else None
@@ -568,9 +575,70 @@ class StateStreamer:
         """Where the states in the buffer end: new ones go after it. Kept between calls within a step (a step that
         creates its states asks once per state); anything else that moves states forgets it."""
         if self._end is None:
-            self._end = max((h.offset + align(nbytes(h.tensor)) for h in self._homes.values()
-                             if self._at_home(h.tensor) and self._in_buffer(h)), default=0)
+            self._end = max([*(h.offset + align(nbytes(h.tensor)) for h in self._homes.values()
+                               if self._at_home(h.tensor) and self._in_buffer(h)),
+                             *(end for _, _, end in self._lent_now())], default=0)
         return self._end
+
+    def lend(self, state_dict: dict) -> None:
+        """Note the tensors of a `state_dict()` that view the buffer (`residency.savable`'s aliases: not the
+        optimizer's own tensor objects), so that their space is kept while they live (see `_lent`)."""
+        base, size = self._buffer_span()
+        if size == 0:
+            return
+
+        def walk(x) -> None:  # the states, and the fp32 masters (`swaprl.master`) saved beside them
+            if isinstance(x, dict):
+                for v in x.values():
+                    walk(v)
+            elif isinstance(x, list):
+                for v in x:
+                    walk(v)
+            elif isinstance(x, torch.Tensor) and x.device.type == "cpu" and 0 <= x.data_ptr() - base < size:
+                offset = x.data_ptr() - base
+                self._lent.append((weakref.ref(x), offset, offset + align(nbytes(x))))
+
+        self._lent_now()  # forget the dead first: every `torch.save(opt.state_dict())` lends for a moment
+        walk(state_dict)
+
+    def _buffer_span(self) -> tuple[int, int]:
+        """The buffer's first byte's address and its size (0, 0 with none)."""
+        size = self.buffer.capacity
+        return (self.buffer.span(size).data_ptr(), size) if size else (0, 0)
+
+    def _lent_now(self) -> list[tuple[weakref.ref, int, int]]:
+        """`_lent`, less the tensors gone or no longer viewing the buffer where they did."""
+        self._lent = [(ref, start, end) for ref, start, end in self._lent if (t := ref()) is not None
+                      and self.buffer.holds(Moved(t, start, self.device, t.data_ptr()))]
+        return self._lent
+
+    def _shared_masters(self) -> list[torch.Tensor]:
+        """The fp32 masters at their home whose bytes a held state_dict views."""
+        if self.masters is None:
+            return []
+        held = {(start, end) for _, start, end in self._lent_now()}
+        return [t for t in map(local_tensor, self.masters) if (h := self._homes.get(id(t))) is not None
+                and self._at_home(t) and self._in_buffer(h) and (h.offset, h.offset + align(nbytes(t))) in held]
+
+    def check_unshare(self, context: str) -> None:
+        """Before a load: refuse it if the masters `unshare_masters` will copy do not fit the host budget."""
+        shared = self._shared_masters()
+        if shared:
+            self._check_budget(sum(nbytes(t) for t in shared), 0, f"{context} A state_dict() taken earlier views "
+                               "the fp32 masters the load replaces, and keeps them: drop it, or keep a copy.deepcopy "
+                               "of it, before loading.")
+
+    def unshare_masters(self) -> None:
+        """Once torch has accepted a load, before the masters' own hook copies the saved values into them in place:
+        each master a held state_dict views moves to host memory of its own (the next `move_into_buffer` gives it
+        a home again), so the held dict keeps its values as it keeps its states'."""
+        for t in self._shared_masters():
+            t.data = t.data.clone()
+
+    def orphaned_bytes(self) -> int:
+        """Host memory of earlier buffers that a state_dict's tensors keep alive (see `_orphans`)."""
+        self._orphans = [(refs, n) for refs, n in self._orphans if any(r() is not None for r in refs)]
+        return sum(n for _, n in self._orphans)
 
     def _rescue(self, params: list[tuple[torch.nn.Parameter, dict]]) -> None:
         """After an error inside the step: every state back home, holding what the optimizer last wrote to it."""
@@ -593,6 +661,11 @@ class StateStreamer:
             logger.exception("bringing the optimizer states home after a failed step also failed")
 
     # ---------------------------------------------------------------- the buffer
+    def _retire(self, h: _Home) -> None:
+        """A state the optimizer let go of: its space stays taken while something else holds it (see `_lent`)."""
+        if self._in_buffer(h):
+            self._lent.append((weakref.ref(h.tensor), h.offset, h.offset + align(nbytes(h.tensor))))
+
     def move_into_buffer(self, context: str = "Nothing was moved.") -> int:
         """Move every state tensor not yet in the host buffer (made by a step, loaded by `load_state_dict`, or on
         the device from before `attach`) into it; returns the bytes moved.
@@ -604,7 +677,7 @@ class StateStreamer:
         managed = [t for p, g in self.owned() for t in self._states(p, g)]
         live = {id(t) for t in managed}
         for key in [k for k in self._homes if k not in live]:  # replaced or dropped by the optimizer: let them go
-            del self._homes[key]
+            self._retire(self._homes.pop(key))
 
         def in_buffer(t: torch.Tensor) -> bool:
             return self._at_home(t) and self._in_buffer(self._homes[id(t)])
@@ -621,9 +694,19 @@ class StateStreamer:
         else:
             total = layout_bytes(managed)
             loose = sum(nbytes(t) for t in managed if self._at_home(t) and self._homes[id(t)].offset is None)
-            self._check_budget(total - self.buffer.capacity, loose, context)
+            # Those the optimizer holds again (a state_dict of its own loaded back) move to the new buffer below:
+            # they keep nothing of the old one.
+            lent = [ref for ref, _, _ in self._lent_now() if id(ref()) not in live]
+            if lent:  # they keep the old buffer alive beside the new one
+                self._check_budget(total, loose, f"{context} A state_dict() taken earlier still views the states' "
+                                   f"host buffer ({self.buffer.capacity} bytes), which stays allocated while it "
+                                   "lives: drop it, or keep a copy.deepcopy of it, before this.")
+                self._orphans.append((lent, self.buffer.capacity))
+            else:
+                self._check_budget(total - self.buffer.capacity, loose, context)
             # The tensors in the old buffer keep its memory alive until they are pointed at the new one.
             self.buffer.release()
+            self._lent = []  # what they view is the old buffer now
             self.buffer.ensure(total, lock=False)
             moved = self._place(managed, 0)
             self.buffer.lock(background=True)  # the next step waits for it, if it comes that soon
@@ -699,6 +782,7 @@ def install_step(streamer: StateStreamer, *, detached: Callable[[], bool]) -> Ca
         # load hook reads and writes it.
         params = [p for p, _ in streamer.owned() if local_tensor(p) is p and not streamer._is_master(p)]
         data = [p.data for p in params]
+        streamer.check_unshare("Nothing was loaded.")
         try:
             for p in params:
                 p.data = torch.empty(0, dtype=p.dtype)
@@ -717,6 +801,12 @@ def install_step(streamer: StateStreamer, *, detached: Callable[[], bool]) -> Ca
         undo.push(opt.register_load_state_dict_post_hook(
             lambda opt: streamer.move_into_buffer("The loaded states are intact where the load put them.")).remove,
             "load_state_dict post-hook")
+        # First of the load's post-hooks: before the masters' own copies the loaded values in.
+        undo.push(opt.register_load_state_dict_post_hook(lambda opt: streamer.unshare_masters(), prepend=True).remove,
+                  "load_state_dict post-hook (masters)")
+        # After attach's `savable` hook: what it hands out views the buffer.
+        undo.push(opt.register_state_dict_post_hook(lambda opt, sd: streamer.lend(sd)).remove,
+                  "state_dict post-hook")
     return undo.run
 
 

@@ -3,6 +3,7 @@ their optimizer states. Against the same recipe written by hand without swaprl, 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import io
 
@@ -147,6 +148,55 @@ def test_a_checkpoint_carries_the_masters_and_resumes_bit_for_bit(tiny_checkpoin
     assert_bitwise_equal(model_state(b), model_state(model))
     for x, y in zip(host_tensors(m for g in opt_b.param_groups for m in g["params"]), host_tensors(ref.masters)):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+    swaprl.detach()
+
+
+def test_a_state_dict_held_across_a_load_keeps_its_masters(tiny_checkpoint):
+    """The masters of a `state_dict()` kept across `load_state_dict()` keep their values, as its states do, and
+    training goes on from the loaded masters as it would with the dict dropped."""
+    runs = []
+    for hold in (False, True):
+        model = load_bf16(tiny_checkpoint)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB))
+        grpo.run(model, opt, rt.engine, steps=2, runtime=rt)
+        sd = opt.state_dict()
+        kept = {k: v.clone() for k, v in sd[master.KEY].items()}
+        other = copy.deepcopy(sd)
+        for v in other[master.KEY].values():
+            v.add_(0.25)
+        if not hold:
+            del sd
+        opt.load_state_dict(other)
+        del other
+        grpo.run(model, opt, rt.engine, steps=1, runtime=rt, first=2)
+        if hold:
+            assert_bitwise_equal(sd[master.KEY], kept)
+        runs.append((model_state(model), host_tensors(m for g in opt.param_groups for m in g["params"])))
+        swaprl.detach()
+    (a, ma), (b, mb) = runs
+    assert_bitwise_equal(a, b)
+    for x, y in zip(ma, mb):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_a_refused_load_leaves_the_masters_a_held_state_dict_views_where_they_are(tiny_checkpoint):
+    """A load that torch or the masters' hook refuses moves nothing: the masters a held `state_dict()` views stay
+    in the buffer under it, and the dict goes on following them as before."""
+    model = load_bf16(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB))
+    grpo.run(model, opt, rt.engine, steps=2, runtime=rt)
+    sd = opt.state_dict()
+    bad = copy.deepcopy(sd)
+    first = next(iter(bad[master.KEY]))
+    bad[master.KEY][first] = bad[master.KEY][first][:1]
+    with pytest.raises(ValueError):
+        opt.load_state_dict(bad)
+    masters = [m for g in opt.param_groups for m in g["params"]]
+    assert all(sd[master.KEY][i].data_ptr() == masters[i].data_ptr() for i in sd[master.KEY])
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt, first=2)
+    assert all(torch.equal(sd[master.KEY][i], masters[i]) for i in sd[master.KEY])
     swaprl.detach()
 
 

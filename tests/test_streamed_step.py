@@ -350,6 +350,105 @@ def test_state_dict_round_trip_resumes_identically(tiny_checkpoint, load_after_a
     assert_same_training(snapshot(fresh, fresh_opt), snapshot(plain, plain_opt))
 
 
+def _perturbed(sd: dict, drop=()) -> dict:
+    """A copy of a state dict with every floating state moved by one and the states of `drop` left out."""
+    out = copy.deepcopy(sd)
+    for pid in drop:
+        out["state"].pop(pid)
+    for st in out["state"].values():
+        for k, v in st.items():
+            if k != "step" and v.is_floating_point():
+                v.add_(1.0)
+    return out
+
+
+def _trained_pair(checkpoint, steps: int = 2, **config):
+    """The same training with plain torch and with the states in host memory: [(model, opt, rt or None)] x 2."""
+    runs = []
+    for host in (False, True):
+        model = load(checkpoint)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        rt = swaprl.attach(model, opt, config=host_config(**config)) if host else None
+        grpo.run(model, opt, HFEngine(model) if rt is None else rt.engine, steps=steps, runtime=rt)
+        runs.append((model, opt, rt))
+        if rt is not None and len(runs) < 2:
+            swaprl.detach()
+    return runs
+
+
+@pytest.mark.parametrize("dropped", [0, 3], ids=["every state", "some states missing"])
+def test_a_state_dict_held_across_a_load_keeps_its_values(tiny_checkpoint, dropped):
+    """`sd = opt.state_dict()` (no copy), then `opt.load_state_dict(other)` and more steps: plain torch leaves `sd`'s
+    tensors as they were, and so must the host buffer, whose space the loaded states would otherwise reuse (whether
+    they fit after the buffer's end or not); training stays plain torch's, and loading `sd` back resumes from it."""
+    held, before, results = {}, {}, []
+    for model, opt, rt in _trained_pair(tiny_checkpoint):
+        # A first load that leaves room at the buffer's end, so that the next load's states fit there.
+        opt.load_state_dict(_perturbed(opt.state_dict(), drop=range(0, 12, 4)))
+        grpo.run(model, opt, HFEngine(model) if rt is None else rt.engine, steps=1, runtime=rt, first=2)
+        sd = opt.state_dict()
+        held[rt is None], before[rt is None] = sd, copy.deepcopy(sd["state"])
+        opt.load_state_dict(_perturbed(sd, drop=range(0, 12, max(dropped, 1)) if dropped else ()))
+        grpo.run(model, opt, HFEngine(model) if rt is None else rt.engine, steps=1, runtime=rt, first=3)
+        for pid, st in before[rt is None].items():
+            assert_bitwise_equal(sd["state"][pid], st)
+        opt.load_state_dict(sd)
+        grpo.run(model, opt, HFEngine(model) if rt is None else rt.engine, steps=1, runtime=rt, first=4)
+        results.append(snapshot(model, opt))
+        if rt is not None:
+            swaprl.detach()
+    assert_same_training(*results)
+
+
+def test_a_resume_from_a_file_reuses_the_buffer_and_a_held_state_dict_is_counted(tiny_checkpoint):
+    """`opt.load_state_dict(torch.load(f))` with nothing held lays the states into the same buffer, within a budget
+    just above it; with a state_dict held, the old buffer it keeps alive counts against the budget, and a load that
+    would overshoot is refused with the fix, nothing lost."""
+    (_, plain_opt, _), = [_trained_pair(tiny_checkpoint)[0]]
+    swaprl.detach()
+    states = sum(t.numel() * t.element_size() for t in optimizer_tensors(plain_opt))
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=host_config(host_budget_bytes=int(states * 1.5)))
+    grpo.run(model, opt, rt.engine, steps=2, runtime=rt)
+    streamer = rt._placement.streamer
+    f = io.BytesIO()
+    torch.save(opt.state_dict(), f)
+    f.seek(0)
+    where = streamer._buffer_span()
+    opt.load_state_dict(_perturbed(torch.load(f)))
+    assert streamer._buffer_span() == where  # laid into the same buffer: nothing else views it
+    held = opt.state_dict()
+    before = copy.deepcopy(held["state"])
+    loaded = _perturbed(held, drop=[0])
+    with pytest.raises(swaprl.HostBufferError, match="A state_dict\\(\\) taken earlier still views"):
+        opt.load_state_dict(loaded)
+    for pid, st in before.items():
+        assert_bitwise_equal(held["state"][pid], st)
+    del held
+    opt.load_state_dict(loaded)  # with the state_dict gone, its space is free again
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt, first=2)
+    swaprl.detach()
+
+
+def test_loading_the_optimizers_own_state_dict_keeps_one_buffer(tiny_checkpoint):
+    """`opt.load_state_dict(opt.state_dict())`: the loaded states are the dict's own tensors, so nothing outside
+    the optimizer keeps the old buffer: the host memory counted (what the budget checks) stays one buffer's, and
+    training stays plain torch's."""
+    results = []
+    for model, opt, rt in _trained_pair(tiny_checkpoint, host_budget_bytes=None):
+        held = rt.status()["host_buffers"]["bytes"] if rt is not None else None
+        for step in range(2):
+            opt.load_state_dict(opt.state_dict())
+            if rt is not None:
+                assert rt.status()["host_buffers"]["bytes"] == held
+            grpo.run(model, opt, HFEngine(model) if rt is None else rt.engine, steps=1, runtime=rt, first=2 + step)
+        results.append(snapshot(model, opt))
+        if rt is not None:
+            swaprl.detach()
+    assert_same_training(*results)
+
+
 @pytest.mark.parametrize("scheduler_first", [False, True])
 def test_lr_scheduler_progression_is_unchanged(tiny_checkpoint, scheduler_first):
     """torch's LRScheduler wraps optimizer.step on the instance too; built before or after attach, the learning
