@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
 import logging
 import math
 import os
+import pstats
 import shutil
 import statistics
 import tempfile
@@ -315,7 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-step", type=int, default=None, metavar="N",
                     help="record step N (its switches, generation and training) with torch's profiler into "
                          "OUT/trace.stepN[.rankR].json, a Chrome trace (chrome://tracing, Perfetto): swaprl's steps "
-                         "are named in it")
+                         "are named in it; and its two switches with Python's profiler, which also times the calls "
+                         "into C extensions that torch's does not see (vLLM's virtual-memory calls), into "
+                         "OUT/trace.stepN[.rankR].switches.txt (the calls by their own time; Python's own code runs "
+                         "slower under it)")
     ap.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint under OUT/checkpoints")
     ap.add_argument("--seed", type=int, default=0)
@@ -403,6 +409,29 @@ def load_sharded(path: Path, dtype: torch.dtype, device: str, compute: torch.dty
                 part = st.get_slice(name)[rank * rows: rank * rows + local.shape[0]]
             local.copy_(part.to(dtype))
     return model
+
+
+
+@contextlib.contextmanager
+def entered(name: str, calls: cProfile.Profile | None):
+    """`swaprl.phase(name)`, its switch recorded by `calls` when given: Python's profiler sees the time of every
+    call the switch makes, C extensions' included (vLLM's virtual-memory calls), which torch's profiler does not."""
+    with contextlib.ExitStack() as stack:
+        if calls is not None:
+            calls.enable()
+        try:
+            stack.enter_context(swaprl.phase(name))
+        finally:
+            if calls is not None:
+                calls.disable()
+        yield
+
+
+def write_calls(calls: cProfile.Profile, path: Path) -> None:
+    """The switches' calls by their own time, the largest first (files named without their directories)."""
+    text = io.StringIO()
+    pstats.Stats(calls, stream=text).strip_dirs().sort_stats("tottime").print_stats(40)
+    path.write_text(text.getvalue())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -538,12 +567,14 @@ def main(argv: list[str] | None = None) -> dict:
                 drawn = problems.take(args.prompts)
                 prompts = [tasks.encode(tokenizer, p) for p in drawn]
             switch["s"] = 0.0
+            calls = None  # Python's profiler, in the traced step's two switches only
             if step == args.trace_step:
                 trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if cuda else []))
                 trace.start()
+                calls = cProfile.Profile()
             t0 = time.perf_counter()
-            with swaprl.phase("generate"):
+            with entered("generate", calls):
                 tg = time.perf_counter()
                 # The engine's log-probabilities of the tokens it sampled come with the rollout (vLLM: from the sampling
                 # pass itself): the importance weights' denominators.
@@ -559,7 +590,7 @@ def main(argv: list[str] | None = None) -> dict:
                 rewards = [tasks.scored(score, t, p) for t, p in zip(texts, problem_of)]
                 correct = statistics.fmean(tasks.correct(t, p) for t, p in zip(texts, problem_of))
             stats: dict = {}
-            with swaprl.phase("train"):
+            with entered("train", calls):
                 tt = time.perf_counter()
                 loss, train_tokens = train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id,
                                               autocast, stats, reference)
@@ -570,8 +601,10 @@ def main(argv: list[str] | None = None) -> dict:
             total = time.perf_counter() - t0
             if step == args.trace_step:
                 trace.stop()
-                trace.export_chrome_trace(str(out / f"trace.step{step}{f'.rank{rank}' if world > 1 else ''}.json"))
+                name = f"trace.step{step}{f'.rank{rank}' if world > 1 else ''}"
+                trace.export_chrome_trace(str(out / f"{name}.json"))
                 trace = None
+                write_calls(calls, out / f"{name}.switches.txt")
             rollout_tokens = sum(map(len, completions))
             mean_reward = statistics.fmean(rewards)
             if world > 1:  # every rank's rollouts: the step's loss, reward and tokens

@@ -326,6 +326,10 @@ def test_a_traced_step_names_every_step_of_both_switches(tmp_path, monkeypatch):
     assert "release cached memory" in (out / "steps.md").read_text()
     with pytest.raises(ValueError, match="no swaprl switch steps in this trace"):
         trace_steps.summarize({"traceEvents": []})
+    # Python's profiler saw the two switches, and only them: the runtime's steps, not the rollout or the training
+    calls = (out / "trace.step1.switches.txt").read_text()
+    assert "_run_steps" in calls and "tottime" in calls, calls[:2000]
+    assert "generate_scored" not in calls and "grpo_loss" not in calls, calls[:2000]
 
 
 @pytest.mark.parametrize("extra, message", [
