@@ -411,7 +411,6 @@ def load_sharded(path: Path, dtype: torch.dtype, device: str, compute: torch.dty
     return model
 
 
-
 @contextlib.contextmanager
 def entered(name: str, calls: cProfile.Profile | None):
     """`swaprl.phase(name)`, its switch recorded by `calls` when given: Python's profiler sees the time of every
