@@ -57,6 +57,7 @@ with the plain one step by step; `--spread` runs way a a second time, for the ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--swap-config", default="bench", choices=["bench", "defaults"],
                     help="way b's SwapConfig: 'bench' (the one this docstring names, with --optimizer-states) or "
                          "'defaults' (SwapConfig() as a new user leaves it)")
+    ap.add_argument("--profile", action="store_true",
+                    help="way b: record swaprl's memory profile (SwapConfig.profile) beside each run's result, "
+                         "for `swaprl report`; it is written as the run goes, so a run that fails keeps its record")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
@@ -339,6 +343,8 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         config = swaprl.SwapConfig() if spec.get("swap_config") == "defaults" else swaprl.SwapConfig(
             verify_sync=True, grads="free", optimizer_states=states, overlap_optimizer_reload=states != "host",
             verify_tolerance=tuple(float(x) for x in bounds.split(",")) if bounds else None)
+        if spec.get("profile"):  # beside the result: one file per rank, readable up to a crash
+            config = dataclasses.replace(config, profile=str(Path(spec["result"]).with_suffix(".profile.jsonl")))
         t0 = time.perf_counter()
         rt = wrap(trainer, config=config)
         wrap_s = time.perf_counter() - t0
@@ -667,7 +673,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "prompt_tokens": 8 if args.smoke else args.prompt_tokens,
                 "micro_batch": 4 if args.smoke else args.micro_batch, "param_dtype": args.param_dtype,
                 "lr": args.lr, "optimizer_states": args.optimizer_states, "swap_config": args.swap_config,
-                "verify_tolerance": args.verify_tolerance,
+                "profile": args.profile, "verify_tolerance": args.verify_tolerance,
                 "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
                 "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir,
                 "nproc": args.nproc, "nnodes": args.nnodes, "layout": args.layout, "vllm_tp": args.vllm_tp,

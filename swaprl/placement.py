@@ -76,6 +76,10 @@ class Placement:
         self._pending_reload: torch.cuda.Event | None = None
         self._homes = assign_homes(optimizer, config.state_split())
         self._first_states_homed = not (self.auto and device.type == "cuda")
+        if not self._first_states_homed:
+            # The first step's rule needs the peak that training's forward and backward reach, which torch counts
+            # only as a peak since a reset: from here. (The peak statistics of this device start again at attach.)
+            torch.cuda.reset_peak_memory_stats(device)
         self.swaps_states = "swap" in self._homes.values()
         """Some states move at each switch (the "optimizer" resource is not empty)."""
         self.streamer: StateStreamer | None = None
@@ -128,9 +132,12 @@ class Placement:
         and backward beside everything it really holds (DDP's buckets, FSDP2's buffers, a trainer's chunks, the
         engine asleep). Returns the bytes of states homed in host memory (0 when all fit or already decided).
 
-        The states created must fit in what the driver has free, less the reserve: the next backward needs the
-        blocks torch caches now. The step also needs temporaries while it runs, which the cached blocks can serve:
-        torch's multi-tensor Adam and AdamW take one moment's size more (`_STEP_TEMPORARIES`)."""
+        The states created must fit in what the driver has free, less the reserve and less what the next forward and
+        backward will take back from it: torch's cache may hold less now than at training's peak (the allocator
+        hands cached blocks back when a request fails, then retries; anything may call `empty_cache`), and the peak
+        of reserved memory since attach says how much less. The step also needs temporaries while it runs, which
+        the cached blocks can serve: torch's multi-tensor Adam and AdamW take one moment's size more
+        (`_STEP_TEMPORARIES`)."""
         if self._first_states_homed:
             return 0
         self._first_states_homed = True
@@ -140,9 +147,10 @@ class Placement:
             return 0
         free, total = torch.cuda.mem_get_info(self.device)
         cached = memory.default_pool_free_bytes(self.device)
+        regrow = max(torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device), 0)
         reserve = memory.default_reserve_bytes(total)
         factor = _STEP_TEMPORARIES.get(type(self.optimizer), 1.0)
-        room = min(free - reserve, (free + cached - reserve) / factor)
+        room = min(free - regrow - reserve, (free + cached - reserve) / factor)
         (room,) = distributed.all_reduce([room], "min")  # every rank homes the same parameters (DDP: same shapes)
         need = sum(expected[p] for p in params)
         if need <= room:
@@ -155,10 +163,11 @@ class Placement:
             homed += expected[p]
         self.swaps_states = "swap" in self._homes.values()
         logger.warning("optimizer_states='auto': the first optimizer step creates %.2f GiB of states and %.2f GiB "
-                       "fit on %s beside training (%.2f GiB free, %.2f GiB cached, %.2f GiB reserve): %.2f GiB of "
-                       "them stay in host memory from now on, streamed through the device by each step",
-                       memory.gib(need), memory.gib(max(room, 0)), self.device, memory.gib(free),
-                       memory.gib(cached), memory.gib(reserve), memory.gib(homed))
+                       "fit on %s beside training (%.2f GiB free, of which training's peak takes %.2f GiB back; "
+                       "%.2f GiB cached; %.2f GiB reserve): %.2f GiB of them stay in host memory from now on, "
+                       "streamed through the device by each step", memory.gib(need), memory.gib(max(room, 0)),
+                       self.device, memory.gib(free), memory.gib(regrow), memory.gib(cached), memory.gib(reserve),
+                       memory.gib(homed))
         return homed
 
     def home(self, p: torch.Tensor) -> StateHome:

@@ -131,8 +131,14 @@ def test_smoke_as_two_nodes_of_one_rank_each(tmp_path, monkeypatch):
         bench_grpo.main(["--smoke", "--ways", "a,b", "--nnodes", "2"])
     out = tmp_path / "grpo.json"
     result = bench_grpo.main(["--smoke", "--ways", "a,b", "--nproc", "1", "--nnodes", "2", "--out", str(out),
-                              "--workdir", str(tmp_path / "ck")])
+                              "--workdir", str(tmp_path / "ck"), "--profile"])
     for way, w in result["ways"].items():
         assert w["ok"], (way, w["attempts"])
         assert w["extra"]["world_size"] == 2 and w["extra"]["local_world_size"] == 1
     assert "2 nodes of 1 on this machine" in out.with_suffix(".md").read_text()
+    # --profile: way b's memory profile beside its result, one per rank (TRL alone has none)
+    profiles = sorted(p.name for p in tmp_path.rglob("*.profile*.jsonl"))
+    assert len(profiles) == 2 and all(n.startswith("b_") for n in profiles), profiles
+    for p in tmp_path.rglob("*.profile*.jsonl"):
+        records = [json.loads(line) for line in p.read_text().splitlines()]
+        assert records[0]["schema"] == "swaprl.profile" and any(r["type"] == "phase" for r in records)

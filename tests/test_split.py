@@ -4,6 +4,11 @@ phase, and the homes take the fractions asked for. FSDP2's side is in tests/test
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -360,3 +365,21 @@ def test_a_trainer_that_cannot_take_one_step_is_refused_before_anything_moves():
     finally:
         del model, opt
         _release_cuda()
+
+
+@pytest.mark.gpu
+def test_the_first_step_leaves_the_next_backward_what_training_took_at_its_peak():
+    """The first step under "auto" keeps on the device only the states that fit beside training's peak, not beside
+    what torch happens to cache when the step runs: the allocator hands its cache back when a request fails under
+    pressure, and the next backward takes it again. Before this rule, 14B under TRL at TP 2 ran out of memory in
+    its second backward."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("first_step_worker.py"))],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    homes, (first, *later) = out["homes"], out["states_on_device"]
+    assert out["oom"] is None, (out, proc.stderr[-3000:])
+    assert out["transients"] > out["need"] // 2, out  # a cache that, handed back, would have held most states
+    assert 0 < homes["device"] + homes["swap"] and 0 < homes["host"], out  # the first step split the states
+    kept = homes["device"] + homes["swap"]
+    assert first == 0 and len(later) == 2 and all(abs(s - kept) <= 2**20 for s in later), out
