@@ -391,10 +391,11 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         extra["optimizer_homes"] = rt.status()["optimizer_homes"]  # ... and the bytes of each home at the end
         extra["demotes"] = acc.get("demotes", [])  # wake-ups that lacked room and the states swapped for them
         extra["weights"] = acc.get("syncs", [])  # the check's verdict at each sync
-        if spec["optimizer_states"] != "host":
+        if not extra["optimizer_homes"]["host"]:
             rt.detach()
         # else: as in examples/grpo.py, detach() would bring the states back to the GPU for plain torch, and they
-        # were put on the host because they do not fit there; the child exits with them where they are
+        # were put on the host (by the config, or by "auto" at the first step) because they do not fit there; the
+        # child exits with them where they are
     return {"steps": steps, **extra}
 
 

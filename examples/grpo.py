@@ -654,10 +654,11 @@ def main(argv: list[str] | None = None) -> dict:
     reporter.close()
     if profiler is not None:
         profiler.close()
-    if rt.config.state_split()["host"] == 0:
+    if not rt.status()["optimizer_homes"]["host"]:
         swaprl.detach()
     # else: detach() would bring the host-resident states back to the GPU for plain torch, and they were put on the
-    # host because they do not fit there; the process ends here, which releases everything.
+    # host (by the config, or by "auto" at the first step) because they do not fit there; the process ends here,
+    # which releases everything.
     engine.close()
 
     timed = steps[args.warmup:] or steps
