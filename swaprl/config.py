@@ -59,7 +59,8 @@ class SwapConfig:
     their first step) and without CUDA, "auto" is "swap". Moving no more than the engine needs is what keeps a
     wrapped trainer from being slower than one that never moves its states. Two measures follow on CUDA: at the
     first `optimizer.step()` (Adam, AdamW), once training has run beside all it holds, the states that would not
-    fit on the GPU with the step's temporaries get the "host" home; and a wake-up of the engine that lacks room
+    fit on the GPU beside training's peak (measured since attach) and the step's temporaries get the "host" home;
+    and a wake-up of the engine that lacks room
     swaps the states of as many more parameters as it lacks, and the switch goes again.
     "swap": in host memory during `generate`, on the GPU during `train`.
     "host": in host memory in both phases; `optimizer.step()` copies them to the GPU `stream_chunk_bytes` at a
