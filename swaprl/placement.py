@@ -168,7 +168,26 @@ class Placement:
                        "streamed through the device by each step", memory.gib(need), memory.gib(max(room, 0)),
                        self.device, memory.gib(free), memory.gib(regrow), memory.gib(cached), memory.gib(reserve),
                        memory.gib(homed))
+        self._host_buffers_for_new_homes()
         return homed
+
+    def _host_buffers_for_new_homes(self) -> None:
+        """After the first step gave states the host home, before it creates them: the swapped states' buffer that
+        attach prepared goes back if no state swaps any more, and the streamed states' buffer is allocated and
+        page-locked now, at its full size. The step then copies each state it creates straight into locked memory,
+        not into new pageable memory first (faulting in every page) and into the buffer after (a second copy)."""
+        swapped = self._res["optimizer"]
+        if not self.swaps_states and not swapped.moved:
+            swapped.buffer.release()
+        buffer = self.streamer.buffer
+        # Not where it holds states already (loaded before the first step): the step places the new ones itself.
+        size = 0 if buffer.capacity else self.expected_host_bytes().get("streamed optimizer", 0)
+        self._check_budget(size, 0, "keeping in host memory the optimizer states the first step creates "
+                           "(optimizer_states='auto')",  # collective: every rank calls it, with 0 or not
+                           "Nothing was moved and the step has not run. Free host memory, raise host_budget_bytes, "
+                           "or give more GPU memory to training (a smaller engine share, shorter sequences).")
+        if size:
+            buffer.ensure(size)
 
     def home(self, p: torch.Tensor) -> StateHome:
         """Where `p`'s optimizer states live; a parameter added to the optimizer after attach takes the last
