@@ -151,17 +151,18 @@ class Placement:
         reserve = memory.default_reserve_bytes(total)
         factor = _STEP_TEMPORARIES.get(type(self.optimizer), 1.0)
         room = min(free - regrow - reserve, (free + cached - reserve) / factor)
-        (room,) = distributed.all_reduce([room], "min")  # every rank homes the same parameters (DDP: same shapes)
-        need = sum(expected[p] for p in params)
+        # Every rank homes the same parameters: the least room, and each parameter's largest states (FSDP2's shards
+        # differ by a row between ranks), so that the streamed steps and their collectives are the same everywhere.
+        (room,) = distributed.all_reduce([room], "min")
+        sizes = [int(n) for n in distributed.all_reduce([expected[p] for p in params], "max")]
+        need = sum(sizes)
         homes, homed = dict(self._homes), 0
-        for p in reversed(params):
+        for p, n in zip(reversed(params), reversed(sizes)):
             if need - homed <= room:
                 break
             homes[id(p)] = "host"
-            homed += expected[p]
-        # The buffers' steps below are collective: every rank takes them if one homed states (FSDP2's shards, and
-        # so their states, differ in size between ranks).
-        if not distributed.all_reduce([homed], "max")[0]:
+            homed += n
+        if not homed:
             return 0
         previous = self._homes, self.swaps_states
         self._homes, self.swaps_states = homes, "swap" in homes.values()
@@ -196,22 +197,28 @@ class Placement:
                            "(optimizer_states='auto')",
                            "Nothing was moved and the step has not run; the next optimizer.step() decides again. "
                            "Free host memory or raise host_budget_bytes.")
+        held = swapped.buffer.capacity
         if refit:
             logger.info("host buffer 'optimizer': %.2f GiB refitted to %.2f GiB for the states that still swap",
-                        memory.gib(swapped.buffer.capacity), memory.gib(want))
+                        memory.gib(held), memory.gib(want))
             swapped.buffer.release()
         error = None
         try:
             if size:
                 streamed.ensure(size)
-        except (RuntimeError, MemoryError) as exc:  # out of host memory, or locking it refused
+        except Exception as exc:  # out of host memory, or locking it refused: every rank must hear of it
             error = exc
         if distributed.all_reduce([error is not None], "max")[0]:
+            # As before the call: no streamed buffer (the next step sizes it again), the swap buffer as attach made it.
+            if size:
+                streamed.release()
+            if refit:
+                swapped.buffer.prepare(held)
+            what = f"this rank's {memory.gib(size):.2f} GiB ({error})" if error else "it on another rank"
             raise HostBufferError(
-                f"allocating {memory.gib(size):.2f} GiB of page-locked host memory for the optimizer states the "
-                f"first step creates failed{f' ({error})' if error else ' on another rank'}. Nothing was moved and "
-                "the step has not run; the next optimizer.step() decides again. Free host memory or set "
-                "SwapConfig(optimizer_states='host') with a host_budget_bytes that fits.") from error
+                f"allocating page-locked host memory for the optimizer states the first step creates failed: {what}. "
+                "Nothing was moved and the step has not run; the next optimizer.step() decides again. Free host "
+                "memory or set SwapConfig(optimizer_states='host') with a host_budget_bytes that fits.") from error
         if refit and want:
             swapped.buffer.prepare(want)  # in the background: nothing needs it before the next switch
 
