@@ -23,6 +23,7 @@ from typing import TypeVar
 import torch
 
 from . import in_range
+from . import torch as torch_compat
 
 SUPPORTED = ">=0.26,<0.33"
 """vLLM versions swaprl was checked against (PEP 440 specifier; development and local builds count as their base)."""
@@ -74,19 +75,12 @@ def startup_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def expandable_segments() -> bool:
-    """Whether torch's CUDA allocator was told to use expandable segments (read where torch reads it, at its first
-    allocation: the environment)."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
-
-
 def parallel_arguments(tensor_parallel_size: int, cuda: bool) -> dict:
     """Engine arguments a tensor-parallel engine needs in this process. vLLM's custom all-reduce shares its CUDA
     graphs' buffers with the other ranks through `cudaIpcGetMemHandle`, which refuses memory of torch's expandable
     segments: the engine then exits the process at its graph capture with no Python traceback (vLLM issue 42609).
     With expandable segments on, the all-reduce goes through NCCL instead."""
-    if cuda and tensor_parallel_size > 1 and expandable_segments():
+    if cuda and tensor_parallel_size > 1 and torch_compat.expandable_segments():
         logger.info("expandable segments are on: vLLM's custom all-reduce is off (it cannot share their memory "
                     "between ranks); tensor-parallel all-reduces go through NCCL")
         return {"disable_custom_all_reduce": True}
