@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import math
 import statistics
@@ -162,6 +163,45 @@ def hand_over(drv: Driver, size: int, piece: int, repeats: int) -> dict:
     finally:
         drv.free_address(base, size)
     return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+def map_sizes(drv: Driver, sizes: list[int], repeats: int) -> dict:
+    """The page-table floor of waking and putting to sleep a sleep-mode pool made of allocations of these `sizes`
+    (vLLM's: `swaprl.compat.vllm.sleep_pool_allocations`): one physical allocation per size, rounded up to the
+    granularity, created and mapped at consecutive addresses ("create_map": a wake-up's), then unmapped and
+    released ("unmap_release": a sleep's). Medians of `repeats` after a warm-up, every mapping proved to hold
+    memory."""
+    if not sizes:
+        raise ValueError("map_sizes: no allocation sizes given")
+    pieces = [-(-n // drv.granularity) * drv.granularity for n in sizes]
+    offsets = [0, *itertools.accumulate(pieces)][:-1]
+    total = sum(pieces)
+    base = drv.reserve(total)
+    times: dict[str, list[float]] = {"create_map": [], "unmap_release": []}
+    try:
+        for rep in range(repeats + 1):
+            handles: list[int] = []
+
+            def create_map():
+                for off, n in zip(offsets, pieces):
+                    handles.append(drv.create(n))
+                    drv.map(base + off, n, handles[-1])
+
+            t_create = _timed(create_map)
+            _prove_mapped(drv, base, total, min(pieces), 0x3C + rep)
+
+            def unmap_release():
+                for off, n, h in zip(offsets, pieces, handles):
+                    drv.unmap(base + off, n)
+                    drv.release(h)
+
+            t_release = _timed(unmap_release)
+            if rep:  # the first round warms the driver up
+                times["create_map"].append(t_create)
+                times["unmap_release"].append(t_release)
+    finally:
+        drv.free_address(base, total)
+    return {"bytes": total, "allocations": len(pieces), **{k: statistics.median(v) for k, v in times.items()}}
 
 
 def torch_hand_over(size: int, repeats: int) -> dict:

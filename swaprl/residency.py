@@ -37,6 +37,7 @@ import torch
 
 from . import memory
 from .compat import cuda as cuda_compat
+from .compat import torch as torch_compat
 
 logger = logging.getLogger(__name__)
 
@@ -436,9 +437,11 @@ class Mover:
                 continue
             todo.append(m)
         # One allocation for the whole set, carved like the host buffer: after the runtime hands torch's cache back
-        # to the driver, a few hundred separate cudaMallocs would cost more than the copies themselves.
+        # to the driver, a few hundred separate cudaMallocs would cost more than the copies themselves; and in one
+        # segment, not in expandable segments' pages, a driver allocation each.
         end = max((m.offset + align(nbytes(m.tensor)) for m in todo), default=0)
-        flat = torch.empty(end, dtype=torch.uint8, device=self.device)
+        with torch_compat.whole_segments(self.device):
+            flat = torch.empty(end, dtype=torch.uint8, device=self.device)
         fresh = [host_view(flat, m.offset, m.tensor) for m in todo]
         whole = bool(todo) and buffer is not None and len(todo) == len(moved) and all(map(buffer.holds, todo))
         if self.stream is not None:

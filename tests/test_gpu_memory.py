@@ -43,6 +43,12 @@ def test_offloaded_bytes_leave_the_device_and_come_back():
             assert rt.status()["optimizer"]["location"] == "host"
         assert abs(torch.cuda.memory_allocated() - alloc0) < 8 * MiB
         assert rt.status()["optimizer"]["bytes"] == state_bytes
+        # Back in one segment of their own, one cudaMalloc, even under expandable segments (the suite's setting),
+        # whose pages would each be a driver allocation made and given back at every switch.
+        state = next(v for st in opt.state.values() for v in st.values() if v.is_cuda and v.dim())
+        segment = next(g for g in torch.cuda.memory_snapshot()
+                       if g["address"] <= state.data_ptr() < g["address"] + g["total_size"])
+        assert not segment["is_expandable"] and segment["total_size"] >= state_bytes, segment["total_size"]
     assert rt.status()["host_buffers"]["pinned"]
 
 
