@@ -421,13 +421,16 @@ class Mover:
         if pending.event is not None:
             pending.event.synchronize()
 
-    def reload(self, moved: list[Moved], *, wait: bool = True,
-               buffer: HostBuffer | None = None) -> torch.cuda.Event | None:
+    def reload(self, moved: list[Moved], *, wait: bool = True, buffer: HostBuffer | None = None,
+               whole: bool = False) -> torch.cuda.Event | None:
         """Bring `moved` back to the device. All allocations happen before any tensor is re-pointed, so an
         out-of-memory error leaves every tensor on the host, intact.
 
         With `wait=False` the compute stream is not made to wait for the copies: the returned event marks their
-        end, and whoever reads the tensors first must wait on it (the runtime does, at `optimizer.step()`)."""
+        end, and whoever reads the tensors first must wait on it (the runtime does, at `optimizer.step()`).
+        `whole`: the tensors live and go together (they leave at the next offload), so their device memory is one
+        segment even under expandable segments (`compat.torch.whole_segments`). Not for tensors freed one by one
+        meanwhile (gradients): the segment's free pieces would be cut up by whatever comes next, and strand."""
         todo = []
         for m in moved:
             if m.tensor.data_ptr() != m.host_ptr:
@@ -437,10 +440,9 @@ class Mover:
                 continue
             todo.append(m)
         # One allocation for the whole set, carved like the host buffer: after the runtime hands torch's cache back
-        # to the driver, a few hundred separate cudaMallocs would cost more than the copies themselves; and in one
-        # segment, not in expandable segments' pages, a driver allocation each.
+        # to the driver, a few hundred separate cudaMallocs would cost more than the copies themselves.
         end = max((m.offset + align(nbytes(m.tensor)) for m in todo), default=0)
-        with torch_compat.whole_segments(self.device):
+        with torch_compat.whole_segments(self.device) if whole else contextlib.nullcontext():
             flat = torch.empty(end, dtype=torch.uint8, device=self.device)
         fresh = [host_view(flat, m.offset, m.tensor) for m in todo]
         whole = bool(todo) and buffer is not None and len(todo) == len(moved) and all(map(buffer.holds, todo))
