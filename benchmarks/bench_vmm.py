@@ -173,34 +173,51 @@ def map_sizes(drv: Driver, sizes: list[int], repeats: int) -> dict:
     memory."""
     if not sizes:
         raise ValueError("map_sizes: no allocation sizes given")
+    if repeats < 1:
+        raise ValueError(f"map_sizes: repeats {repeats}; give 1 or more")
     pieces = [-(-n // drv.granularity) * drv.granularity for n in sizes]
     offsets = [0, *itertools.accumulate(pieces)][:-1]
     total = sum(pieces)
     base = drv.reserve(total)
     times: dict[str, list[float]] = {"create_map": [], "unmap_release": []}
+    handles: list[int] = []  # created this round, in order
+    mapped = 0  # how many of them are mapped
+
+    def create_map():
+        nonlocal mapped
+        for off, n in zip(offsets, pieces):
+            handles.append(drv.create(n))
+            drv.map(base + off, n, handles[-1])
+            mapped += 1
+
+    def unmap_release():
+        nonlocal mapped
+        while handles:
+            k = len(handles) - 1
+            if mapped > k:
+                drv.unmap(base + offsets[k], pieces[k])
+                mapped -= 1
+            drv.release(handles.pop())
+
     try:
         for rep in range(repeats + 1):
-            handles: list[int] = []
-
-            def create_map():
-                for off, n in zip(offsets, pieces):
-                    handles.append(drv.create(n))
-                    drv.map(base + off, n, handles[-1])
-
             t_create = _timed(create_map)
             _prove_mapped(drv, base, total, min(pieces), 0x3C + rep)
-
-            def unmap_release():
-                for off, n, h in zip(offsets, pieces, handles):
-                    drv.unmap(base + off, n)
-                    drv.release(h)
-
             t_release = _timed(unmap_release)
             if rep:  # the first round warms the driver up
                 times["create_map"].append(t_create)
                 times["unmap_release"].append(t_release)
+    except BaseException:
+        # What is still mapped and created goes back first, or the range could not be freed and the physical memory
+        # would stay with the process; a failure of that is reported, not raised over the first.
+        try:
+            unmap_release()
+        except Exception as exc:  # noqa: BLE001
+            print(f"map_sizes: giving the memory back after a failure failed too: {exc}", file=sys.stderr)
+        raise
     finally:
-        drv.free_address(base, total)
+        if not handles:
+            drv.free_address(base, total)
     return {"bytes": total, "allocations": len(pieces), **{k: statistics.median(v) for k, v in times.items()}}
 
 

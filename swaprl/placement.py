@@ -436,7 +436,8 @@ class Placement:
         res = self._res[name]
         moved = sum(nbytes(m.tensor) for m in res.moved)
         try:
-            event = self._mover.reload(res.moved, wait=not defer, buffer=res.buffer, whole=name != "grads")
+            event = self._mover.reload(res.moved, wait=not defer, buffer=res.buffer,
+                                       one_segment=name != "grads")
             if defer:
                 self._pending_reload = event
         except torch.OutOfMemoryError as exc:
