@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import math
 import statistics
@@ -162,6 +163,62 @@ def hand_over(drv: Driver, size: int, piece: int, repeats: int) -> dict:
     finally:
         drv.free_address(base, size)
     return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+def map_sizes(drv: Driver, sizes: list[int], repeats: int) -> dict:
+    """The page-table floor of waking and putting to sleep a sleep-mode pool made of allocations of these `sizes`
+    (vLLM's: `swaprl.compat.vllm.sleep_pool_allocations`): one physical allocation per size, rounded up to the
+    granularity, created and mapped at consecutive addresses ("create_map": a wake-up's), then unmapped and
+    released ("unmap_release": a sleep's). Medians of `repeats` after a warm-up, every mapping proved to hold
+    memory."""
+    if not sizes:
+        raise ValueError("map_sizes: no allocation sizes given")
+    if repeats < 1:
+        raise ValueError(f"map_sizes: repeats {repeats}; give 1 or more")
+    pieces = [-(-n // drv.granularity) * drv.granularity for n in sizes]
+    offsets = [0, *itertools.accumulate(pieces)][:-1]
+    total = sum(pieces)
+    base = drv.reserve(total)
+    times: dict[str, list[float]] = {"create_map": [], "unmap_release": []}
+    handles: list[int] = []  # created this round, in order
+    mapped = 0  # how many of them are mapped
+
+    def create_map():
+        nonlocal mapped
+        for off, n in zip(offsets, pieces):
+            handles.append(drv.create(n))
+            drv.map(base + off, n, handles[-1])
+            mapped += 1
+
+    def unmap_release():
+        nonlocal mapped
+        while handles:
+            k = len(handles) - 1
+            if mapped > k:
+                drv.unmap(base + offsets[k], pieces[k])
+                mapped -= 1
+            drv.release(handles.pop())
+
+    try:
+        for rep in range(repeats + 1):
+            t_create = _timed(create_map)
+            _prove_mapped(drv, base, total, min(pieces), 0x3C + rep)
+            t_release = _timed(unmap_release)
+            if rep:  # the first round warms the driver up
+                times["create_map"].append(t_create)
+                times["unmap_release"].append(t_release)
+    except BaseException:
+        # What is still mapped and created goes back first, or the range could not be freed and the physical memory
+        # would stay with the process; a failure of that is reported, not raised over the first.
+        try:
+            unmap_release()
+        except Exception as exc:  # noqa: BLE001
+            print(f"map_sizes: giving the memory back after a failure failed too: {exc}", file=sys.stderr)
+        raise
+    finally:
+        if not handles:
+            drv.free_address(base, total)
+    return {"bytes": total, "allocations": len(pieces), **{k: statistics.median(v) for k, v in times.items()}}
 
 
 def torch_hand_over(size: int, repeats: int) -> dict:

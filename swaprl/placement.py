@@ -151,17 +151,27 @@ class Placement:
         reserve = memory.default_reserve_bytes(total)
         factor = _STEP_TEMPORARIES.get(type(self.optimizer), 1.0)
         room = min(free - regrow - reserve, (free + cached - reserve) / factor)
-        (room,) = distributed.all_reduce([room], "min")  # every rank homes the same parameters (DDP: same shapes)
-        need = sum(expected[p] for p in params)
-        if need <= room:
-            return 0
-        homed = 0
-        for p in reversed(params):
+        # Every rank homes the same parameters: the least room, and each parameter's largest states (FSDP2's shards
+        # differ by a row between ranks), so that the streamed steps and their collectives are the same everywhere.
+        (room,) = distributed.all_reduce([room], "min")
+        sizes = [int(n) for n in distributed.all_reduce([expected[p] for p in params], "max")]
+        need = sum(sizes)
+        homes, homed = dict(self._homes), 0
+        for p, n in zip(reversed(params), reversed(sizes)):
             if need - homed <= room:
                 break
-            self._homes[id(p)] = "host"
-            homed += expected[p]
-        self.swaps_states = "swap" in self._homes.values()
+            homes[id(p)] = "host"
+            homed += n
+        if not homed:
+            return 0
+        previous = self._homes, self.swaps_states
+        self._homes, self.swaps_states = homes, "swap" in homes.values()
+        try:
+            self._host_buffers_for_new_homes()
+        except BaseException:
+            self._homes, self.swaps_states = previous
+            self._first_states_homed = False  # nothing was decided: the next step measures again
+            raise
         logger.warning("optimizer_states='auto': the first optimizer step creates %.2f GiB of states and %.2f GiB "
                        "fit on %s beside training (%.2f GiB free, of which training's peak takes %.2f GiB back; "
                        "%.2f GiB cached; %.2f GiB reserve): %.2f GiB of them stay in host memory from now on, "
@@ -169,6 +179,48 @@ class Placement:
                        self.device, memory.gib(free), memory.gib(regrow), memory.gib(cached), memory.gib(reserve),
                        memory.gib(homed))
         return homed
+
+    def _host_buffers_for_new_homes(self) -> None:
+        """After the first step gave states the host home, before it creates them (collective): the streamed states'
+        buffer is allocated and page-locked now, at its full size, so that the step copies each state it creates
+        straight into locked memory, not into new pageable memory first (faulting in every page) and into the buffer
+        after (a second copy). The swapped states' buffer, which attach sized for the states it expected to swap,
+        is refitted to those that still do (with `make_room`'s headroom), if it holds none now. Raises
+        `HostBufferError` on every rank, the homes not yet changed for good, if host memory is short on one."""
+        sizes, swapped, streamed = self._host_sizes(), self._res["optimizer"], self.streamer.buffer
+        want = sizes.get("optimizer", 0)
+        refit = not swapped.moved and swapped.buffer.capacity > want
+        # Not where it holds states already (loaded before the first step): the step places the new ones itself.
+        size = 0 if streamed.capacity else sizes.get("streamed optimizer", 0)
+        self._check_budget(max(size - (swapped.buffer.capacity - want if refit else 0), 0), 0,
+                           "keeping in host memory the optimizer states the first step creates "
+                           "(optimizer_states='auto')",
+                           "Nothing was moved and the step has not run; the next optimizer.step() decides again. "
+                           "Free host memory or raise host_budget_bytes.")
+        held = swapped.buffer.capacity
+        if refit:
+            logger.info("host buffer 'optimizer': %.2f GiB refitted to %.2f GiB for the states that still swap",
+                        memory.gib(held), memory.gib(want))
+            swapped.buffer.release()
+        error = None
+        try:
+            if size:
+                streamed.ensure(size)
+        except Exception as exc:  # out of host memory, or locking it refused: every rank must hear of it
+            error = exc
+        if distributed.all_reduce([error is not None], "max")[0]:
+            # As before the call: no streamed buffer (the next step sizes it again), the swap buffer as attach made it.
+            if size:
+                streamed.release()
+            if refit:
+                swapped.buffer.prepare(held)
+            what = f"this rank's {memory.gib(size):.2f} GiB ({error})" if error else "it on another rank"
+            raise HostBufferError(
+                f"allocating page-locked host memory for the optimizer states the first step creates failed: {what}. "
+                "Nothing was moved and the step has not run; the next optimizer.step() decides again. Free host "
+                "memory or set SwapConfig(optimizer_states='host') with a host_budget_bytes that fits.") from error
+        if refit and want:
+            swapped.buffer.prepare(want)  # in the background: nothing needs it before the next switch
 
     def home(self, p: torch.Tensor) -> StateHome:
         """Where `p`'s optimizer states live; a parameter added to the optimizer after attach takes the last
@@ -259,12 +311,7 @@ class Placement:
         the first switch; attach waits for it at its end (`finish_host`). Under "auto" the swapped states' buffer
         gets more room (the reserve's worth, up to the states kept on the device) for those `make_room` may swap
         later without a new buffer. Returns the bytes started per buffer."""
-        headroom = memory.default_reserve_bytes(torch.cuda.mem_get_info(self.device)[1]) \
-            if self.auto and self.device.type == "cuda" else 0
-        sizes = self.expected_host_bytes()
-        kept = _expected_state_bytes(self.optimizer, lambda p: self.home(p) == "device") if headroom else 0
-        if min(headroom, kept):
-            sizes["optimizer"] = sizes.get("optimizer", 0) + min(headroom, kept)
+        sizes = self._host_sizes()
         parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in sizes.items())
         self._check_budget(sum(sizes.values()), 0,
                            f"locking host buffers at attach for the first switch ({parts or 'none'})",
@@ -274,6 +321,16 @@ class Placement:
         buffers = {b.name: b for b in self._buffers()}
         for name, n in sizes.items():
             buffers[name].prepare(n)
+        return sizes
+
+    def _host_sizes(self) -> dict[str, int]:
+        """`expected_host_bytes`, and under "auto" the swapped states' room for those `make_room` may swap later."""
+        headroom = memory.default_reserve_bytes(torch.cuda.mem_get_info(self.device)[1]) \
+            if self.auto and self.device.type == "cuda" else 0
+        sizes = self.expected_host_bytes()
+        kept = _expected_state_bytes(self.optimizer, lambda p: self.home(p) == "device") if headroom else 0
+        if min(headroom, kept):
+            sizes["optimizer"] = sizes.get("optimizer", 0) + min(headroom, kept)
         return sizes
 
     def finish_host(self) -> float:
@@ -379,7 +436,8 @@ class Placement:
         res = self._res[name]
         moved = sum(nbytes(m.tensor) for m in res.moved)
         try:
-            event = self._mover.reload(res.moved, wait=not defer, buffer=res.buffer)
+            event = self._mover.reload(res.moved, wait=not defer, buffer=res.buffer,
+                                       one_segment=name != "grads")
             if defer:
                 self._pending_reload = event
         except torch.OutOfMemoryError as exc:

@@ -37,10 +37,14 @@ import torch
 
 from . import memory
 from .compat import cuda as cuda_compat
+from .compat import torch as torch_compat
 
 logger = logging.getLogger(__name__)
 
 _ALIGN = 512  # host slices start on 512-byte boundaries: any dtype views them, and DMA runs at full speed
+# torch's caching allocator rounds a large segment (a request of 10 MiB or more) up to 2 MiB, and smaller large
+# requests share 20 MiB segments (CUDACachingAllocator's kLargeBuffer, kRoundLarge)
+_WHOLE_SEGMENT_MIN, _LARGE_ROUND = 10 * 2**20, 2 * 2**20
 
 
 def align(n: int) -> int:
@@ -420,13 +424,17 @@ class Mover:
         if pending.event is not None:
             pending.event.synchronize()
 
-    def reload(self, moved: list[Moved], *, wait: bool = True,
-               buffer: HostBuffer | None = None) -> torch.cuda.Event | None:
+    def reload(self, moved: list[Moved], *, wait: bool = True, buffer: HostBuffer | None = None,
+               one_segment: bool = False) -> torch.cuda.Event | None:
         """Bring `moved` back to the device. All allocations happen before any tensor is re-pointed, so an
         out-of-memory error leaves every tensor on the host, intact.
 
         With `wait=False` the compute stream is not made to wait for the copies: the returned event marks their
-        end, and whoever reads the tensors first must wait on it (the runtime does, at `optimizer.step()`)."""
+        end, and whoever reads the tensors first must wait on it (the runtime does, at `optimizer.step()`).
+        `one_segment`: the device memory is one segment of its own even under expandable segments
+        (`compat.torch.whole_segments`), for tensors that stay until the next offload, after which the runtime hands
+        the cache back. Not for tensors whose memory may be freed before (gradients, at `zero_grad`): the segment's
+        free space would be cut up by the next backward, and strand."""
         todo = []
         for m in moved:
             if m.tensor.data_ptr() != m.host_ptr:
@@ -438,14 +446,20 @@ class Mover:
         # One allocation for the whole set, carved like the host buffer: after the runtime hands torch's cache back
         # to the driver, a few hundred separate cudaMallocs would cost more than the copies themselves.
         end = max((m.offset + align(nbytes(m.tensor)) for m in todo), default=0)
-        flat = torch.empty(end, dtype=torch.uint8, device=self.device)
+        if one_segment and end >= _WHOLE_SEGMENT_MIN:
+            # Asked in whole units of torch's large segments, the block fills its segment: no free tail that another
+            # allocation could take and keep, which would keep the whole segment from going back to the driver.
+            with torch_compat.whole_segments(self.device):
+                flat = torch.empty(-(-end // _LARGE_ROUND) * _LARGE_ROUND, dtype=torch.uint8, device=self.device)
+        else:
+            flat = torch.empty(end, dtype=torch.uint8, device=self.device)
         fresh = [host_view(flat, m.offset, m.tensor) for m in todo]
-        whole = bool(todo) and buffer is not None and len(todo) == len(moved) and all(map(buffer.holds, todo))
+        in_one_span = bool(todo) and buffer is not None and len(todo) == len(moved) and all(map(buffer.holds, todo))
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            if whole:
-                flat.copy_(buffer.span(end), non_blocking=self.stream is not None)
+            if in_one_span:
+                flat[:end].copy_(buffer.span(end), non_blocking=self.stream is not None)
             else:
                 for m, dev in zip(todo, fresh):
                     dev.copy_(m.tensor.data, non_blocking=self.stream is not None)

@@ -14,6 +14,7 @@ memory, or null.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def state_bytes_on_device(opt: torch.optim.Optimizer) -> int:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO)  # swaprl's log on stderr: the test reads where the states went
     torch.manual_seed(0)
     model = random_model("qwen2.5-1.5b", device="cuda")  # fp32: 6.2 GB of parameters, AdamW states 12.4 GB
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)

@@ -81,3 +81,11 @@ def test_bench_vmm_maps_real_memory_and_reports_every_way(tmp_path, monkeypatch)
         assert set(t) == {"create_map", "unmap_release", "unmap_only", "map_only"} and min(t.values()) > 0
     assert r["write_floor_s"] > 0 and r["torch_empty_fresh"] > 0
     assert "map + access with kept handles, 2 MiB pieces" in (tmp_path / "v.md").read_text()
+    # A sleep-mode pool's own allocations (bench_transitions' floor of the engine's wake-ups): each rounded up to the
+    # granularity, one handle each.
+    drv = bench_vmm.Driver(torch.cuda.current_device())
+    g = drv.granularity
+    m = bench_vmm.map_sizes(drv, [g, g + 1, 32 * g], 1)
+    assert m["allocations"] == 3 and m["bytes"] == 35 * g and m["create_map"] > 0 and m["unmap_release"] > 0
+    with pytest.raises(ValueError, match="no allocation sizes"):
+        bench_vmm.map_sizes(drv, [], 1)

@@ -7,6 +7,7 @@ import torch
 
 import swaprl
 from swaprl import memory
+from swaprl.compat import torch as torch_compat
 
 pytestmark = pytest.mark.gpu
 MiB = 2**20
@@ -24,7 +25,21 @@ def _trained_model(layers: int = 2):
     return model, opt
 
 
-def test_offloaded_bytes_leave_the_device_and_come_back():
+@pytest.fixture
+def expandable_segments(monkeypatch):
+    """torch's allocator with expandable segments for the test, whatever the suite runs with, then as it was."""
+    set_settings = torch._C._accelerator_setAllocatorSettings
+    before = "expandable_segments:True" if torch_compat.expandable_segments() else "expandable_segments:False"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    torch.cuda.empty_cache()
+    set_settings("expandable_segments:True")
+    yield
+    torch.cuda.empty_cache()
+    set_settings(before)
+
+
+def test_offloaded_bytes_leave_the_device_and_come_back(expandable_segments):
     model, opt = _trained_model()
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(grads="offload"))
@@ -43,6 +58,13 @@ def test_offloaded_bytes_leave_the_device_and_come_back():
             assert rt.status()["optimizer"]["location"] == "host"
         assert abs(torch.cuda.memory_allocated() - alloc0) < 8 * MiB
         assert rt.status()["optimizer"]["bytes"] == state_bytes
+        # Back in one segment of their own, one cudaMalloc, even under expandable segments (the suite's setting),
+        # whose pages would each be a driver allocation made and given back at every switch.
+        state = next(v for st in opt.state.values() for v in st.values() if v.is_cuda and v.dim())
+        segment = next(g for g in torch.cuda.memory_snapshot()
+                       if g["address"] <= state.data_ptr() < g["address"] + g["total_size"])
+        assert not segment["is_expandable"] and segment["total_size"] >= state_bytes, segment["total_size"]
+        assert len(segment["blocks"]) == 1, segment["blocks"]  # no free tail that another tensor could take
     assert rt.status()["host_buffers"]["pinned"]
 
 

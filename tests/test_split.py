@@ -5,6 +5,7 @@ phase, and the homes take the fractions asked for. FSDP2's side is in tests/test
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -383,3 +384,8 @@ def test_the_first_step_leaves_the_next_backward_what_training_took_at_its_peak(
     assert 0 < homes["device"] + homes["swap"] and 0 < homes["host"], out  # the first step split the states
     kept = homes["device"] + homes["swap"]
     assert first == 0 and len(later) == 2 and all(abs(s - kept) <= 2**20 for s in later), out
+    # The states the first step made went straight into their buffer, locked before the step: none waited in other
+    # host memory to be moved there.
+    assert "moved into host buffer 'streamed optimizer'" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"host buffer 'streamed optimizer': allocated [0-9.]+ GiB pinned", proc.stderr), \
+        proc.stderr[-3000:]

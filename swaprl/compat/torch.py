@@ -120,3 +120,39 @@ def lazy_new_groups() -> Iterator[bool]:
         yield True
     finally:
         group.bound_device_id = bound
+
+
+def _alloc_conf() -> str:
+    """The allocator settings torch was started with (read where torch reads them: the environment)."""
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+
+
+def expandable_segments() -> bool:
+    """Whether torch's CUDA allocator was told to use expandable segments."""
+    return "expandable_segments:true" in _alloc_conf().replace(" ", "").lower()
+
+
+@contextlib.contextmanager
+def whole_segments(device: torch.device) -> Iterator[None]:
+    """New device memory the block asks for comes in one segment of the size asked (one `cudaMalloc`), where
+    expandable segments are on: they map every request in 2 and 20 MiB pages, each its own driver allocation, which
+    for a buffer of tens of GiB made and given back at every phase switch is the switch's largest cost after the
+    engine's own. Meant for buffers used whole and freed whole, which leave no free pieces behind.
+
+    The setting is the process's: torch reads it whenever it makes a segment (vLLM's sleep-mode pool turns it off the
+    same way). Setting it parses the whole settings string again, resetting what the string leaves out, so the
+    block sets the string torch started with, expandable segments off, and puts that string back after."""
+    conf = _alloc_conf()
+    if device.type != "cuda" or not expandable_segments():
+        yield
+        return
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        torch.cuda.memory._set_allocator_settings
+    parts = [p.strip() for p in conf.split(",") if p.strip()]
+    off = ",".join("expandable_segments:False" if p.replace(" ", "").lower().startswith("expandable_segments:")
+                   else p for p in parts)
+    set_settings(off)
+    try:
+        yield
+    finally:
+        set_settings(",".join(parts))

