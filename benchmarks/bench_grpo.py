@@ -457,6 +457,13 @@ def child(spec_path: str) -> None:
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before the sampler and the floor pick a device
     held = hold_beyond(spec["as_gpu_bytes"]) if spec.get("as_gpu_bytes") else 0
+    if spec["way"] in ("a", "b"):
+        # Imported here, before any trainer exists: TRL's trainer imports vLLM, which keeps an import error it met (an
+        # optional audio dependency missing) with its traceback, and so every frame that was on the stack then.
+        # Imported inside run_trl, that kept run_trl's frame, its trainer, the DDP model and through it the process
+        # group alive past destroy_process_group, to the interpreter's teardown, where a gloo rank aborted now and
+        # then ("terminate called without an active exception") after its results were written.
+        from trl import GRPOTrainer  # noqa: F401
     if spec["way"] == "write":
         import torch
 
@@ -469,6 +476,10 @@ def child(spec_path: str) -> None:
     t0 = time.perf_counter()
     result = run_loop(spec) if spec["way"] == "c" else run_trl(spec, sampler)
     peak = sampler.stop()
+    result["trainers_left"] = trainers_left()
+    if result["trainers_left"]:
+        log.warning("%d trainer(s) still alive after the run: their process group outlives destroy_process_group",
+                    result["trainers_left"])
     result.update(peak_device_bytes=peak and peak - held, wall_s=time.perf_counter() - t0, held_bytes=held,
                   peak_device_bytes_by_phase={k: v - held for k, v in sampler.peaks.items()},
                   baseline_device_bytes=sampler.baseline and sampler.baseline - held)
@@ -482,6 +493,15 @@ def child(spec_path: str) -> None:
         dist.destroy_process_group()
 
 
+def trainers_left() -> int:
+    """GRPOTrainers still alive once the run returned (after a garbage collection): each holds its model and, under
+    DDP or FSDP, the process group, which should go while the interpreter still runs (see `child`)."""
+    import gc
+
+    gc.collect()
+    return sum(type(o).__name__ == "GRPOTrainer" for o in gc.get_objects())
+
+
 # ---------------------------------------------------------------- parent: run, search, collect, report
 def launch(spec: dict, run_dir: Path, timeout: float) -> dict:
     """Run one child; returns its result with ok=True, or ok=False and the error line from its log."""
@@ -492,6 +512,7 @@ def launch(spec: dict, run_dir: Path, timeout: float) -> dict:
                "seconds": child.seconds, "log": str(child.log)}
     if child.result is not None:
         result = {**attempt, "ok": True, **child.result}
+        result["trainers_left"] = max(r.get("trainers_left", 0) for r in [child.result, *(child.ranks or [])])
         if child.ranks and child.result["peak_device_bytes"] is not None:  # per GPU: the largest, and each rank's
             ranks = [child.result, *child.ranks]
             result["peak_device_bytes_per_rank"] = [r["peak_device_bytes"] for r in ranks]
@@ -715,7 +736,7 @@ def main(argv: list[str] | None = None) -> dict:
                 extra={k: r.get(k) for k in ("torch_max_reserved_bytes", "last_sync_max_abs_diff", "engine",
                                              "wall_s", "floor_GBps", "wrap_s", "optimizer_states",
                                              "peak_device_bytes_by_phase", "peak_device_bytes_per_rank", "world_size",
-                                             "local_world_size",
+                                             "local_world_size", "trainers_left",
                                              "optimizer_homes", "demotes", "weights")})
     base_a = ways.get("a", {})
     if args.spread and base_a.get("ok"):

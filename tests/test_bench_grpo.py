@@ -90,6 +90,7 @@ def test_smoke_on_two_ranks_runs_ways_a_and_b_under_torchrun(tmp_path, monkeypat
         assert w["ok"], (way, w["attempts"])
         assert w["extra"]["world_size"] == 2
         assert all(isinstance(s["loss"], float) for s in w["steps"]) and len(w["steps"]) == 2
+        assert w["extra"]["trainers_left"] == 0  # no rank's trainer, model or process group outlives its run
     assert result["ways"]["a"]["again"]["ok"] and len(result["ways"]["a"]["again"]["steps"]) == 2
     md = out.with_suffix(".md").read_text()
     assert "ran as 2 ranks under torchrun" in md and "Losses of b against a" in md

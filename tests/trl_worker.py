@@ -40,6 +40,11 @@ import swaprl
 from swaprl.compat.torch import local_tensor
 from tests.test_trl import make_trainer
 
+# Before any trainer exists: TRL's trainer imports vLLM, which keeps an import error of an optional dependency with
+# its traceback, and so every frame on the stack at that import. Imported first inside a run, that run's trainer and
+# the process group would live on to the interpreter's teardown (benchmarks/bench_grpo.py's child says what followed).
+from trl import GRPOTrainer  # noqa: E402,F401
+
 
 @contextlib.contextmanager
 def cpu_fsdp_gate_lifted():
