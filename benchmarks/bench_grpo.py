@@ -380,7 +380,9 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         s["rollout_tokens"] = s["train_tokens"] = round(lengths[s["step"]] * seqs)
         s["loss"] = losses.get(s["step"])
         s["train_s"] = s["step_s"] - s["generate_s"] - s["switch_s"]
-    extra = {"torch_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None, "wrap_s": wrap_s,
+    # since attach (or the start) even where a profile resets torch's peaks at each phase
+    peak_reserved = swaprl.memory.torch_peaks(torch.device("cuda")).reserved_since_start() if cuda else None
+    extra = {"torch_max_reserved_bytes": peak_reserved, "wrap_s": wrap_s,
              "world_size": world, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
     if floor is not None:
         floor.fill(steps)

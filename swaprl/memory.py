@@ -98,6 +98,44 @@ def private_pool_bytes(device: torch.device) -> tuple[int, int]:
     return reserved, reserved - sum(int(s.get("allocated_size", s["total_size"])) for s in private)
 
 
+class TorchPeaks:
+    """torch's peak memory counters of one device, per span and since a start.
+
+    torch keeps one peak per counter, since its last reset. The profile wants each phase's own peaks (reserved less
+    allocated at a phase's peak is what its allocator held but could not hand out: a sample taken between two of
+    the backward's allocations would see a passing low of allocated under reserved's high mark instead), and the
+    first step's rule of `optimizer_states="auto"` the peak reserved since attach. `span()` resets torch's peaks and
+    keeps the reserved one for `reserved_since_start()`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._reserved = 0
+
+    def start(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._reserved = 0
+
+    def span(self) -> tuple[int, int]:
+        """torch's peak allocated and reserved bytes since the last `span()` or `start()`; the next span starts."""
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        self._reserved = max(self._reserved, reserved)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return allocated, reserved
+
+    def reserved_since_start(self) -> int:
+        return max(self._reserved, torch.cuda.max_memory_reserved(self.device))
+
+
+_peaks: dict[int, TorchPeaks] = {}
+
+
+def torch_peaks(device: torch.device) -> TorchPeaks:
+    """The one `TorchPeaks` of `device` (a CUDA device), shared by everything that reads or resets its peaks."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _peaks.setdefault(index, TorchPeaks(torch.device("cuda", index)))
+
+
 def default_pool_free_bytes(device: torch.device) -> int:
     """What torch's default pool holds cached and free on `device`: reserved less allocated, less the private pools'
     free bytes. Memory the trainer's next allocations can take without asking the driver."""

@@ -79,7 +79,7 @@ class Placement:
         if not self._first_states_homed:
             # The first step's rule needs the peak that training's forward and backward reach, which torch counts
             # only as a peak since a reset: from here. (The peak statistics of this device start again at attach.)
-            torch.cuda.reset_peak_memory_stats(device)
+            memory.torch_peaks(device).start()
         self.swaps_states = "swap" in self._homes.values()
         """Some states move at each switch (the "optimizer" resource is not empty)."""
         self.streamer: StateStreamer | None = None
@@ -147,7 +147,8 @@ class Placement:
             return 0
         free, total = torch.cuda.mem_get_info(self.device)
         cached = memory.default_pool_free_bytes(self.device)
-        regrow = max(torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device), 0)
+        regrow = max(memory.torch_peaks(self.device).reserved_since_start() - torch.cuda.memory_reserved(self.device),
+                     0)
         reserve = memory.default_reserve_bytes(total)
         factor = _STEP_TEMPORARIES.get(type(self.optimizer), 1.0)
         room = min(free - regrow - reserve, (free + cached - reserve) / factor)

@@ -279,3 +279,51 @@ def test_attribution_matches_nvml_on_gpu_vllm_engine(tiny_checkpoint, tmp_path, 
     swaprl.detach()
     gen = _gpu_attribution_check(path)[-2]["attribution"]["categories"]
     assert gen["engine_weights"] > 0 and gen["kv_cache"] > 0
+
+
+@pytest.mark.gpu
+def test_each_record_carries_torchs_peaks_over_the_span_it_ends(tiny_checkpoint, tmp_path):
+    # A 256 MiB tensor made and freed inside each train phase: a passing peak that the 50 ms samples do not see,
+    # after which torch's cache holds 256 MiB that no tensor does. Torch's own peaks over the span see both.
+    path, spike = tmp_path / "run.jsonl", 256 * 2**20
+    model = load(tiny_checkpoint, "cuda")
+    opt = torch.optim.AdamW(model.parameters())
+    rt = swaprl.attach(model, opt, "hf", config=swaprl.SwapConfig(profile=path))
+    for _ in range(2):
+        with swaprl.phase("generate"):
+            out = rt.engine.generate([[1, 2, 3]], swaprl.Sampling(max_tokens=4, seed=0))
+        with swaprl.phase("train"):
+            ids = torch.tensor([[1, 2, 3, *out[0]]], device="cuda")
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            before = torch.cuda.memory_allocated()
+            torch.empty(spike, dtype=torch.uint8, device="cuda")  # made and freed at once: cached, held by nothing
+            time.sleep(0.3)  # samples after it
+    swaprl.detach()
+    recs = read(path)
+    bounds = [r for r in recs if r["type"] in ("phase", "end")]
+    assert all("torch_peak_allocated" in r and "torch_peak_reserved" in r for r in bounds)
+    # the records that end a train span: the switch into generate, and the end record after the second
+    ends_of_train = [r for prev, r in zip(bounds, bounds[1:]) if prev["type"] == "phase" and prev["phase"] == "train"
+                     and prev["from"] is not None]
+    assert len(ends_of_train) == 2
+    for r in ends_of_train:
+        assert r["torch_peak_allocated"] >= before + spike - 2**20, r
+        assert r["torch_peak_reserved"] - r["torch_peak_allocated"] < spike // 2, r  # at the peak, little free
+    # a generate span after the reset does not carry the train span's peak
+    gen_end = next(r for prev, r in zip(bounds, bounds[1:]) if prev["type"] == "phase" and prev["phase"] == "generate"
+                   and prev["cycle"] == 2)
+    assert gen_end["torch_peak_allocated"] < ends_of_train[0]["torch_peak_allocated"] - spike // 2, gen_end
+    # The samples after the spike saw it as cached and free, and so did the report's figure taken from the sample
+    # of the device peak; it now comes from the span's peaks.
+    start = next(r["t"] for r in bounds if r["type"] == "phase" and r["phase"] == "train" and r["cycle"] == 2)
+    late = [s for s in recs if s["type"] == "sample" and "torch_reserved" in s and start < s["t"] < bounds[-1]["t"]]
+    assert max(s["torch_reserved"] - s["torch_allocated"] for s in late) >= spike // 2
+    rc = subprocess.run([sys.executable, "-m", "swaprl", "report", str(path), "-o", str(tmp_path / "rep")],
+                        capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stderr
+    row = next(line for line in (tmp_path / "rep" / "report.md").read_text().splitlines()
+               if line.startswith("| rank 0 | train |"))
+    value, unit = row.split("|")[10].split()  # "cached free at the peak"
+    assert float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit] < spike // 2, row

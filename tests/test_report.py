@@ -22,9 +22,11 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool = True,
                       leak_per_cycle: int = 0, free_cached: int = GiB, private_free: int = 0,
-                      alloc_conf: str | None = None) -> Path:
+                      alloc_conf: str | None = None, peak_held: int | None = None) -> Path:
     """A CUDA profile as the recorder writes it: 8 GiB params, 16 GiB optimizer states offloaded in 1 s; torch's
-    allocator holds `free_cached` bytes of free blocks throughout, `private_free` of them in private pools."""
+    allocator holds `free_cached` bytes of free blocks at every sample, `private_free` of them in private pools.
+    `peak_held`: the records carry torch's peak counters of each span, reserved `peak_held` above allocated (a
+    profile from before the recorder took them has none)."""
     t0 = 1_700_000_000.0
     bw = {"h2d_GBps": 25.0, "d2h_GBps": 20.0, "bytes": 256 * MiB}
     header = {"schema": "swaprl.profile", "version": 1, "type": "header", "rank": rank, "world_size": 2, "pid": 1,
@@ -65,7 +67,13 @@ def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool 
                       process_used_bytes=st["device_memory"]["used"] if nvml else None)
         return {"type": "phase", "t": t, "phase": phase, "from": src, "cycle": cycle, "seconds": seconds,
                 "bytes": moved, "host_rss": 20 * GiB, "status": st, "attribution": a,
-                "torch_private_free": private_free}
+                "torch_private_free": private_free, **span_peaks(st)}
+
+    def span_peaks(st: dict) -> dict:
+        if peak_held is None:
+            return {}
+        reserved = st["device_memory"]["torch_reserved"]
+        return {"torch_peak_reserved": reserved, "torch_peak_allocated": reserved - peak_held}
 
     def samples(phase, cycle, n=10):
         nonlocal t
@@ -92,7 +100,7 @@ def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool 
                          "seconds": sec})
         recs.append(boundary("train", "generate", c, 0.9, 16 * GiB))
         samples("train", c)
-    recs.append({"type": "end", "t": t + 0.01, "reason": "detach", "samples": 0})
+    recs.append({"type": "end", "t": t + 0.01, "reason": "detach", "samples": 0, **span_peaks(status("train", cycles))})
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     return path
 
@@ -268,6 +276,23 @@ def test_cached_free_blocks_at_a_peak_are_shown_and_the_allocator_setting_named(
         md = (tmp_path / name / "report.md").read_text()
         assert "expandable_segments" not in md, name
         assert ("free cached blocks" in md) == (name not in ("small", "private")), name
+
+
+def test_cached_free_at_a_peak_comes_from_the_spans_peaks_not_from_a_sample_between_two_allocations(tmp_path, capsys):
+    # Every sample sees 8 GiB of reserved over allocated, as one taken while the backward has just freed a layer's
+    # tensors would; torch's own peaks over each span say that at the peak only 0.5 GiB was held and free.
+    rc, _, _ = report(capsys, synthetic_profile(tmp_path / "peaks.jsonl", free_cached=8 * GiB, peak_held=GiB // 2,
+                                                alloc_conf=""), "-o", tmp_path / "peaks")
+    md = (tmp_path / "peaks" / "report.md").read_text()
+    assert rc == 0
+    assert "| rank 0 | train | 5 | 33.75 GiB | 2 | 17.75 GiB | 33.75 GiB | 33.00 GiB | 25.00 GiB | 512.00 MiB |" in md
+    assert "free cached blocks" not in md and "expandable_segments" not in md
+    # the span's peaks less the private pools' free bytes
+    rc, _, _ = report(capsys, synthetic_profile(tmp_path / "both.jsonl", free_cached=8 * GiB, peak_held=6 * GiB,
+                                                private_free=GiB, alloc_conf=""), "-o", tmp_path / "both")
+    md = (tmp_path / "both" / "report.md").read_text()
+    assert "| rank 0 | train | 5 | 33.75 GiB | 2 | 17.75 GiB | 33.75 GiB | 33.00 GiB | 25.00 GiB | 5.00 GiB |" in md
+    assert "train: at the device peak torch's allocator held 5.00 GiB of free cached blocks (6% of the device)." in md
 
 
 def test_missing_nvml_is_noted(tmp_path, capsys):

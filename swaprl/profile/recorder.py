@@ -25,9 +25,12 @@ object a line; every line is written whole and flushed, so a crash leaves a read
     demote  {"type": "demote", "t", "short_bytes", "bytes"}: optimizer_states="auto" swapped more states after the
             engine's wake-up lacked `short_bytes` (then rolled back and retried)
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"
-            [, "torch_private_free"]} (the first one, "from": null, is the state when recording started;
-            torch_private_free: bytes of torch's private pools that no block holds)
-    end     {"type": "end", "t", "reason": "detach" | "close" | "exit", "samples"[, "copy_bandwidth"]}
+            [, "torch_private_free", "torch_peak_allocated", "torch_peak_reserved"]} (the first one, "from": null,
+            is the state when recording started; torch_private_free: bytes of torch's private pools that no block
+            holds; torch_peak_*: torch's peak counters over the span this record ends, from the previous phase or
+            end record: the phase left and the switch out of it)
+    end     {"type": "end", "t", "reason": "detach" | "close" | "exit", "samples"[, "copy_bandwidth",
+             "torch_peak_allocated", "torch_peak_reserved"]}
             (copy_bandwidth: measured again at the end, on CUDA, but at "exit"; "exit": the process ended with
             the runtime still attached: the normal end when host-resident optimizer states do not fit on the device
             for `detach()`, or an uncaught exception; a profile without an end record was cut short: a kill, a
@@ -124,6 +127,8 @@ class Profiler:
             self._thread.join()
         self._write(self._sample())
         end = {"type": "end", "t": time.time(), "reason": reason, "samples": self._samples}
+        if self._cuda:
+            end.update(self._peaks())
         if self._cuda and reason != "exit":  # measured again now that nothing else copies (the report takes the best)
             end["copy_bandwidth"] = _copy_bandwidth(self._device)
         self._write(end)
@@ -183,6 +188,7 @@ class Profiler:
                                     process_used_bytes=self._process_used_bytes(),
                                     driver_reserved_bytes=memory.device_reserved_bytes(self._device))
             extra["torch_private_free"] = private_free  # the report tells these from the default pool's free blocks
+            extra.update(self._peaks())
         else:
             attribution = attribute(status, source=source)
         return {"type": "phase", "t": event["t"], "phase": event["phase"], "from": event["from"],
@@ -223,6 +229,12 @@ class Profiler:
                 return
             if self._stop.wait(self.interval_s):
                 return
+
+    def _peaks(self) -> dict[str, int]:
+        """torch's peak counters since the last record that took them; torch's peaks start again from here (a
+        script reading `torch.cuda.max_memory_allocated()` while a profile records sees the current span's)."""
+        allocated, reserved = memory.torch_peaks(self._device).span()
+        return {"torch_peak_allocated": allocated, "torch_peak_reserved": reserved}
 
     def _source(self) -> str | None:
         if not self._cuda:

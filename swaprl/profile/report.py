@@ -214,6 +214,19 @@ def peaks(run: Run) -> list[dict]:
         """The private pools' free bytes at the last boundary before `t` (they change with captures, not steps)."""
         i = bisect.bisect_right(bound_times, t) - 1
         return int(bounds[i].get("torch_private_free", 0)) if i >= 0 else 0
+
+    def free_cached(s: dict) -> int:
+        """The default pool's cached blocks that held nothing at the peak of the span holding sample `s`: torch's
+        peak reserved less its peak allocated over that span, from the record that ends it. Profiles without those
+        peaks: reserved less allocated in the sample itself, which a sample between two of the backward's
+        allocations overstates."""
+        i = bisect.bisect_right(bound_times, s["t"])
+        closing = bounds[i] if i < len(bounds) else run.end
+        if closing and "torch_peak_reserved" in closing:
+            held = closing["torch_peak_reserved"] - closing["torch_peak_allocated"]
+        else:
+            held = s["torch_reserved"] - s["torch_allocated"]
+        return max(held - private_free(s["t"]), 0)
     first_cycle: dict[str, int] = {}  # per kind: the first numbered cycle seen
     for iv in intervals(run):
         lo, hi = bisect.bisect_left(times, iv.start), bisect.bisect_right(times, iv.end)
@@ -233,7 +246,7 @@ def peaks(run: Run) -> list[dict]:
                         row["cycle"] = iv.cycle
                     if k == "device_used" and "torch_reserved" in s:
                         # the default pool's cached blocks that held nothing when the device peaked: fragmentation
-                        row["free_cached"] = max(s["torch_reserved"] - s["torch_allocated"] - private_free(s["t"]), 0)
+                        row["free_cached"] = free_cached(s)
     # transitions usually fall between two samples: list them only when a sample caught one
     return [best[k] for k in ("train", "generate", "transition") if k in best and (k != "transition" or
                                                                                   best[k]["samples"])]
@@ -598,7 +611,9 @@ def _sections(runs: list[Run], figures: dict[str, bytes]) -> tuple[list[str], li
                               "highest; transitions are listed when a "
                               "sample fell inside one. Torch's reserved and allocated counters include the engine's "
                               "sleep-mode pool, which torch keeps counting while the engine sleeps, so in train they "
-                              "can exceed the device's own figure. Cached free: torch's reserved less allocated in "
+                              "can exceed the device's own figure. Cached free: torch's peak reserved less its peak "
+                              "allocated over the span that holds the device peak (from the previous phase record to "
+                              "the next), or, in profiles that lack those peaks, reserved less allocated in "
                               "the sample of the device peak, less the private pools' free bytes at the boundary "
                               "before it (CUDA graphs, paused pools): blocks of its default pool it held but could "
                               "not hand out."))
