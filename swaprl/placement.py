@@ -383,7 +383,7 @@ class Placement:
             else:
                 first.append(Step(f"offload {name}", lambda n=name: self.offload(n), lambda n=name: self.reload(n)))
         if cfg.grads == "free" and self.location("grads") == "device":
-            first.append(Step("free grads", self.free_grads, self.restore_grads, self.keep_grads_freed))
+            first.append(Step("free grads", self.free_grads, self.restore_grads, self.keep_grads_freed, moves=False))
         if cfg.params == "offload" and self.location("params") == "device":  # an engine of its own weights only
             then.append(Step("offload params", lambda: self.offload("params"), lambda: self.reload("params")))
         return first, then
@@ -502,11 +502,14 @@ class Placement:
     def set_location(self, name: Resource, location: Location) -> None:
         self._res[name].location = location
 
-    def release_cache(self) -> None:
-        # One call per transition, not per tensor: hands the blocks just freed back to the driver, so an engine
-        # with its own memory pool (vLLM) can map them and NVML shows the drop.
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+    def release_cache(self) -> int:
+        """Hand the blocks just freed back to the driver, so that an engine with its own memory pool (vLLM) can map
+        them and NVML shows the drop (one call per transition, not per tensor); returns the bytes handed back."""
+        if self.device.type != "cuda":
+            return 0
+        before = torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return max(before - torch.cuda.memory_reserved(self.device), 0)
 
     def engine_room(self, engine_bytes: int) -> EngineRoom | None:
         """Whether `engine_bytes` (the engine's weights and a sync bucket) fit while the optimizer is still on the

@@ -214,7 +214,7 @@ class PhaseMachine:
         under that); the trainer's state has left; the engine wakes its KV cache. Into `train`: the engine
         sleeps, the trainer's state comes back, the regions resume, the engine's probe is scored."""
         place, link = self._placement, self._link
-        release = Step("release cached memory", place.release_cache)  # hands freed blocks to the driver (vLLM)
+        release = Step("release cached memory", place.release_cache, moves=False)  # freed blocks to the driver (vLLM)
         if dst == "train":
             resume = [Step("resume regions", lambda: regions.resume(self._regions),
                            lambda: regions.pause(self._regions))] if self._regions else []
@@ -264,7 +264,7 @@ class PhaseMachine:
                     undo.push(step.undo, step.name)
                 if step.commit is not None:
                     committed.append(step.commit)
-                total += int(moved)
+                total += int(moved) if step.moves else 0
                 # "issued": timed to the queueing of copies left running, not to their end (the report gives no rate)
                 event = {"type": "step", "transition": transition, "step": step.name, "bytes": int(moved),
                          "seconds": t1 - t0, "issued": self.device.type == "cuda" and not step.blocking}

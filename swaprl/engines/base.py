@@ -109,6 +109,11 @@ class Engine(abc.ABC):
         """{"location": "device" | "host" | "released", "bytes": device bytes held now, ...}."""
         return {"location": "device", "bytes": 0}
 
+    def pool_allocations(self) -> dict[MemoryTag, list[int]]:
+        """Per tag, the sizes of the physical allocations a wake-up of that part maps (one mapping each) and a
+        sleep unmaps: what a switch's page-table work is made of. Empty where the engine keeps no such pool."""
+        return {}
+
     def close(self) -> None:
         """Free the engine's resources for good."""
 

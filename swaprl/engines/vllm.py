@@ -474,6 +474,9 @@ class VLLMEngine(Engine):
             other += self.other.mapped_bytes
         return out | {"bytes": weights + kv + other, "other_bytes": other}
 
+    def pool_allocations(self) -> dict[MemoryTag, list[int]]:
+        return vllm_compat.sleep_pool_allocations() if self.cuda else {}
+
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if self.other is not None and self.other.paused:

@@ -9,7 +9,8 @@ object a line; every line is written whole and flushed, so a crash leaves a read
     header  {"schema": "swaprl.profile", "version": 1, "type": "header", "rank", "world_size", "device", "host",
              "torch", "swaprl", "nvml", "device_used_source",
              "copy_bandwidth": {"h2d_GBps", "d2h_GBps", "d2d_GBps", "bytes"} | null,
-             "interval_s", "engine", "config", "alloc_conf", "t0", ...}  (alloc_conf: PYTORCH_CUDA_ALLOC_CONF)
+             "interval_s", "engine", "config", "alloc_conf", "t0", ...}  (alloc_conf: PYTORCH_CUDA_ALLOC_CONF;
+             on CUDA also "device_name", "device_total", "engine_pool": the engine's `pool_allocations()`)
     sample  {"type": "sample", "t", "host_rss", "host_buffers"[, "device_used", "torch_allocated", "torch_reserved"]}
     step    {"type": "step", "t", "transition", "step", "bytes", "seconds"[, "span_seconds"][, "issued"]}
             (span_seconds: an overlapped copy's time from the step that queued it to this one, which waited for it;
@@ -165,6 +166,8 @@ class Profiler:
             props = torch.cuda.get_device_properties(self._device)
             head["device_name"] = props.name
             head["device_total"] = memory.device_total_bytes(self._device)
+            # what the engine's wake-ups map and its sleeps unmap: benchmarks/switch_floors.py measures their floor
+            head["engine_pool"] = runtime.engine.pool_allocations()
         head["t0"] = time.time()
         return head
 

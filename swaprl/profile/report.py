@@ -294,7 +294,7 @@ def transition_rows(run: Run) -> list[dict]:
     rows = []
     for (transition, step), recs in groups.items():
         later = recs[1:] or recs
-        moved = not step.startswith("free")  # "free grads" reports bytes released, not bytes copied
+        moved = not step.startswith(("free", "release"))  # bytes freed or handed back to the driver, not copied
         # An overlapped offload's bytes moved over its whole span (start to finish), not over the final wait.
         # A step that only queued its copies (an overlapped reload) says nothing of their speed: no rate.
         rates = [r["bytes"] / r.get("span_seconds", r["seconds"]) / 1e9 for r in later

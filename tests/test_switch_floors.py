@@ -1,0 +1,114 @@
+"""benchmarks/switch_floors.py: each switch step of a recorded run against its floor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from swaprl.profile.report import load_run
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+GiB, MiB = 2**30, 2**20
+
+
+def profile(path: Path, *, cycles: int = 3, level: int = 2) -> Path:
+    """A rank's profile of `cycles` switches each way, as the runtime records them, with the engine's pool in the
+    header (four 1 GiB weight allocations, two 2 GiB KV ones)."""
+    t = 1_700_000_000.0
+    recs: list[dict] = [{"schema": "swaprl.profile", "version": 1, "type": "header", "rank": 0, "world_size": 1,
+                         "device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3", "device_total": 80 * GiB,
+                         "copy_bandwidth": {"h2d_GBps": 50.0, "d2h_GBps": 40.0, "d2d_GBps": 1000.0},
+                         "alloc_conf": "expandable_segments:True", "interval_s": 0.05, "t0": t,
+                         "engine_pool": {"weights": [GiB] * 4, "kv_cache": [2 * GiB] * 2}}]
+
+    def phase(name, src, cycle):
+        recs.append({"type": "phase", "t": t, "phase": name, "from": src, "cycle": cycle, "seconds": 0.5,
+                     "bytes": 0, "status": {"engine": {"sleep_level": level, "weights_bytes": 4 * GiB}}})
+
+    def step(transition, name, seconds, nbytes=0, **extra):
+        nonlocal t
+        t += seconds
+        recs.append({"type": "step", "t": t, "transition": transition, "step": name, "bytes": nbytes,
+                     "seconds": seconds, **extra})
+
+    phase("train", None, None)
+    for c in range(1, cycles + 1):
+        slow = 2 if c == 1 else 1  # the first cycle is slower and left out
+        step("train->generate", "start offload optimizer", 0.001, 0, issued=True)
+        step("train->generate", "release cached memory", 0.2 * slow, 30 * GiB)
+        step("train->generate", "engine wake weights", 0.1 * slow)
+        step("train->generate", "sync weights", 0.05, 4 * GiB)
+        step("train->generate", "finish offload optimizer", 0.01, 8 * GiB, span_seconds=0.4)
+        step("train->generate", "release cached memory", 0.03, 8 * GiB)
+        step("train->generate", "engine wake kv_cache", 0.06)
+        phase("generate", "train", c)
+        step("generate->train", "engine sleep", 0.1)
+        step("generate->train", "reload optimizer", 0.002, 8 * GiB, issued=True)
+        phase("train", "generate", c)
+        step("optimizer.step", "stream optimizer states", 1.0, 20 * GiB, h2d_bytes=10 * GiB, d2h_bytes=10 * GiB)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_each_switch_step_gets_the_floor_of_what_it_did(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import switch_floors
+
+    run = load_run(profile(tmp_path / "p.jsonl"))
+    measured = {"create_map": {"weights": 0.02, "kv_cache": 0.01}, "unmap_release": {"weights": 0.03,
+                "kv_cache": 0.015}, "empty_cache_s_per_byte": 0.004 / GiB, "weights_bytes": 4 * GiB}
+    table = {(r["transition"], r["step"]): r for r in switch_floors.rows(run, measured)}
+    first = table[("train->generate", "release cached memory")]
+    second = table[("train->generate", "release cached memory (2)")]  # the same name twice in one switch
+    assert first["count"] == second["count"] == 2  # the first cycle left out
+    assert first["time_s"] == pytest.approx(0.2) and first["floor_s"] == pytest.approx(30 * 0.004)
+    assert second["floor_s"] == pytest.approx(8 * 0.004)
+    assert table[("train->generate", "engine wake weights")]["floor_s"] == pytest.approx(0.02)
+    assert table[("train->generate", "engine wake kv_cache")]["floor_s"] == pytest.approx(0.01)
+    assert table[("generate->train", "engine sleep")]["floor_s"] == pytest.approx(0.045)  # level 2: unmaps only
+    sync = table[("train->generate", "sync weights")]
+    assert sync["floor_s"] == pytest.approx(4 * GiB / 1000e9) and sync["ratio"] == pytest.approx(sync["floor_s"] / 0.05)
+    finish = table[("train->generate", "finish offload optimizer")]  # waited for copies started earlier: the span
+    assert finish["span"] and finish["time_s"] == pytest.approx(0.4)
+    assert finish["floor_s"] == pytest.approx(8 * GiB / 40e9)
+    streamed = table[("optimizer.step", "stream optimizer states")]
+    assert streamed["floor_s"] == pytest.approx(10 * GiB / 40e9)  # each way at its own rate, the slower one
+    assert table[("generate->train", "reload optimizer")]["issued"]
+    assert table[("train->generate", "start offload optimizer")]["floor_s"] is None
+    text = switch_floors.markdown(run, list(table.values()), measured)
+    assert "| generate->train | reload optimizer | 2 | 8.00 | issued | 0.1718 | - |" in text
+    # at level 1 the sleep also copies the weights out; an unmeasured pool gives no floor rather than a wrong one
+    run1 = load_run(profile(tmp_path / "p1.jsonl", level=1))
+    sleep1 = {(r["transition"], r["step"]): r for r in switch_floors.rows(run1, measured)}[
+        ("generate->train", "engine sleep")]
+    assert sleep1["floor_s"] == pytest.approx(0.045 + 4 * GiB / 40e9)
+    bare = {(r["transition"], r["step"]): r for r in switch_floors.rows(run, {})}
+    assert bare[("train->generate", "engine wake weights")]["floor_s"] is None
+    assert bare[("train->generate", "release cached memory")]["floor_is"] == "torch's release was not measured"
+
+
+def test_a_profile_without_a_device_is_refused(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import switch_floors
+
+    path = tmp_path / "cpu.jsonl"
+    path.write_text(json.dumps({"schema": "swaprl.profile", "version": 1, "type": "header", "rank": 0,
+                                "device": "cpu", "t0": 0.0}) + "\n")
+    with pytest.raises(SystemExit, match="without a CUDA device"):
+        switch_floors.main([str(path)])
+
+
+@pytest.mark.gpu
+def test_floors_are_measured_on_the_gpu(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_vmm
+    import switch_floors
+
+    g = bench_vmm.Driver(torch.cuda.current_device()).granularity
+    measured = switch_floors.measure({"weights": [g, 3 * g], "kv_cache": [8 * g]}, 256 * MiB, 4 * g, 1)
+    assert set(measured["create_map"]) == set(measured["unmap_release"]) == {"weights", "kv_cache"}
+    assert min(measured["create_map"].values()) > 0 and min(measured["unmap_release"].values()) > 0
+    assert measured["empty_cache_s_per_byte"] > 0 and measured["release_measured_bytes"] == 256 * MiB
