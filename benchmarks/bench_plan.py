@@ -248,9 +248,10 @@ def child(spec_path: str) -> None:
         out["free_before_engine_bytes"] = torch.cuda.mem_get_info(device)[0]
         from swaprl.engines.vllm import VLLMEngine
 
+        # the engine the plan counts (make_plan leaves release_other at the planner's default: off)
         engine = VLLMEngine(path, dtype="bfloat16", max_model_len=seq + 8, enforce_eager=not spec["cuda_graphs"],
                             seed=spec["seed"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-                            max_num_seqs=spec["max_num_seqs"])
+                            max_num_seqs=spec["max_num_seqs"], release_other=False)
         out["engine"] = {"kind": "VLLMEngine", "weights_bytes": engine.weights_bytes,
                          "kv_cache_bytes": engine.kv_cache_bytes, **engine.stats}
     else:

@@ -301,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "sized from the memory free when the engine starts")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
-    ap.add_argument("--release-other", action="store_true",
+    ap.add_argument("--release-other", action=argparse.BooleanOptionalAction, default=None,
                     help="vLLM: release its CUDA graphs, buffers and workspaces while it sleeps (VLLMEngine's "
-                         "release_other, needs swaprl.kernels)")
+                         "release_other; default: wherever swaprl.kernels can)")
     ap.add_argument("--warmup", type=int, default=2,
                     help="steps left out of the medians (first-time costs: kernel compilations, buffers not "
                          "prepared at attach)")

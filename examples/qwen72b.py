@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-memory-gib", type=float, default=None,
                     help="host memory per node to plan for (default: the machine's); each rank's runtime then holds "
                          "at most its share of the plan's pinned budget (SwapConfig.host_budget_bytes)")
-    ap.add_argument("--release-other", action="store_true",
-                    help="release vLLM's CUDA graphs, buffers and workspaces while it sleeps (needs swaprl.kernels)")
+    ap.add_argument("--release-other", action=argparse.BooleanOptionalAction, default=None,
+                    help="release vLLM's CUDA graphs, buffers and workspaces while it sleeps (default: wherever "
+                         "swaprl.kernels can; the plan counts what the engine will do)")
     ap.add_argument("--trace-step", type=int, default=None, metavar="N",
                     help="record step N with torch's profiler (examples/grpo.py --trace-step)")
     ap.add_argument("--out", default="out/qwen72b")
@@ -118,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     rollout = planner.Rollout(prompts=args.prompts * world, completions_per_prompt=args.completions,
                               prompt_tokens=16, completion_tokens=args.max_tokens)
     layers = args.layers if (args.layers or args.model) else (None if not on_gpu else 2)
+    release = args.release_other
+    if release is None:  # the engine's own default, decided here too so that the plan counts what it will hold
+        from swaprl.engines.vllm import pools_unavailable
+
+        release = on_gpu and pools_unavailable() is None
     # What the loop does, pinned: the parameters stay on the GPU (FSDP2 shards cannot be swapped), the gradients are
     # freed, activation checkpointing is on; the plan chooses the optimizer states' split and the sleep level.
     pinned = {"params": "keep", "grads": "free", "activation_checkpointing": True}
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     # that the plan fits; the loop then runs with that micro batch.
     for micro in (8, 4, 2, 1):
         the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers, tp=tp, settings=pinned,
-                                micro_batch_tokens=micro * rollout.sequence_tokens,
+                                micro_batch_tokens=micro * rollout.sequence_tokens, release_other=release,
                                 param_dtype="float32" if args.fp32_params else dtype,
                                 master_weights=args.master_weights,
                                 optimizer_dtype="float32" if args.master_weights or args.fp32_params else dtype)
@@ -152,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         # The KV cache the plan made room for, not what is free when the engine starts: vLLM 0.26 leaves its CUDA
         # graphs out of its own sizing (2.2 GiB per GPU at 72B's width), which the plan counts as engine memory.
         loop += ["--dtype", "bfloat16", "--tp", str(tp), "--kv-cache-gib", f"{the_plan.kv_cache_bytes / 2**30:.3f}"]
-    if args.release_other:
-        loop += ["--release-other"]
+    loop += ["--release-other" if release else "--no-release-other"]
     if args.trace_step is not None:
         loop += ["--trace-step", str(args.trace_step)]
     chosen = the_plan.swap_config()

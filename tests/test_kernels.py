@@ -66,6 +66,28 @@ def test_engine_refuses_release_other_without_a_gpu(tiny_checkpoint):
         VLLMEngine(tiny_checkpoint, release_other=True)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+@pytest.mark.vllm
+def test_by_default_the_engine_releases_its_graphs_and_buffers_only_where_it_can(tiny_checkpoint):
+    from swaprl.engines.vllm import pools_unavailable
+
+    assert "no CUDA GPU" in pools_unavailable()
+    assert "built elsewhere" in pools_unavailable(built=False)  # TRL's engine: allocated before swaprl saw it
+    # past the GPU check, the library decides (here it cannot load: no CUDA device), then vLLM
+    why = kernels.unavailable()
+    assert why is not None and pools_unavailable(cuda=True) == why
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_the_default_engine_has_its_pools_where_they_can_be_used(vllm_engine):
+    from swaprl.engines.vllm import pools_unavailable
+
+    why = pools_unavailable()
+    assert (vllm_engine.other is not None) == (why is None), why
+    assert why is None, f"the GPU machine should have the pools: {why}"
+
+
 def test_bad_keep_is_refused():
     with pytest.raises(ValueError, match="keep='all'; use one of allocated, nothing"):
         kernels.PausablePool("x", keep="all")

@@ -240,6 +240,32 @@ STARTUP_RUNS: dict[tuple[str, str], str] = {
 """(module, class or "" for the module itself) -> the start-up run `startup_runs_in_own_pool` replaces there."""
 
 
+def _startup_runs() -> list[tuple[object, str, Callable]]:
+    """(owner, attribute, the function there) for each start-up run of `STARTUP_RUNS` this vLLM has: one of the two
+    model runners may be gone, the other starts the engine."""
+    import importlib
+
+    found = []
+    for (module, name), attr in STARTUP_RUNS.items():
+        try:
+            owner = importlib.import_module(module)
+            owner = getattr(owner, name) if name else owner
+        except (ImportError, AttributeError):
+            continue
+        if attr in vars(owner) and callable(vars(owner)[attr]):
+            found.append((owner, attr, vars(owner)[attr]))
+    return found
+
+
+def startup_runs_unpatchable() -> str | None:
+    """Why `startup_runs_in_own_pool` could not keep vLLM's profile run out of the engine's pausable pool in this
+    vLLM, or None when it can."""
+    if any(attr == "profile_run" for _, attr, _ in _startup_runs()):
+        return None
+    return (f"swaprl found no GPUModelRunner.profile_run in this vLLM to keep vLLM's profile run out of the engine's "
+            f"pausable pool (checked against vllm{SUPPORTED})")
+
+
 def sleep_pool_allocations() -> dict[str, list[int]]:
     """The sizes of the allocations vLLM's sleep-mode allocator holds, per tag ("weights", "kv_cache"), from its own
     records (`CuMemAllocator.pointer_to_data`: each allocation's handle carries its size, with the tag it was made
@@ -285,8 +311,6 @@ def startup_runs_in_own_pool(step_out: Callable[[], contextlib.AbstractContextMa
 
     The dict yielded gets the bytes a dropped pool's run kept (on the device while the engine sleeps) under
     "left_bytes", and what the warm-up kept in `warmup_pool` under "warmup_kept_bytes"."""
-    import importlib
-
     report = {"left_bytes": 0, "warmup_kept_bytes": 0}
 
     def in_own_pool(fn):
@@ -320,20 +344,11 @@ def startup_runs_in_own_pool(step_out: Callable[[], contextlib.AbstractContextMa
                     report["warmup_kept_bytes"] = sum(n for _, n in warmup_pool.allocated_ranges())
         return run
 
-    patched = []  # (owner, attribute, original)
-    for (module, name), attr in STARTUP_RUNS.items():
-        try:
-            owner = importlib.import_module(module)
-            owner = getattr(owner, name) if name else owner
-        except (ImportError, AttributeError):
-            continue  # one of the two model runners may be gone: the other starts the engine
-        if attr in vars(owner) and callable(vars(owner)[attr]):
-            patched.append((owner, attr, vars(owner)[attr]))
-    if not any(attr == "profile_run" for _, attr, _ in patched):
+    patched = _startup_runs()  # (owner, attribute, original)
+    why = startup_runs_unpatchable()
+    if why is not None:
         # Asked for (release_other): without the patch the profile run's activations would be mapped at every wake.
-        raise RuntimeError("swaprl found no GPUModelRunner.profile_run in this vLLM to keep vLLM's profile run out "
-                           f"of the engine's pausable pool (checked against vllm{SUPPORTED}); install a supported "
-                           "vLLM, or pass VLLMEngine(release_other=False)")
+        raise RuntimeError(f"{why}; install a supported vLLM, or pass VLLMEngine(release_other=False)")
     if not any(attr == "warmup_kernels" for _, attr, _ in patched):
         logger.warning("vLLM has no gpu_worker.warmup_kernels here: its kernel warm-up, if any, stays in the engine's "
                        "pool (checked against vllm%s)", SUPPORTED)

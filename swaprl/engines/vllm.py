@@ -102,6 +102,20 @@ def _read_checkpoint_index(path: Path) -> dict[str, tuple[tuple[int, ...], str]]
     return out
 
 
+def pools_unavailable(*, built: bool = True, cuda: bool | None = None) -> str | None:
+    """Why an engine cannot release its graphs and buffers while it sleeps (`VLLMEngine(release_other=...)`), or None
+    when it can: an engine swaprl builds, on a CUDA GPU, with `swaprl.kernels` loadable and a vLLM whose profile run
+    swaprl can keep out of the pools. What `release_other=None` decides by, and what a planner for this machine
+    should count (`plan(..., release_other=pools_unavailable() is None)`)."""
+    if not built:
+        return "an engine built elsewhere (llm=) allocated its memory before swaprl could route it"
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return "no CUDA GPU (the pausable pools are CUDA virtual memory)"
+    from .. import kernels
+
+    return kernels.unavailable() or vllm_compat.startup_runs_unpatchable()
+
+
 class VLLMEngine(Engine):
     """A colocated vLLM engine with sleep mode.
 
@@ -111,9 +125,10 @@ class VLLMEngine(Engine):
     a node); every rank must build its engine, with the same arguments. seed: vLLM's seed; under torchrun each
     tensor-parallel group `k` uses `seed + k` (identical within a group, as vLLM requires, distinct across groups).
     release_other: release what the engine allocates outside vLLM's sleep-mode pool (CUDA graphs, buffers,
-    workspaces) while it sleeps, through `swaprl.kernels`' pausable pools (raises naming what is missing where they
-    cannot be used). Off by default while it is measured on more models (docs/kernels.md says where it stands).
-    An `llm` built elsewhere allocated before swaprl could route it, so it cannot have it.
+    workspaces) while it sleeps, through `swaprl.kernels`' pausable pools (docs/kernels.md). None (the default): on
+    wherever they can be used, which `pools_unavailable` tells; True raises naming what is missing where they
+    cannot; False keeps those allocations on the device while the engine sleeps. An `llm` built elsewhere allocated
+    before swaprl could route it, so it cannot have it.
     The remaining keywords go to `vllm.LLM`.
 
     Environment: vLLM reads its start-up settings from environment variables. While `vllm.LLM` is built, the engine
@@ -128,7 +143,7 @@ class VLLMEngine(Engine):
     def __init__(self, model: str | os.PathLike | None = None, *, llm=None, dtype: str | None = None,
                  gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
                  reserve_bytes: int | None = None, max_model_len: int | None = None, enforce_eager: bool = False,
-                 seed: int = 0, tensor_parallel_size: int = 1, release_other: bool = False,
+                 seed: int = 0, tensor_parallel_size: int = 1, release_other: bool | None = None,
                  **llm_kwargs) -> None:
         if model is None and llm is None:
             raise ValueError("VLLMEngine needs a checkpoint directory (VLLMEngine('path/to/model')) or an LLM")
@@ -144,6 +159,11 @@ class VLLMEngine(Engine):
         # Decided before vLLM starts: an in-process vLLM initialises a process group of one of its own.
         self.tp_group: distributed.TPGroup | None = None
         built = llm is None
+        if release_other is None:
+            why = pools_unavailable(built=built, cuda=self.cuda)
+            release_other = why is None
+            if why is not None:
+                logger.info("the engine keeps its graphs and buffers on the device while it sleeps: %s", why)
         if release_other and not built:
             raise ValueError("release_other=True needs an engine built by VLLMEngine (pass a checkpoint, not llm=): "
                              "what an engine allocated before swaprl saw it cannot be moved into a pausable pool")
