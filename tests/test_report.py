@@ -295,6 +295,23 @@ def test_cached_free_at_a_peak_comes_from_the_spans_peaks_not_from_a_sample_betw
     assert "train: at the device peak torch's allocator held 5.00 GiB of free cached blocks (6% of the device)." in md
 
 
+
+def test_cached_free_at_a_peak_comes_from_the_record_that_ends_the_span(tmp_path, capsys):
+    # Each record holds peaks of its own (the k-th: k x 64 MiB free at the peak), so the row tells which one it took:
+    # the record that ends the span holding the device peak, not the one that began it. The train peak (cycle 2, the
+    # first of the equal later ones) is in the span that the switch into generate of cycle 3 ends: the 6th record;
+    # the generate peak (cycle 1) in the one the switch into train of cycle 1 ends: the 3rd.
+    path = synthetic_profile(tmp_path / "run.jsonl", free_cached=8 * GiB, peak_held=0, alloc_conf="")
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    for k, r in enumerate((r for r in recs if r["type"] in ("phase", "end")), 1):
+        r["torch_peak_reserved"], r["torch_peak_allocated"] = 40 * GiB, 40 * GiB - k * 64 * MiB
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc, _, _ = report(capsys, path, "-o", tmp_path / "rep")
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert rc == 0
+    assert "| rank 0 | train | 5 | 33.75 GiB | 2 | 17.75 GiB | 33.75 GiB | 33.00 GiB | 25.00 GiB | 384.00 MiB |" in md
+    assert "| rank 0 | generate | 4 | 57.50 GiB | 1 | 57.50 GiB | 57.50 GiB | 17.00 GiB | 9.00 GiB | 192.00 MiB |" in md
+
 def test_missing_nvml_is_noted(tmp_path, capsys):
     rc, _, _ = report(capsys, synthetic_profile(tmp_path / "run.jsonl", nvml=False), "-o", tmp_path / "rep")
     md = (tmp_path / "rep" / "report.md").read_text()
