@@ -311,6 +311,18 @@ def test_cached_free_at_a_peak_comes_from_the_record_that_ends_the_span(tmp_path
     assert rc == 0
     assert "| rank 0 | train | 5 | 33.75 GiB | 2 | 17.75 GiB | 33.75 GiB | 33.00 GiB | 25.00 GiB | 384.00 MiB |" in md
     assert "| rank 0 | generate | 4 | 57.50 GiB | 1 | 57.50 GiB | 57.50 GiB | 17.00 GiB | 9.00 GiB | 192.00 MiB |" in md
+    # A sample stamped at a record's time, the run's device peak: in the span that record ends (the 4th), whose
+    # peaks torch counted up to after that time, in the transition it ends and the generate span it begins alike.
+    gen2 = next(r for r in recs if r["type"] == "phase" and r["phase"] == "generate" and r["cycle"] == 2)
+    recs.append({"type": "sample", "t": gen2["t"], "host_rss": 20 * GiB, "host_buffers": 16 * GiB,
+                 "device_used": 70 * GiB, "torch_allocated": 30 * GiB, "torch_reserved": 38 * GiB})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    report(capsys, path, "-o", tmp_path / "at")
+    md = (tmp_path / "at" / "report.md").read_text()
+    for phase, spans in (("generate", 4), ("transition", 8)):
+        assert (f"| rank 0 | {phase} | {spans} | 70.00 GiB | 2 | 57.50 GiB | 70.00 GiB | 38.00 GiB | 30.00 GiB | "
+                "256.00 MiB |") in md, phase
+
 
 def test_missing_nvml_is_noted(tmp_path, capsys):
     rc, _, _ = report(capsys, synthetic_profile(tmp_path / "run.jsonl", nvml=False), "-o", tmp_path / "rep")

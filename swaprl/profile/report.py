@@ -210,23 +210,20 @@ def peaks(run: Run) -> list[dict]:
     bounds = sorted(run.phases, key=lambda r: r["t"])
     bound_times = [b["t"] for b in bounds]
 
-    def private_free(t: float) -> int:
-        """The private pools' free bytes at the last boundary before `t` (they change with captures, not steps)."""
-        i = bisect.bisect_right(bound_times, t) - 1
-        return int(bounds[i].get("torch_private_free", 0)) if i >= 0 else 0
-
     def free_cached(s: dict) -> int:
         """The default pool's cached blocks that held nothing at the peak of the span holding sample `s`: torch's
-        peak reserved less its peak allocated over that span, from the record that ends it. Profiles without those
-        peaks: reserved less allocated in the sample itself, which a sample between two of the backward's
+        peak reserved less its peak allocated over that span, from the record that ends it, less the private pools'
+        free bytes at the record that began it (they change with captures, not steps). A record reads torch's peaks
+        after its time, so a sample stamped at a record's time is in the span that record ends. Profiles without
+        those peaks: reserved less allocated in the sample itself, which a sample between two of the backward's
         allocations overstates."""
-        i = bisect.bisect_right(bound_times, s["t"])
+        i = bisect.bisect_left(bound_times, s["t"])
         closing = bounds[i] if i < len(bounds) else run.end
         if closing and "torch_peak_reserved" in closing:
             held = closing["torch_peak_reserved"] - closing["torch_peak_allocated"]
         else:
             held = s["torch_reserved"] - s["torch_allocated"]
-        return max(held - private_free(s["t"]), 0)
+        return max(held - (int(bounds[i - 1].get("torch_private_free", 0)) if i else 0), 0)
     first_cycle: dict[str, int] = {}  # per kind: the first numbered cycle seen
     for iv in intervals(run):
         lo, hi = bisect.bisect_left(times, iv.start), bisect.bisect_right(times, iv.end)
