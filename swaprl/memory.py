@@ -99,32 +99,47 @@ def private_pool_bytes(device: torch.device) -> tuple[int, int]:
 
 
 class TorchPeaks:
-    """torch's peak memory counters of one device, per span and since a start.
+    """torch's peak memory counters of one device, per reader and span, and since a start.
 
-    torch keeps one peak per counter, since its last reset. The profile wants each phase's own peaks (reserved less
-    allocated at a phase's peak is what its allocator held but could not hand out: a sample taken between two of
-    the backward's allocations would see a passing low of allocated under reserved's high mark instead), and the
-    first step's rule of `optimizer_states="auto"` the peak reserved since attach. `span()` resets torch's peaks and
-    keeps the reserved one for `reserved_since_start()`."""
+    torch keeps one peak per counter, since its last reset. A memory profile wants each phase's own peaks (reserved
+    less allocated at a phase's peak is what its allocator held but could not hand out: a sample taken between two
+    of the backward's allocations would see a passing low of allocated under reserved's high mark instead), and the
+    first step's rule of `optimizer_states="auto"` the peak reserved since attach. Every reset folds torch's peaks
+    into what each reader and the start have not taken yet, so that two profiles of one device, or a profile and the
+    rule, do not cut each other's spans short."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._reserved = 0
+        self._since_start = 0  # reserved
+        self._pending: dict[object, tuple[int, int]] = {}  # per reader: (allocated, reserved) not yet taken
 
-    def start(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._reserved = 0
-
-    def span(self) -> tuple[int, int]:
-        """torch's peak allocated and reserved bytes since the last `span()` or `start()`; the next span starts."""
-        allocated = torch.cuda.max_memory_allocated(self.device)
-        reserved = torch.cuda.max_memory_reserved(self.device)
-        self._reserved = max(self._reserved, reserved)
+    def _fold(self) -> tuple[int, int]:
+        stats = torch.cuda.memory_stats(self.device)  # both peaks of one moment
+        allocated, reserved = stats.get("allocated_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
+        self._since_start = max(self._since_start, reserved)
+        for reader, (a, r) in self._pending.items():
+            self._pending[reader] = (max(a, allocated), max(r, reserved))
         torch.cuda.reset_peak_memory_stats(self.device)
         return allocated, reserved
 
+    def start(self) -> None:
+        """The peak reserved since now, for `reserved_since_start`; the readers' spans go on."""
+        self._fold()
+        self._since_start = 0
+
+    def span(self, reader: object) -> tuple[int, int]:
+        """torch's peak allocated and reserved bytes since `reader`'s last span (or, at its first, since torch's last
+        reset); its next span starts now."""
+        self._pending.setdefault(reader, (0, 0))
+        self._fold()
+        out, self._pending[reader] = self._pending[reader], (0, 0)
+        return out
+
+    def forget(self, reader: object) -> None:
+        self._pending.pop(reader, None)
+
     def reserved_since_start(self) -> int:
-        return max(self._reserved, torch.cuda.max_memory_reserved(self.device))
+        return max(self._since_start, torch.cuda.max_memory_reserved(self.device))
 
 
 _peaks: dict[int, TorchPeaks] = {}

@@ -296,6 +296,27 @@ def test_cached_free_at_a_peak_comes_from_the_spans_peaks_not_from_a_sample_betw
 
 
 
+def test_without_the_spans_peaks_cached_free_is_the_spans_highest_reserved_less_its_highest_allocated(tmp_path,
+                                                                                                         capsys):
+    # A profile from before the records carried torch's peaks, or the tail of a run cut short: the device peak's
+    # sample caught allocated 6 GiB below its level (between two of the backward's allocations); the span's other
+    # samples show 1 GiB free. The figure is the span's, not that sample's 7 GiB.
+    path = synthetic_profile(tmp_path / "old.jsonl", free_cached=GiB, alloc_conf="")
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    last = max(i for i, r in enumerate(recs) if r["type"] == "phase" and r["phase"] == "train")
+    trough = recs[last + 4]
+    assert trough["type"] == "sample"
+    trough["torch_allocated"] -= 6 * GiB
+    trough["device_used"] += 2**20  # the device peak
+    for cut in (False, True):  # with its end record, and cut short before it
+        kept = [r for r in recs if not (cut and r["type"] == "end")]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        report(capsys, path, "-o", tmp_path / f"rep{cut}")
+        md = (tmp_path / f"rep{cut}" / "report.md").read_text()
+        row = next(line for line in md.splitlines() if line.startswith("| rank 0 | train |"))
+        assert row.split("|")[10].strip() == "1.00 GiB", (cut, row)
+
+
 def test_cached_free_at_a_peak_comes_from_the_record_that_ends_the_span(tmp_path, capsys):
     # Each record holds peaks of its own (the k-th: k x 64 MiB free at the peak), so the row tells which one it took:
     # the record that ends the span holding the device peak, not the one that began it. The train peak (cycle 2, the

@@ -28,8 +28,9 @@ object a line; every line is written whole and flushed, so a crash leaves a read
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"
             [, "torch_private_free", "torch_peak_allocated", "torch_peak_reserved"]} (the first one, "from": null,
             is the state when recording started; torch_private_free: bytes of torch's private pools that no block
-            holds; torch_peak_*: torch's peak counters over the span this record ends, from the previous phase or
-            end record: the phase left and the switch out of it)
+            holds; torch_peak_*: torch's peak counters over the span this record ends, from the previous record: the
+            phase left and the switch out of it; the first record's span began at attach, or wherever torch's
+            peaks were last reset)
     end     {"type": "end", "t", "reason": "detach" | "close" | "exit", "samples"[, "copy_bandwidth",
              "torch_peak_allocated", "torch_peak_reserved"]}
             (copy_bandwidth: measured again at the end, on CUDA, but at "exit"; "exit": the process ended with
@@ -130,6 +131,7 @@ class Profiler:
         end = {"type": "end", "t": time.time(), "reason": reason, "samples": self._samples}
         if self._cuda:
             end.update(self._peaks())
+            memory.torch_peaks(self._device).forget(self)
         if self._cuda and reason != "exit":  # measured again now that nothing else copies (the report takes the best)
             end["copy_bandwidth"] = _copy_bandwidth(self._device)
         self._write(end)
@@ -236,7 +238,7 @@ class Profiler:
     def _peaks(self) -> dict[str, int]:
         """torch's peak counters since the last record that took them; torch's peaks start again from here (a
         script reading `torch.cuda.max_memory_allocated()` while a profile records sees the current span's)."""
-        allocated, reserved = memory.torch_peaks(self._device).span()
+        allocated, reserved = memory.torch_peaks(self._device).span(self)
         return {"torch_peak_allocated": allocated, "torch_peak_reserved": reserved}
 
     def _source(self) -> str | None:

@@ -214,15 +214,20 @@ def peaks(run: Run) -> list[dict]:
         """The default pool's cached blocks that held nothing at the peak of the span holding sample `s`: torch's
         peak reserved less its peak allocated over that span, from the record that ends it, less the private pools'
         free bytes at the record that began it (they change with captures, not steps). A record reads torch's peaks
-        after its time, so a sample stamped at a record's time is in the span that record ends. Profiles without
-        those peaks: reserved less allocated in the sample itself, which a sample between two of the backward's
-        allocations overstates."""
+        after its time, so a sample stamped at a record's time is in the span that record ends. Where no record
+        carries those peaks (a profile from before they were recorded, the tail of a run cut short): the span's
+        highest sampled reserved less its highest sampled allocated, which the sampling interval can overstate (a
+        sample between two of the backward's allocations sees allocated at a passing low), never the one sample's."""
         i = bisect.bisect_left(bound_times, s["t"])
         closing = bounds[i] if i < len(bounds) else run.end
         if closing and "torch_peak_reserved" in closing:
             held = closing["torch_peak_reserved"] - closing["torch_peak_allocated"]
         else:
-            held = s["torch_reserved"] - s["torch_allocated"]
+            start = bound_times[i - 1] if i else -math.inf
+            end = bound_times[i] if i < len(bounds) else math.inf
+            span = [x for x in ordered[bisect.bisect_right(times, start):bisect.bisect_right(times, end)]
+                    if "torch_reserved" in x]
+            held = max(x["torch_reserved"] for x in span) - max(x["torch_allocated"] for x in span)
         return max(held - (int(bounds[i - 1].get("torch_private_free", 0)) if i else 0), 0)
     first_cycle: dict[str, int] = {}  # per kind: the first numbered cycle seen
     for iv in intervals(run):
