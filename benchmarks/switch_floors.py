@@ -9,14 +9,14 @@ that work costs at the least, here:
 - the copies (offload, reload, the weight sync, the streamed optimizer step): their bytes at the pinned and
   device-to-device rates the run itself measured (the memory report's copy ceiling);
 - the engine's wake-ups: creating and mapping physical memory in the sizes of the engine's own pool allocations,
-  per tag (the profile header's `engine_pool`, `bench_vmm.map_sizes`); its sleep: unmapping and releasing them (and,
-  at sleep level 1, copying the weights out);
+  per tag (the profile header's `engine_pool`, `bench_vmm.map_sizes`); its sleep: unmapping and releasing them (at
+  sleep level 1 also copying the weights out, and the weights' wake-up copying them back);
 - `release cached memory`: torch's `empty_cache` over as many bytes as the step handed back, with the allocator
   settings the run had (`bench_vmm.torch_hand_over`, per byte).
 
 Steps with no floor here (the weight check's kernels, bookkeeping) show none. Time is the median over the cycles
-after the first; for a step that waits for copies it started earlier, the span from that start. A floor above its
-step's time is a measuring error, and the table says so.
+after the first (a step that ran only in the first: that one); for a step that waits for copies it started earlier,
+the span from that start. A floor above its step's time is a measuring error, and the table says so.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import argparse
 import json
 import os
 import statistics
+import sys
+from collections import Counter
 from pathlib import Path
 
 from swaprl.profile.report import Run, copy_ceiling, load_run
@@ -33,19 +35,34 @@ _COPY = {"offload": "d2h_GBps", "reload": "h2d_GBps", "sync weights": "d2d_GBps"
 
 
 def occurrences(run: Run) -> dict[tuple[str, str], list[dict]]:
-    """The step records per (transition, step name), a step that runs twice in one switch numbered ("release cached
-    memory (2)"), in time order; the first cycle's left out where later ones exist."""
-    out: dict[tuple[str, str], list[list[dict]]] = {}
-    seen: dict[str, int] = {}
-    records = sorted([*run.steps, *({"boundary": True, **p} for p in run.phases)], key=lambda r: r["t"])
-    for r in records:
+    """The step records per (transition, step name), in time order, those of the first switch of each transition
+    (and the first train phase's optimizer steps) left out where later ones exist. A name one switch runs twice is
+    told apart by the step that follows it ("release cached memory (before engine wake kv_cache)"), which still
+    holds in a switch that skips one of them (the release before the wake-up, when the engine's weights fit in what
+    is free); the steps outside switches (each optimizer step's) are one row however many run in a phase."""
+    # A switch's steps come before its phase record: those between two phase records, by transition.
+    switches: list[tuple[str, list[dict]]] = []
+    window: dict[str, list[dict]] = {}
+    for r in sorted([*run.steps, *({"boundary": True, **p} for p in run.phases)], key=lambda r: r["t"]):
         if r.get("boundary"):
-            seen = {}
-            continue
-        seen[r["step"]] = seen.get(r["step"], 0) + 1
-        name = r["step"] if seen[r["step"]] == 1 else f"{r['step']} ({seen[r['step']]})"
-        out.setdefault((r["transition"], name), []).append(r)
-    return {key: recs[1:] or recs for key, recs in out.items()}
+            switches += window.items()
+            window = {}
+        else:
+            window.setdefault(r["transition"], []).append(r)
+    switches += window.items()
+    repeated = {(transition, name) for transition, recs in switches if "->" in transition
+                for name, n in Counter(r["step"] for r in recs).items() if n > 1}
+    out: dict[tuple[str, str], list[tuple[bool, dict]]] = {}
+    seen: set[str] = set()
+    for transition, recs in switches:
+        first = transition not in seen
+        seen.add(transition)
+        for i, r in enumerate(recs):
+            name = r["step"]
+            if (transition, name) in repeated:
+                name += f" (before {recs[i + 1]['step']})" if i + 1 < len(recs) else " (last)"
+            out.setdefault((transition, name), []).append((first, r))
+    return {key: [r for first, r in recs if not first] or [r for _, r in recs] for key, recs in out.items()}
 
 
 def sleep_level(run: Run) -> int | None:
@@ -71,7 +88,11 @@ def floor_of(step: str, rec: dict, measured: dict, ceiling: dict, level: int | N
         tags = [t for t in ("weights", "kv_cache") if t in base] or ["weights", "kv_cache"]
         if not all(t in maps for t in tags):
             return None, "the engine's pool was not measured"
-        return sum(maps[t] for t in tags), "create + map the engine's allocations"
+        copy = 0.0  # at level 1 vLLM copies each weight allocation back from host memory as it maps it
+        if level == 1 and "weights" in tags and ceiling.get("h2d_GBps"):
+            copy = measured.get("weights_bytes", 0) / ceiling["h2d_GBps"] / 1e9
+        return sum(maps[t] for t in tags) + copy, "create + map the engine's allocations" + (
+            ", weights copied back" if copy else "")
     if base == "engine sleep":
         if not unmaps:
             return None, "the engine's pool was not measured"
@@ -123,6 +144,14 @@ def measure(pool: dict[str, list[int]], release_bytes: int, weights_bytes: int, 
         out["create_map"][tag], out["unmap_release"][tag] = m["create_map"], m["unmap_release"]
     if release_bytes:
         size = min(release_bytes, torch.cuda.mem_get_info()[0] - (1 << 30))
+        if size <= 0:
+            out["notes"].append("no room on the GPU to measure torch's release: not measured")
+            return out
+        if size < release_bytes:
+            # per byte, a smaller release pays its fixed costs over fewer bytes: scaled up, it can pass the floor
+            out["notes"].append(f"torch's release was measured over {size / 2**30:.2f} GiB, less than the "
+                                f"{release_bytes / 2**30:.2f} GiB a step handed back: larger steps' floors may be "
+                                "too high")
         out["empty_cache_s_per_byte"] = torch_hand_over(size, repeats)["torch_empty_cache"] / size
         out["release_measured_bytes"] = size
     return out
@@ -160,12 +189,28 @@ def main(argv: list[str] | None = None) -> dict:
     run = load_run(args.profile)
     if not run.header.get("device_total"):
         raise SystemExit(f"{args.profile} was recorded without a CUDA device: no floors to measure")
+    notes = []
     # torch's release costs what the run's allocator settings make it cost: the same, before CUDA starts here
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = run.header.get("alloc_conf") or ""
+    # (torch reads them once, when it initialises CUDA)
+    conf = run.header.get("alloc_conf")
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        notes.append("CUDA was initialised before the run's allocator settings could be set: torch's release is "
+                     "measured with this process's")
+    elif conf is None:
+        notes.append("the profile does not record the run's allocator settings: torch's release is measured with "
+                     "this process's")
+    else:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    pool = run.header.get("engine_pool")
+    if pool is None:
+        notes.append("the profile has no `engine_pool` (recorded before swaprl wrote it): the engine's wake-ups and "
+                     "sleep get no floor")
     releases = [r["bytes"] for r in run.steps if r["step"] == "release cached memory"]
-    weights = max((p["status"].get("engine", {}).get("weights_bytes", 0) for p in run.phases if p.get("status")),
-                  default=0)
-    measured = measure(run.header.get("engine_pool") or {}, max(releases, default=0), weights, args.repeats)
+    # what a level-1 sleep copies out and its wake-up back: vLLM backs up each weight allocation whole
+    weights = sum((pool or {}).get("weights", [])) or max(
+        (p["status"].get("engine", {}).get("weights_bytes", 0) for p in run.phases if p.get("status")), default=0)
+    measured = measure(pool or {}, max(releases, default=0), weights, args.repeats)
+    measured["notes"][:0] = notes
     table = rows(run, measured)
     text = markdown(run, table, measured)
     print(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,9 @@ def test_each_switch_step_gets_the_floor_of_what_it_did(tmp_path, monkeypatch):
     measured = {"create_map": {"weights": 0.02, "kv_cache": 0.01}, "unmap_release": {"weights": 0.03,
                 "kv_cache": 0.015}, "empty_cache_s_per_byte": 0.004 / GiB, "weights_bytes": 4 * GiB}
     table = {(r["transition"], r["step"]): r for r in switch_floors.rows(run, measured)}
-    first = table[("train->generate", "release cached memory")]
-    second = table[("train->generate", "release cached memory (2)")]  # the same name twice in one switch
+    # the same name twice in one switch, told apart by the step after it
+    first = table[("train->generate", "release cached memory (before engine wake weights)")]
+    second = table[("train->generate", "release cached memory (before engine wake kv_cache)")]
     assert first["count"] == second["count"] == 2  # the first cycle left out
     assert first["time_s"] == pytest.approx(0.2) and first["floor_s"] == pytest.approx(30 * 0.004)
     assert second["floor_s"] == pytest.approx(8 * 0.004)
@@ -85,9 +87,65 @@ def test_each_switch_step_gets_the_floor_of_what_it_did(tmp_path, monkeypatch):
     sleep1 = {(r["transition"], r["step"]): r for r in switch_floors.rows(run1, measured)}[
         ("generate->train", "engine sleep")]
     assert sleep1["floor_s"] == pytest.approx(0.045 + 4 * GiB / 40e9)
+    wake1 = {(r["transition"], r["step"]): r for r in switch_floors.rows(run1, measured)}[
+        ("train->generate", "engine wake weights")]
+    assert wake1["floor_s"] == pytest.approx(0.02 + 4 * GiB / 50e9)  # and its wake-up copies them back
     bare = {(r["transition"], r["step"]): r for r in switch_floors.rows(run, {})}
     assert bare[("train->generate", "engine wake weights")]["floor_s"] is None
-    assert bare[("train->generate", "release cached memory")]["floor_is"] == "torch's release was not measured"
+    assert bare[("train->generate", "release cached memory (before engine wake weights)")]["floor_is"] == "torch's release was not measured"
+
+
+def test_steps_keep_their_rows_when_a_switch_skips_one_or_a_phase_steps_twice(tmp_path, monkeypatch):
+    """Two optimizer steps per train phase are one row; a switch that skips the release before the wake-up (the
+    engine's weights fit in what is free) does not file its other release under the skipped one; the first
+    switch is left out, not each row's first record."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import switch_floors
+
+    path = profile(tmp_path / "p.jsonl", cycles=4)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    out = []
+    for r in recs:
+        if r.get("phase") == "generate" and r["cycle"] >= 3:  # switches 3 and 4 skip the first release
+            drop = next(i for i in range(len(out) - 1, -1, -1) if out[i].get("step") == "release cached memory"
+                        and out[i]["bytes"] == 30 * GiB)
+            del out[drop]
+        out.append(r)
+        if r.get("step") == "stream optimizer states":
+            out.append({**r, "t": r["t"] + 1e-3})  # a second optimizer step in the same phase
+    path.write_text("".join(json.dumps(r) + "\n" for r in out))
+    table = {(r["transition"], r["step"]): r for r in switch_floors.rows(load_run(path), {})}
+    assert [s for tr, s in table if tr == "optimizer.step"] == ["stream optimizer states"]
+    assert table[("optimizer.step", "stream optimizer states")]["count"] == 6  # 2 per phase, the first phase's out
+    before_weights = table[("train->generate", "release cached memory (before engine wake weights)")]
+    before_kv = table[("train->generate", "release cached memory (before engine wake kv_cache)")]
+    assert before_weights["count"] == 1 and before_weights["bytes"] == 30 * GiB  # switch 2's only
+    assert before_kv["count"] == 3 and before_kv["bytes"] == 8 * GiB  # switches 2-4, whichever came first
+
+
+def test_main_measures_what_the_profile_records_and_says_what_it_lacks(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import switch_floors
+
+    calls = []
+    monkeypatch.setattr(switch_floors, "measure", lambda pool, release, weights, repeats: calls.append(
+        (pool, release, weights)) or {"notes": []})
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    out = switch_floors.main([str(profile(tmp_path / "p.jsonl", level=1))])
+    # the run's allocator settings; what a level-1 sleep copies: the weights' allocations, whole
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert calls[-1] == ({"weights": [GiB] * 4, "kv_cache": [2 * GiB] * 2}, 30 * GiB, 4 * GiB)
+    assert out["measured"]["notes"] == []
+
+    old = tmp_path / "old.jsonl"  # recorded before the header had the engine's pool or the allocator settings
+    recs = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    del recs[0]["engine_pool"], recs[0]["alloc_conf"]
+    old.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    notes = switch_floors.main([str(old)])["measured"]["notes"]
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ""  # not guessed
+    assert calls[-1] == ({}, 30 * GiB, 4 * GiB)
+    assert any("allocator settings" in n for n in notes) and any("no `engine_pool`" in n for n in notes)
 
 
 def test_a_profile_without_a_device_is_refused(tmp_path, monkeypatch):
