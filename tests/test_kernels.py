@@ -78,6 +78,16 @@ def test_by_default_the_engine_releases_its_graphs_and_buffers_only_where_it_can
     assert why is not None and pools_unavailable(cuda=True) == why
 
 
+@pytest.mark.vllm
+def test_the_profile_run_is_patchable_only_where_vllm_has_one(monkeypatch):
+    from swaprl.compat import vllm as vllm_compat
+
+    assert vllm_compat.startup_runs_unpatchable() is None  # the installed vLLM has GPUModelRunner.profile_run
+    monkeypatch.setattr(vllm_compat, "STARTUP_RUNS", {("vllm.no_such_module", "GPUModelRunner"): "profile_run",
+                                                      ("vllm.v1.worker.gpu_worker", ""): "warmup_kernels"})
+    assert "found no GPUModelRunner.profile_run" in vllm_compat.startup_runs_unpatchable()
+
+
 @pytest.mark.gpu
 @pytest.mark.vllm
 def test_the_default_engine_has_its_pools_where_they_can_be_used(vllm_engine):

@@ -98,6 +98,29 @@ def test_generate_moves_storage_and_keeps_identities(tiny_checkpoint, device):
         torch.testing.assert_close(t, v, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_switch_counts_as_moved_what_it_copied_not_what_it_freed(tiny_checkpoint, device):
+    """Freed gradients and the cache handed back to the driver are listed per step, left out of the switch's
+    total."""
+    model = load(tiny_checkpoint, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, "hf", config=swaprl.SwapConfig(grads="free"))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    x = torch.tensor([[1, 2, 3, 4]], device=device)
+    model(input_ids=x, labels=x).loss.backward()  # gradients to free
+    events = []
+    rt.add_listener(events.append)
+    with swaprl.phase("generate"):
+        pass
+    steps = {e["step"]: e["bytes"] for e in events if e["type"] == "step" and e["transition"] == "train->generate"}
+    switch = next(e for e in events if e["type"] == "phase" and e["phase"] == "generate")
+    assert steps["free grads"] > 0 and steps["offload optimizer"] > 0
+    assert switch["bytes"] == sum(n for name, n in steps.items() if name not in ("free grads",
+                                                                                "release cached memory"))
+    assert "release cached memory" in steps  # listed with what torch handed back (0 on the CPU)
+    swaprl.detach()
+
+
 def test_checkpoint_saved_in_generate_is_complete(tiny_checkpoint):
     model = load(tiny_checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
