@@ -98,6 +98,17 @@ def test_the_default_engine_has_its_pools_where_they_can_be_used(vllm_engine):
     assert why is None, f"the GPU machine should have the pools: {why}"
 
 
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_an_engine_that_cannot_start_gives_its_pools_back(tiny_checkpoint):
+    from swaprl.engines.vllm import EngineWakeError, VLLMEngine
+
+    for _ in range(3):  # 3 pools each: without them back, the third would find no slot
+        with pytest.raises(EngineWakeError):
+            VLLMEngine(tiny_checkpoint, enforce_eager=True, reserve_bytes=torch.cuda.mem_get_info()[1])
+    kernels.PausablePool("after").close()
+
+
 def test_bad_keep_is_refused():
     with pytest.raises(ValueError, match="keep='all'; use one of allocated, nothing"):
         kernels.PausablePool("x", keep="all")

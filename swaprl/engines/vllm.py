@@ -181,16 +181,25 @@ class VLLMEngine(Engine):
 
             self.other = OtherMemory()
         if built:
-            self.path = Path(model)
-            if not (self.path / "config.json").exists():
-                raise ValueError(f"{self.path} is not a checkpoint directory (no config.json); write one with "
-                                 "model.save_pretrained(path) or swaprl.checkpoints.write_random_checkpoint")
-            if distributed.is_distributed():
-                self.tp_group = distributed.TPGroup(tensor_parallel_size)
-            llm = self._build(dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                              kv_cache_memory_bytes=kv_cache_memory_bytes, reserve_bytes=reserve_bytes,
-                              max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
-                              tensor_parallel_size=tensor_parallel_size, **llm_kwargs)
+            try:
+                self.path = Path(model)
+                if not (self.path / "config.json").exists():
+                    raise ValueError(f"{self.path} is not a checkpoint directory (no config.json); write one with "
+                                     "model.save_pretrained(path) or swaprl.checkpoints.write_random_checkpoint")
+                if distributed.is_distributed():
+                    self.tp_group = distributed.TPGroup(tensor_parallel_size)
+                llm = self._build(dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                                  kv_cache_memory_bytes=kv_cache_memory_bytes, reserve_bytes=reserve_bytes,
+                                  max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+                                  tensor_parallel_size=tensor_parallel_size, **llm_kwargs)
+            except BaseException:
+                # Before vLLM allocated anything in the pools (the memory check, a bad path): their slots (3 of a
+                # process's 8) go back, or building again after this error (EngineWakeError says to free memory
+                # and retry) runs out of them. What vLLM allocated there before failing may still be referenced.
+                if self.other is not None and not any(p.reserved_bytes for p in self.other.pools):
+                    self.other.close()
+                    self.other = None
+                raise
         facts = vllm_compat.engine_facts(llm)
         if not built and distributed.is_distributed():  # the caller's LLM (with the external launcher, as TRL's)
             self.tp_group = distributed.TPGroup(facts.tensor_parallel_size)
