@@ -28,9 +28,9 @@ What vLLM does not do and this adapter does:
 - vLLM's memory lives in its own CUDA virtual-memory pool that torch's allocator statistics do not see: the engine's
   footprint is measured with `cudaMemGetInfo` around each sleep and wake.
 - vLLM's sleep releases only its weights and KV cache; its CUDA graphs, persistent buffers and workspaces stay on
-  the device. With `release_other=True` (needs `swaprl.kernels`) those live in pausable pools
-  that are released while the engine sleeps and mapped again, at the same addresses, before it wakes
-  (`swaprl.engines.other_memory`).
+  the device. By default wherever `swaprl.kernels` can be used (`release_other`, `pools_unavailable`) those live in
+  pausable pools that are released while the engine sleeps and mapped again, at the same addresses, before it
+  wakes (`swaprl.engines.other_memory`).
 """
 
 from __future__ import annotations
