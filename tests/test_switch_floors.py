@@ -92,7 +92,8 @@ def test_each_switch_step_gets_the_floor_of_what_it_did(tmp_path, monkeypatch):
     assert wake1["floor_s"] == pytest.approx(0.02 + 4 * GiB / 50e9)  # and its wake-up copies them back
     bare = {(r["transition"], r["step"]): r for r in switch_floors.rows(run, {})}
     assert bare[("train->generate", "engine wake weights")]["floor_s"] is None
-    assert bare[("train->generate", "release cached memory (before engine wake weights)")]["floor_is"] == "torch's release was not measured"
+    release = bare[("train->generate", "release cached memory (before engine wake weights)")]
+    assert release["floor_is"] == "torch's release was not measured"
 
 
 def test_steps_keep_their_rows_when_a_switch_skips_one_or_a_phase_steps_twice(tmp_path, monkeypatch):
