@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if release is None:  # the engine's own default, decided here too so that the plan counts what it will hold
         from swaprl.engines.vllm import pools_unavailable
 
-        release = on_gpu and pools_unavailable() is None
+        release = on_gpu and tp == 1 and pools_unavailable() is None
     # What the loop does, pinned: the parameters stay on the GPU (FSDP2 shards cannot be swapped), the gradients are
     # freed, activation checkpointing is on; the plan chooses the optimizer states' split and the sleep level.
     pinned = {"params": "keep", "grads": "free", "activation_checkpointing": True}

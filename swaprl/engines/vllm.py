@@ -161,6 +161,9 @@ class VLLMEngine(Engine):
         built = llm is None
         if release_other is None:
             why = pools_unavailable(built=built, cuda=self.cuda)
+            if why is None and tensor_parallel_size > 1:  # NCCL's buffers and the TP ranks' pools: not yet measured
+                why = (f"tensor parallelism over {tensor_parallel_size} GPUs is not the default with the pools yet "
+                       "(release_other=True uses them)")
             release_other = why is None
             if why is not None:
                 logger.info("the engine keeps its graphs and buffers on the device while it sleeps: %s", why)
