@@ -77,6 +77,12 @@ def floor_of(step: str, rec: dict, measured: dict, ceiling: dict, level: int | N
     if rec.get("h2d_bytes") is not None and rec.get("d2h_bytes") is not None and ceiling.get("h2d_GBps"):
         return (max(rec["h2d_bytes"] / ceiling["h2d_GBps"], rec["d2h_bytes"] / ceiling["d2h_GBps"]) / 1e9,
                 "both ways at once, each at its pinned rate")
+    gather, world = measured.get("gather_GBps"), measured.get("world_size", 1)
+    if base == "sync weights" and gather and world > 1 and rec["bytes"] and ceiling.get("d2d_GBps"):
+        # FSDP2: each full tensor is gathered, (world - 1) / world of it from the other ranks, then loaded; at best
+        # the two overlap, so the slower of them bounds the step
+        return max(rec["bytes"] * (world - 1) / world / gather, rec["bytes"] / ceiling["d2d_GBps"]) / 1e9, \
+            "gather from the other ranks (bench_allgather), or the device copy if slower"
     for words, key in _COPY.items():
         if f" {words} " in f" {base} ":
             if not rec["bytes"]:
@@ -185,6 +191,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("profile", help="a rank's memory profile (SwapConfig(profile=...), .jsonl or .jsonl.gz)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="markdown file (a .json beside it gets the figures)")
+    ap.add_argument("--gather-GBps", type=float, default=None, dest="gather_GBps",
+                    help="an FSDP2 trainer's sync gathers each parameter from its shards: the rate a rank receives "
+                         "the others' bytes at (benchmarks/bench_allgather.py's gathered_GBps on the same GPUs); "
+                         "without it the sync's floor is its device copy only")
     args = ap.parse_args(argv)
     run = load_run(args.profile)
     if not run.header.get("device_total"):
@@ -211,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
         (p["status"].get("engine", {}).get("weights_bytes", 0) for p in run.phases if p.get("status")), default=0)
     measured = measure(pool or {}, max(releases, default=0), weights, args.repeats)
     measured["notes"][:0] = notes
+    measured.update(gather_GBps=args.gather_GBps, world_size=run.header.get("world_size") or 1)
     table = rows(run, measured)
     text = markdown(run, table, measured)
     print(text)

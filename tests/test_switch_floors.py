@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,6 +149,42 @@ def test_main_measures_what_the_profile_records_and_says_what_it_lacks(tmp_path,
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ""  # not guessed
     assert calls[-1] == ({}, 30 * GiB, 4 * GiB)
     assert any("allocator settings" in n for n in notes) and any("no `engine_pool`" in n for n in notes)
+
+
+def test_an_fsdp2_sync_is_bounded_by_its_gather_from_the_other_ranks(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import switch_floors
+
+    run = load_run(profile(tmp_path / "p.jsonl"))
+    sync = ("train->generate", "sync weights")
+    local = {(r["transition"], r["step"]): r for r in switch_floors.rows(run, {})}[sync]
+    assert local["floor_s"] == pytest.approx(4 * GiB / 1000e9)  # no gather rate given: the device copy only
+    gathered = {(r["transition"], r["step"]): r for r in switch_floors.rows(
+        run, {"gather_GBps": 100.0, "world_size": 2})}[sync]
+    assert gathered["floor_s"] == pytest.approx(2 * GiB / 100e9) and "bench_allgather" in gathered["floor_is"]
+    one = {(r["transition"], r["step"]): r for r in switch_floors.rows(run, {"gather_GBps": 100.0})}[sync]
+    assert one["floor_s"] == local["floor_s"]  # one rank gathers nothing
+
+
+def test_bench_allgather_says_how_to_run_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_allgather
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="run it under torchrun"):
+        bench_allgather.main([])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_bench_allgather_measures_the_gather_between_two_gpus(tmp_path):
+    out = tmp_path / "ag.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(BENCHMARKS / "bench_allgather.py"), "--mib", "16", "--repeats", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2 and r["bytes_per_rank"] == 16 * MiB and r["gathered_GBps"] > 1
 
 
 def test_a_profile_without_a_device_is_refused(tmp_path, monkeypatch):
