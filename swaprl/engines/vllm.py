@@ -28,9 +28,9 @@ What vLLM does not do and this adapter does:
 - vLLM's memory lives in its own CUDA virtual-memory pool that torch's allocator statistics do not see: the engine's
   footprint is measured with `cudaMemGetInfo` around each sleep and wake.
 - vLLM's sleep releases only its weights and KV cache; its CUDA graphs, persistent buffers and workspaces stay on
-  the device. By default wherever `swaprl.kernels` can be used (`release_other`, `pools_unavailable`) those live in
-  pausable pools that are released while the engine sleeps and mapped again, at the same addresses, before it
-  wakes (`swaprl.engines.other_memory`).
+  the device. By default, for an engine on one GPU wherever `swaprl.kernels` can be used (`release_other`,
+  `pools_unavailable`), those live in pausable pools that are released while the engine sleeps and mapped again,
+  at the same addresses, before it wakes (`swaprl.engines.other_memory`).
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ class VLLMEngine(Engine):
     tensor-parallel group `k` uses `seed + k` (identical within a group, as vLLM requires, distinct across groups).
     release_other: release what the engine allocates outside vLLM's sleep-mode pool (CUDA graphs, buffers,
     workspaces) while it sleeps, through `swaprl.kernels`' pausable pools (docs/kernels.md). None (the default): on
-    wherever they can be used, which `pools_unavailable` tells; True raises naming what is missing where they
+    for an engine on one GPU wherever they can be used, which `pools_unavailable` tells (under tensor parallelism
+    they are not measured yet); True raises naming what is missing where they
     cannot; False keeps those allocations on the device while the engine sleeps. An `llm` built elsewhere allocated
     before swaprl could route it, so it cannot have it.
     The remaining keywords go to `vllm.LLM`.
