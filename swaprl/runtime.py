@@ -209,10 +209,10 @@ class PhaseMachine:
         return moved
 
     def _steps(self, dst: Phase) -> list[Step]:
-        """The steps into `dst`, in order. Into `generate`: the regions pause; the trainer's state starts leaving;
-        the engine wakes its weights, is synced and checked (with room beside the states, the offload's copies run
-        under that); the trainer's state has left; the engine wakes its KV cache. Into `train`: the engine
-        sleeps, the trainer's state comes back, the regions resume, the engine's probe is scored."""
+        """The steps into `dst`, in order. Into `generate`: the regions pause; torch's cache goes back to the driver;
+        the trainer's state starts leaving; the engine wakes its weights, is synced and checked (with room beside the
+        states, the offload's copies run under that); the trainer's state has left; the engine wakes its KV cache.
+        Into `train`: the engine sleeps, the trainer's state comes back, the regions resume, the probe is scored."""
         place, link = self._placement, self._link
         release = Step("release cached memory", place.release_cache, moves=False)  # freed blocks to the driver (vLLM)
         if dst == "train":
@@ -223,9 +223,9 @@ class PhaseMachine:
         first, then = place.offload_steps(room)
         pause = [Step("pause regions", lambda: regions.pause(self._regions),
                       lambda: regions.resume(self._regions))] if self._regions else []
-        # The release also waits for every stream (the offload's copies): skipped when the engine's weights fit in
-        # what the driver has free already.
-        steps = pause + first + ([release] if room != "free now" else []) + link.wake_steps(self._cycle + 1) + then
+        # Released before the copies start (with them in flight it took as long as they did); not if the weights fit.
+        early = [s for s in first if s.blocking] + ([release] if room != "free now" else [])
+        steps = pause + early + [s for s in first if not s.blocking] + link.wake_steps(self._cycle + 1) + then
         ready = link.ready_steps()
         return steps + ([release] if ready else []) + ready  # the sync's buckets, the state just moved
 

@@ -166,6 +166,25 @@ def test_mismatched_trainer_is_refused_and_rolled_back(tmp_path, engine):
     assert rt.status()["engine"]["location"] != "device"
 
 
+def test_the_cache_goes_back_before_the_offload_starts_and_the_copies_run_under_the_wake_up(tiny_checkpoint, engine):
+    """Into generate with the states swapped: torch's cache is handed back first (with the copies in flight, the
+    release waited for them), then the copies start, and they finish after the engine is woken, synced and checked."""
+    model, opt = trainer(tiny_checkpoint)
+    train_step(model, opt)
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(optimizer_states="swap"))
+    events = []
+    rt.add_listener(events.append)
+    with swaprl.phase("generate"):
+        pass
+    order = [e["step"] for e in events if e["type"] == "step" and e["transition"] == "train->generate"]
+    starts = [i for i, name in enumerate(order) if name.startswith("start offload")]
+    finishes = [i for i, name in enumerate(order) if name.startswith("finish offload")]
+    assert starts and len(finishes) == len(starts), order
+    assert order.index("release cached memory") < min(starts), order
+    assert max(starts) < order.index("engine wake weights") < order.index("verify weights") < min(finishes), order
+    swaprl.detach()
+
+
 @pytest.mark.parametrize("interrupted_after", ["start offload optimizer", "sync weights", "verify weights",
                                                "finish offload optimizer", "engine wake kv_cache", "sample probe"])
 def test_interrupted_overlapped_switch_loses_nothing(tiny_checkpoint, engine, interrupted_after):
