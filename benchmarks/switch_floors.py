@@ -37,9 +37,11 @@ _COPY = {"offload": "d2h_GBps", "reload": "h2d_GBps", "sync weights": "d2d_GBps"
 def occurrences(run: Run) -> dict[tuple[str, str], list[dict]]:
     """The step records per (transition, step name), in time order, those of the first switch of each transition
     (and the first train phase's optimizer steps) left out where later ones exist. A name one switch runs twice is
-    told apart by the step that follows it ("release cached memory (before engine wake kv_cache)"), which still
-    holds in a switch that skips one of them (the release before the wake-up, when the engine's weights fit in what
-    is free); the steps outside switches (each optimizer step's) are one row however many run in a phase."""
+    told apart by the engine step that follows it ("release cached memory (before engine wake kv_cache)"), which
+    holds whatever runs in between (the offload's copies start after the first release when they overlap the
+    wake-up, before it when they do not) and in a switch that skips one of them (the release before the wake-up,
+    when the engine's weights fit in what is free); the steps outside switches (each optimizer step's) are one row
+    however many run in a phase."""
     # A switch's steps come before its phase record: those between two phase records, by transition.
     switches: list[tuple[str, list[dict]]] = []
     window: dict[str, list[dict]] = {}
@@ -60,7 +62,9 @@ def occurrences(run: Run) -> dict[tuple[str, str], list[dict]]:
         for i, r in enumerate(recs):
             name = r["step"]
             if (transition, name) in repeated:
-                name += f" (before {recs[i + 1]['step']})" if i + 1 < len(recs) else " (last)"
+                after = [s["step"] for s in recs[i + 1:]]
+                label = next((s for s in after if s.startswith("engine ")), after[0] if after else None)
+                name += f" (before {label})" if label else " (last)"
             out.setdefault((transition, name), []).append((first, r))
     return {key: [r for first, r in recs if not first] or [r for _, r in recs] for key, recs in out.items()}
 

@@ -366,7 +366,7 @@ class Placement:
         those that end it, once the engine's weights are woken and synced. With `room` (the engine's weights fit
         beside the states) the offloads' copies start in the first part and finish in the second, running under the
         wake-up and the sync. The runtime runs the first part's blocking steps, then torch's release, then its
-        steps that only queue copies (`blocking=False`): `empty_cache` waits for copies in flight. Only what is on
+        steps that only queue copies (`blocking=False`), which made the release as slow as themselves. Only what is on
         the device moves: a switch into the phase the runtime is in already completes what a failed rollback left,
         and moves nothing twice. Refuses before a byte moves if the host buffers would pass the budget."""
         self.check_host_budget()

@@ -17,9 +17,11 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 GiB, MiB = 2**30, 2**20
 
 
-def profile(path: Path, *, cycles: int = 3, level: int = 2) -> Path:
+def profile(path: Path, *, cycles: int = 3, level: int = 2, blocking: tuple[int, ...] = ()) -> Path:
     """A rank's profile of `cycles` switches each way, as the runtime records them, with the engine's pool in the
-    header (four 1 GiB weight allocations, two 2 GiB KV ones)."""
+    header (four 1 GiB weight allocations, two 2 GiB KV ones). The offload's copies run under the wake-up, started
+    after the first release; in the switches to generate numbered in `blocking` (no room for the engine beside the
+    states) the offload runs whole before that release."""
     t = 1_700_000_000.0
     recs: list[dict] = [{"schema": "swaprl.profile", "version": 1, "type": "header", "rank": 0, "world_size": 1,
                          "device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3", "device_total": 80 * GiB,
@@ -40,11 +42,15 @@ def profile(path: Path, *, cycles: int = 3, level: int = 2) -> Path:
     phase("train", None, None)
     for c in range(1, cycles + 1):
         slow = 2 if c == 1 else 1  # the first cycle is slower and left out
-        step("train->generate", "start offload optimizer", 0.001, 0, issued=True)
+        if c in blocking:
+            step("train->generate", "offload optimizer", 0.2, 8 * GiB)
         step("train->generate", "release cached memory", 0.2 * slow, 30 * GiB)
+        if c not in blocking:
+            step("train->generate", "start offload optimizer", 0.001, 0, issued=True)
         step("train->generate", "engine wake weights", 0.1 * slow)
         step("train->generate", "sync weights", 0.05, 4 * GiB)
-        step("train->generate", "finish offload optimizer", 0.01, 8 * GiB, span_seconds=0.4)
+        if c not in blocking:
+            step("train->generate", "finish offload optimizer", 0.01, 8 * GiB, span_seconds=0.4)
         step("train->generate", "release cached memory", 0.03, 8 * GiB)
         step("train->generate", "engine wake kv_cache", 0.06)
         phase("generate", "train", c)
@@ -124,6 +130,18 @@ def test_steps_keep_their_rows_when_a_switch_skips_one_or_a_phase_steps_twice(tm
     before_kv = table[("train->generate", "release cached memory (before engine wake kv_cache)")]
     assert before_weights["count"] == 1 and before_weights["bytes"] == 30 * GiB  # switch 2's only
     assert before_kv["count"] == 3 and before_kv["bytes"] == 8 * GiB  # switches 2-4, whichever came first
+
+
+def test_the_release_before_the_wake_up_keeps_one_row_whether_or_not_the_offload_overlaps(tmp_path, monkeypatch):
+    """The first release is followed by the offload's start in a switch whose copies run under the wake-up, by the
+    wake-up itself after a blocking offload: one row either way, named by the engine step after it."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import switch_floors
+
+    run = load_run(profile(tmp_path / "p.jsonl", cycles=4, blocking=(3,)))
+    names = [s for tr, s in switch_floors.occurrences(run) if s.startswith("release cached memory")]
+    assert sorted(names) == ["release cached memory (before engine wake kv_cache)",
+                             "release cached memory (before engine wake weights)"], names
 
 
 def test_main_measures_what_the_profile_records_and_says_what_it_lacks(tmp_path, monkeypatch):

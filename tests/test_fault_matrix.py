@@ -1,7 +1,8 @@
-"""A fault after every step of train->generate, in the order e46f823 made (torch's release before the offload's
-copies start): the runtime stays in train with every optimizer state and gradient intact, bit for bit, and the next
-switch works. Every config the order depends on: grads free/offload/keep, optimizer_states swap/auto, the vLLM
-engine (its weights need room: the offload overlaps the wake-up) and the HF engine (the trainer's own weights)."""
+"""A fault after every step of train->generate (torch's release, then the offload's copies starting under the
+wake-up where there is room): the runtime stays in train with every optimizer state and gradient intact, bit for
+bit, and the next switch works. Every config the order depends on: grads free/offload/keep, optimizer_states
+swap/auto, the vLLM engine (its weights need room: the offload overlaps the wake-up) and the HF engine (the
+trainer's own weights)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def backward(model, opt, *, step: bool):
 
 
 def snapshot(model, opt):
-    states = [(id(p), k, v.clone()) for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)]
+    states = [(id(p), k, v.clone()) for p, st in opt.state.items() for k, v in st.items()
+              if isinstance(v, torch.Tensor)]
     grads = [(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()]
     params = [(n, p.detach().clone()) for n, p in model.named_parameters()]
     return states, grads, params
@@ -135,9 +137,9 @@ def test_a_fault_after_any_step_with_the_hf_engine(tiny_checkpoint, grads, state
 
 # ---------------------------------------------------------------- what the release can hand back
 @pytest.mark.vllm
-@pytest.mark.xfail(strict=True, reason="pre-existing (0681aa1), not e46f823: 'free grads' keeps the gradients aside "
-                   "for its undo until the switch commits, so 'release cached memory' cannot hand their memory back, "
-                   "though Placement.engine_room counts them as room 'after release'")
+@pytest.mark.xfail(strict=True, reason="known defect: 'free grads' keeps the gradients aside for its undo until the "
+                   "switch commits, so 'release cached memory' cannot hand their memory back, though "
+                   "Placement.engine_room counts them as room 'after release'")
 def test_the_gradients_free_grads_drops_are_gone_by_the_release(tiny_checkpoint, vllm_engine):
     import gc
     import weakref
