@@ -132,6 +132,16 @@ def expandable_segments() -> bool:
     return "expandable_segments:true" in _alloc_conf().replace(" ", "").lower()
 
 
+def large_segment_mib() -> int | None:
+    """The page size torch's expandable segments were told to map large blocks in (`large_segment_size_mb`), or
+    None where the settings leave torch's own (20 MiB)."""
+    for part in _alloc_conf().split(","):
+        key, _, value = part.replace(" ", "").partition(":")
+        if key.lower() == "large_segment_size_mb" and value.isdigit():
+            return int(value)
+    return None
+
+
 @contextlib.contextmanager
 def whole_segments(device: torch.device) -> Iterator[None]:
     """New device memory the block asks for comes in one segment of the size asked (one `cudaMalloc`), where

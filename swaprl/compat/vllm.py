@@ -51,6 +51,30 @@ def check_version(version: str | None = None) -> None:
             "module (engine='hf').")
 
 
+LOAD_SPLIT_MIB = 20
+"""The `max_split_size_mb` vLLM's GPU worker sets while it loads the model (`Worker._scoped_allocator_max_split`)."""
+
+
+def check_allocator_settings() -> None:
+    """Refuse, before vLLM starts, torch allocator settings its model loading cannot run under.
+
+    While it loads the model vLLM 0.26 sets `max_split_size_mb:20` for that block, and torch refuses a split size
+    below its large segment size: with `large_segment_size_mb` above 20 the engine would fail inside vLLM's worker
+    with a message about a setting the user never made."""
+    pages = torch_compat.large_segment_mib()
+    if pages is None or pages <= LOAD_SPLIT_MIB:
+        return
+    from vllm.v1.worker import gpu_worker
+
+    if not hasattr(gpu_worker.Worker, "_scoped_allocator_max_split"):
+        return
+    raise ValueError(
+        f"PYTORCH_CUDA_ALLOC_CONF sets large_segment_size_mb:{pages}, which vLLM {installed_version()} cannot start "
+        f"under: it sets max_split_size_mb:{LOAD_SPLIT_MIB} while it loads the model, and torch refuses a split size "
+        "below the large segment size. Drop large_segment_size_mb from PYTORCH_CUDA_ALLOC_CONF "
+        "(expandable_segments:True alone is what swaprl's examples set).")
+
+
 @contextlib.contextmanager
 def startup_environment(values: Mapping[str, str]) -> Iterator[None]:
     """Set `values` in `os.environ` while vLLM starts (`LLM(...)`), then put back what was there before.

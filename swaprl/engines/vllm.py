@@ -248,6 +248,7 @@ class VLLMEngine(Engine):
             env.update(_external_launcher_environment())
             args.update(distributed_executor_backend="external_launcher", seed=seed + self.tp_group.index)
         if self.cuda:
+            vllm_compat.check_allocator_settings()
             free, total = torch.cuda.mem_get_info()
             reserve = reserve_bytes if reserve_bytes is not None else default_reserve_bytes(total)
             if gpu_memory_utilization is None:
