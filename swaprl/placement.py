@@ -514,16 +514,18 @@ class Placement:
 
     def engine_room(self, engine_bytes: int) -> EngineRoom | None:
         """Whether `engine_bytes` (the engine's weights and a sync bucket) fit while the optimizer is still on the
-        device, and how (see `EngineRoom`); None if not at all."""
+        device, and how (see `EngineRoom`); None if not at all.
+
+        Gradients that grads="free" drops do not count as room: "free grads" holds them for its undo until the
+        switch commits, so no release before the engine wakes can hand their memory back."""
         if self.device.type != "cuda":
             return "after release"
         need = engine_bytes + 512 * 2**20
         free = self._device_free()
         if free >= need:
             return "free now"
-        grads = sum(nbytes(t) for t in self.tensors("grads")) if self.config.grads == "free" else 0
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return "after release" if free + cached + grads >= need else None
+        return "after release" if free + cached >= need else None
 
     def states_to_host(self) -> int:
         """Move the optimizer states into their host buffer for good (optimizer_states='host')."""
