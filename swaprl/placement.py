@@ -35,7 +35,8 @@ Resource = Literal["optimizer", "grads", "params"]
 Location = Literal["device", "host", "released"]
 EngineRoom = Literal["free now", "after release"]
 """Where the engine's weights fit while the optimizer is still on the device: in memory the driver has free now,
-or once torch's cache (and freed gradients) are handed back."""
+or once torch's cache is handed back (not the gradients grads="free" drops: held for the step's undo until the
+switch commits)."""
 
 RESOURCES: tuple[Resource, ...] = ("optimizer", "grads", "params")
 

@@ -162,3 +162,4 @@ def test_free_grads_holds_the_gradients_through_the_release_for_its_undo(tiny_ch
     assert alive == {"release cached memory": len(refs), "engine wake weights": len(refs)}, (alive, len(refs))
     gc.collect()
     assert not any(r() is not None for r in refs)  # gone once the switch stands
+

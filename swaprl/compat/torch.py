@@ -132,14 +132,27 @@ def expandable_segments() -> bool:
     return "expandable_segments:true" in _alloc_conf().replace(" ", "").lower()
 
 
+def allocator_setting(key: str) -> str | None:
+    """The value torch's allocator settings give `key` now, or None where they leave it out. Read from torch itself
+    where it says (what it parsed from PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, and any change made since, as
+    vLLM reads them), else from the environment; the last entry for a key counts, as in torch's parser."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    value = None
+    for part in (get() if get is not None else _alloc_conf()).split(","):
+        name, _, setting = part.strip().partition(":")
+        if name.strip() == key:
+            value = setting.strip()
+    return value
+
+
 def large_segment_mib() -> int | None:
-    """The page size torch's expandable segments were told to map large blocks in (`large_segment_size_mb`), or
-    None where the settings leave torch's own (20 MiB)."""
-    for part in _alloc_conf().split(","):
-        key, _, value = part.replace(" ", "").partition(":")
-        if key.lower() == "large_segment_size_mb" and value.isdigit():
-            return int(value)
-    return None
+    """The page size torch's expandable segments map large blocks in (`large_segment_size_mb`), or None where the
+    settings leave torch's own (20 MiB)."""
+    value = allocator_setting("large_segment_size_mb")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:  # torch refused it when it parsed the settings
+        return None
 
 
 @contextlib.contextmanager

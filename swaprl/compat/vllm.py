@@ -58,21 +58,21 @@ LOAD_SPLIT_MIB = 20
 def check_allocator_settings() -> None:
     """Refuse, before vLLM starts, torch allocator settings its model loading cannot run under.
 
-    While it loads the model vLLM 0.26 sets `max_split_size_mb:20` for that block, and torch refuses a split size
-    below its large segment size: with `large_segment_size_mb` above 20 the engine would fail inside vLLM's worker
-    with a message about a setting the user never made."""
+    While it loads the model vLLM sets `max_split_size_mb:20` for that block (torch's native allocator only), and
+    torch refuses a split size below its large segment size: with `large_segment_size_mb` above 20 the engine
+    would fail inside vLLM's worker with a message about a setting the user never made."""
     pages = torch_compat.large_segment_mib()
-    if pages is None or pages <= LOAD_SPLIT_MIB:
+    if pages is None or pages <= LOAD_SPLIT_MIB or torch_compat.allocator_setting("backend") not in (None, "native"):
         return
     from vllm.v1.worker import gpu_worker
 
     if not hasattr(gpu_worker.Worker, "_scoped_allocator_max_split"):
         return
     raise ValueError(
-        f"PYTORCH_CUDA_ALLOC_CONF sets large_segment_size_mb:{pages}, which vLLM {installed_version()} cannot start "
-        f"under: it sets max_split_size_mb:{LOAD_SPLIT_MIB} while it loads the model, and torch refuses a split size "
-        "below the large segment size. Drop large_segment_size_mb from PYTORCH_CUDA_ALLOC_CONF "
-        "(expandable_segments:True alone is what swaprl's examples set).")
+        f"torch's allocator settings (PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF) set large_segment_size_mb:"
+        f"{pages}, which vLLM {installed_version()} cannot start under: it sets max_split_size_mb:{LOAD_SPLIT_MIB} "
+        "while it loads the model, and torch refuses a split size below the large segment size. Drop "
+        "large_segment_size_mb from them (expandable_segments:True alone is what swaprl's examples set).")
 
 
 @contextlib.contextmanager
