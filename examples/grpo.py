@@ -206,9 +206,13 @@ def check_args(args) -> None:
             bounds = []
         if len(bounds) != 2:
             problems.append(f"--verify-tolerance {args.verify_tolerance}: give two numbers, MAX,MEAN (e.g. 1,0.05)")
-    if args.trace_step is not None and not (args.out and 0 <= args.trace_step < args.steps):
-        problems.append(f"--trace-step {args.trace_step}: give a step from 0 to --steps - 1 ({args.steps - 1}), "
-                        "and --out DIR for the trace")
+    for flag, step in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
+        if step is not None and not (args.out and 0 <= step < args.steps):
+            problems.append(f"{flag} {step}: give a step from 0 to --steps - 1 ({args.steps - 1}), and --out DIR "
+                            "for what it records")
+    if args.memory_step is not None and not torch.cuda.is_available():
+        problems.append(f"--memory-step {args.memory_step}: torch's memory history is its CUDA allocator's; run on "
+                        "a GPU, or drop the flag")
     if problems:
         raise SystemExit("; ".join(problems))
 
@@ -221,9 +225,10 @@ def check_resumable(state: dict, args) -> None:
     if changed:
         raise SystemExit(f"--resume: the checkpoint's run had other settings ({'; '.join(changed)}); resume with "
                          "its settings, or start a new run with another --out")
-    if args.trace_step is not None and args.trace_step < state["step"]:
-        raise SystemExit(f"--trace-step {args.trace_step}: the run resumes at step {state['step']}; give a step from "
-                         f"{state['step']} to --steps - 1 ({args.steps - 1})")
+    for flag, step in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
+        if step is not None and step < state["step"]:
+            raise SystemExit(f"{flag} {step}: the run resumes at step {state['step']}; give a step from "
+                             f"{state['step']} to --steps - 1 ({args.steps - 1})")
     if state["step"] >= args.steps:
         raise SystemExit(f"--resume: the newest checkpoint is at step {state['step']}, and --steps {args.steps} "
                          f"asks for no more; give --steps above {state['step']} to go on")
@@ -322,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "into C extensions that torch's does not see (vLLM's virtual-memory calls), into "
                          "OUT/trace.stepN[.rankR].switches.txt (the calls by their own time; Python's own code runs "
                          "slower under it)")
+    ap.add_argument("--memory-step", type=int, default=None, metavar="N",
+                    help="record step N's device allocations with torch's memory history into "
+                         "OUT/memory.stepN[.rankR].pickle (drag it onto pytorch.org/memory_viz; "
+                         "benchmarks/memory_streams.py splits the free cached blocks at its peak by stream)")
     ap.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint under OUT/checkpoints")
     ap.add_argument("--seed", type=int, default=0)
@@ -567,6 +576,8 @@ def main(argv: list[str] | None = None) -> dict:
                 prompts = [tasks.encode(tokenizer, p) for p in drawn]
             switch["s"] = 0.0
             calls = None  # Python's profiler, in the traced step's two switches only
+            if step == args.memory_step:
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
             if step == args.trace_step:
                 trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if cuda else []))
@@ -598,6 +609,10 @@ def main(argv: list[str] | None = None) -> dict:
                 train_s = time.perf_counter() - tt
                 used_train = device_used()
             total = time.perf_counter() - t0
+            if step == args.memory_step:
+                torch.cuda.memory._dump_snapshot(str(out / f"memory.step{step}{f'.rank{rank}' if world > 1 else ''}"
+                                                         ".pickle"))
+                torch.cuda.memory._record_memory_history(enabled=None)
             if step == args.trace_step:
                 trace.stop()
                 name = f"trace.step{step}{f'.rank{rank}' if world > 1 else ''}"
@@ -645,8 +660,10 @@ def main(argv: list[str] | None = None) -> dict:
                      "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
                      rollout_tokens, mean_reward, "".join(", " + x for x in said))
     except BaseException:
-        for close in (trace.stop if trace else None, reporter.close, profiler.close if profiler else None,
-                      swaprl.detach, engine.close):
+        history_off = (lambda: torch.cuda.memory._record_memory_history(enabled=None)) \
+            if args.memory_step is not None else None
+        for close in (trace.stop if trace else None, history_off, reporter.close,
+                      profiler.close if profiler else None, swaprl.detach, engine.close):
             if close is not None:
                 with contextlib.suppress(Exception):
                     close()

@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                          "swaprl.kernels can; the plan counts what the engine will do)")
     ap.add_argument("--trace-step", type=int, default=None, metavar="N",
                     help="record step N with torch's profiler (examples/grpo.py --trace-step)")
+    ap.add_argument("--memory-step", type=int, default=None, metavar="N",
+                    help="record step N's allocations with torch's memory history (examples/grpo.py --memory-step)")
     ap.add_argument("--out", default="out/qwen72b")
     args = ap.parse_args(argv)
 
@@ -159,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         # graphs out of its own sizing (2.2 GiB per GPU at 72B's width), which the plan counts as engine memory.
         loop += ["--dtype", "bfloat16", "--tp", str(tp), "--kv-cache-gib", f"{the_plan.kv_cache_bytes / 2**30:.3f}"]
     loop += ["--release-other" if release else "--no-release-other"]
-    if args.trace_step is not None:
-        loop += ["--trace-step", str(args.trace_step)]
+    for flag, step in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
+        if step is not None:
+            loop += [flag, str(step)]
     chosen = the_plan.swap_config()
     if chosen.get("master_weights"):
         loop += ["--master-weights"] + ([] if on_gpu else ["--dtype", "bfloat16"])

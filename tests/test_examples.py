@@ -332,6 +332,24 @@ def test_a_traced_step_names_every_step_of_both_switches(tmp_path, monkeypatch):
     assert "generate_scored" not in calls and "grpo_loss" not in calls, calls[:2000]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the GPU machine")
+def test_a_recorded_step_leaves_a_memory_snapshot_split_by_stream(tmp_path, monkeypatch):
+    """--memory-step records one step's allocations: a snapshot memory_viz reads, with the step's actions in it, which
+    benchmarks/memory_streams.py splits by stream at the default pool's peak."""
+    import grpo
+
+    out = tmp_path / "o"
+    grpo.main(["--steps", "2", "--engine", "hf", "--out", str(out), "--memory-step", "1"])
+    assert not (out / "memory.step0.pickle").exists()
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import memory_streams
+
+    result = memory_streams.main([str(out / "memory.step1.pickle")])
+    assert result["actions"] > 0 and result["peak_reserved"] > 0, result
+    assert sum(r["allocated"] for r in result["streams"].values()) > 0, result
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--completions", "1"], "--completions 1: give at least 2 \\(a GRPO group needs two completions"),
     (["--tis-cap", "0"], "--tis-cap 0.0: give a truncation of 1 or more"),
@@ -342,6 +360,9 @@ def test_a_traced_step_names_every_step_of_both_switches(tmp_path, monkeypatch):
     (["--kl-coef", "-0.1"], "--kl-coef -0.1: give 0 \\(no reference\\) or a positive coefficient"),
     (["--kl-coef", "inf"], "--kl-coef inf: give 0 \\(no reference\\) or a positive coefficient"),
     (["--trace-step", "1"], "--trace-step 1: give a step from 0 to --steps - 1 \\(0\\)"),
+    (["--memory-step", "1"], "--memory-step 1: give a step from 0 to --steps - 1 \\(0\\)"),
+    pytest.param(["--memory-step", "0"], "--memory-step 0: torch's memory history is its CUDA allocator's",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="refused only without CUDA")),
     (["--preset", "nosuch"], "--preset nosuch: unknown model preset 'nosuch'; choose one of tiny"),
     (["--model", "no/such/dir"], "--model no/such/dir: no config.json there; give a local checkpoint directory"),
     (["--layers", "0"], "--layers 0: give at least 1"),

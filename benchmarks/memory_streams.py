@@ -1,0 +1,102 @@
+"""Which stream's cached blocks stood free when torch's allocator held the most memory, from a memory-history
+snapshot (`examples/grpo.py --memory-step N`) replayed stream by stream.
+
+    python benchmarks/memory_streams.py OUT/memory.step2.rank0.pickle [--out streams.md]
+
+torch's caching allocator keeps the blocks a stream frees for that stream: a block freed by FSDP2's all-gather
+stream cannot serve the backward on the compute stream, so at training's peak one stream's free blocks can sit
+beside another stream's new pages. The memory report gives the total of free cached blocks at a peak; this splits
+it by stream, at the moment the default pool held the most (private pools, such as vLLM's, are left out).
+
+The snapshot's trace holds the allocator's actions since recording began (the newest `max_entries` of them); its
+segments, the state when it was taken. The state at the first recorded action is that state less every recorded
+change, and the replay walks forward from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+_RESERVED = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+_ALLOCATED = {"alloc": 1, "free_completed": -1}  # a block waiting for another stream's use stays allocated
+_DEFAULT_POOL = (0, 0)
+
+
+def _default_pool(pool) -> bool:
+    return pool is None or tuple(pool) == _DEFAULT_POOL  # traces of torch versions without pool ids: counted
+
+
+def replay(snapshot: dict, device: int | None = None) -> dict:
+    """Per stream, the default pool's reserved, allocated and free bytes at the moment its reserved total peaked
+    within the recorded actions. `device`: the index into `device_traces` (default: the one with actions)."""
+    traces = snapshot.get("device_traces") or []
+    if device is None:
+        device = next((i for i, t in enumerate(traces) if t), None)
+    if device is None or device >= len(traces) or not traces[device]:
+        raise ValueError("the snapshot records no allocator actions: take it with torch.cuda.memory."
+                         "_record_memory_history() on while the step runs (examples/grpo.py --memory-step N)")
+    events = [e for e in traces[device] if e["action"] in _RESERVED or e["action"] in _ALLOCATED]
+    events = [e for e in events if _default_pool(e.get("pool_id"))]
+    reserved: dict[int, int] = defaultdict(int)
+    allocated: dict[int, int] = defaultdict(int)
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) == device and _default_pool(seg.get("segment_pool_id")):
+            reserved[seg["stream"]] += seg["total_size"]
+            allocated[seg["stream"]] += seg["allocated_size"]
+    for e in events:  # back to the state before the first recorded action
+        reserved[e["stream"]] -= _RESERVED.get(e["action"], 0) * e["size"]
+        allocated[e["stream"]] -= _ALLOCATED.get(e["action"], 0) * e["size"]
+    # The peak's moment: the most reserved, and of the moments that held it the one with the most allocated (a
+    # segment is mapped before its first block is handed out): what stood free even then was stranded.
+    best, at, state = (sum(reserved.values()), sum(allocated.values())), -1, (dict(reserved), dict(allocated))
+    for i, e in enumerate(events):
+        reserved[e["stream"]] += _RESERVED.get(e["action"], 0) * e["size"]
+        allocated[e["stream"]] += _ALLOCATED.get(e["action"], 0) * e["size"]
+        now = (sum(reserved.values()), sum(allocated.values()))
+        if now > best:
+            best, at, state = now, i, (dict(reserved), dict(allocated))
+    peak = best[0]
+    streams = {s: {"reserved": state[0].get(s, 0), "allocated": state[1].get(s, 0)}
+               for s in sorted(set(state[0]) | set(state[1]))}
+    for row in streams.values():
+        row["free"] = row["reserved"] - row["allocated"]
+    return {"device": device, "actions": len(events), "peak_reserved": peak, "at_action": at,
+            "grew_on": events[at]["stream"] if at >= 0 else None, "streams": streams}
+
+
+def markdown(path: Path, result: dict) -> str:
+    gib = 2**30
+    lines = [f"# Free cached blocks by stream at the default pool's peak: {path.name}", "",
+             f"Device {result['device']}: {result['actions']} recorded actions of the default pool; it held "
+             f"{result['peak_reserved'] / gib:.2f} GiB at its peak (action {result['at_action']}, on stream "
+             f"{result['grew_on']}).", "",
+             "| stream | reserved GiB | allocated GiB | free GiB |", "|---|---:|---:|---:|"]
+    for stream, row in sorted(result["streams"].items(), key=lambda kv: -kv[1]["free"]):
+        lines.append(f"| {stream}{' (the one that grew)' if stream == result['grew_on'] else ''} | "
+                     f"{row['reserved'] / gib:.2f} | {row['allocated'] / gib:.2f} | {row['free'] / gib:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("snapshot", type=Path, help="a pickle from torch.cuda.memory._dump_snapshot")
+    ap.add_argument("--device", type=int, default=None, help="index into the snapshot's device traces")
+    ap.add_argument("--out", type=Path, default=None, help="write the table here (markdown) as well")
+    args = ap.parse_args(argv)
+    if not args.snapshot.is_file():
+        raise SystemExit(f"{args.snapshot}: no such file; give a snapshot from examples/grpo.py --memory-step N")
+    with args.snapshot.open("rb") as f:
+        result = replay(pickle.load(f), args.device)
+    text = markdown(args.snapshot, result)
+    print(text, end="")
+    if args.out:
+        args.out.write_text(text)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
