@@ -46,26 +46,31 @@ def replay(snapshot: dict, device: int | None = None) -> dict:
     for seg in snapshot.get("segments", []):
         if seg.get("device", device) == device and _default_pool(seg.get("segment_pool_id")):
             reserved[seg["stream"]] += seg["total_size"]
-            allocated[seg["stream"]] += seg["allocated_size"]
+            # in the trace's terms: the sizes asked for (not the rounded blocks), blocks awaiting their free included
+            allocated[seg["stream"]] += sum(b["requested_size"] for b in seg.get("blocks", [])
+                                            if b["state"] != "inactive")
     for e in events:  # back to the state before the first recorded action
         reserved[e["stream"]] -= _RESERVED.get(e["action"], 0) * e["size"]
         allocated[e["stream"]] -= _ALLOCATED.get(e["action"], 0) * e["size"]
     # The peak's moment: the most reserved, and of the moments that held it the one with the most allocated (a
     # segment is mapped before its first block is handed out): what stood free even then was stranded.
     best, at, state = (sum(reserved.values()), sum(allocated.values())), -1, (dict(reserved), dict(allocated))
+    grew = grew_on = None  # the stream whose new pages last raised the total, and that stream at the peak
     for i, e in enumerate(events):
         reserved[e["stream"]] += _RESERVED.get(e["action"], 0) * e["size"]
         allocated[e["stream"]] += _ALLOCATED.get(e["action"], 0) * e["size"]
+        if _RESERVED.get(e["action"], 0) > 0:
+            grew = e["stream"]
         now = (sum(reserved.values()), sum(allocated.values()))
         if now > best:
-            best, at, state = now, i, (dict(reserved), dict(allocated))
+            best, at, state, grew_on = now, i, (dict(reserved), dict(allocated)), grew
     peak = best[0]
     streams = {s: {"reserved": state[0].get(s, 0), "allocated": state[1].get(s, 0)}
                for s in sorted(set(state[0]) | set(state[1]))}
     for row in streams.values():
         row["free"] = row["reserved"] - row["allocated"]
     return {"device": device, "actions": len(events), "peak_reserved": peak, "at_action": at,
-            "grew_on": events[at]["stream"] if at >= 0 else None, "streams": streams}
+            "grew_on": grew_on, "streams": streams}
 
 
 def markdown(path: Path, result: dict) -> str:

@@ -16,20 +16,24 @@ COMPUTE, GATHER = 111, 222  # two streams, as torch names them (their handles)
 
 def snapshot() -> dict:
     """Recorded while a step ran: the gather stream maps 4 GiB, uses and frees it; then the compute stream maps 10
-    GiB beside it (the peak: 16 GiB with a segment the compute stream had before recording began, 1 of its 2 GiB
-    in use); then frees them. A private pool's actions (vLLM's) come between, and must not count."""
+    GiB beside it (16 GiB with a segment the compute stream had before recording began, 1 of its 2 GiB in use), and
+    the gather stream takes 2 GiB of its cache again (the peak: the most in use while the most was held); then
+    all is freed. A private pool's actions (vLLM's) come between, and must not count."""
     def ev(action, stream, size, addr, pool=(0, 0)):
         return {"action": action, "stream": stream, "size": size, "addr": addr, "pool_id": pool, "frames": []}
     trace = [ev("segment_map", GATHER, 4 * GiB, 0x1000), ev("alloc", GATHER, 4 * GiB, 0x1000),
              ev("free_requested", GATHER, 4 * GiB, 0x1000), ev("free_completed", GATHER, 4 * GiB, 0x1000),
              ev("segment_alloc", 333, 30 * GiB, 0x9000, pool=(1, 0)), ev("alloc", 333, 30 * GiB, 0x9000, pool=(1, 0)),
              ev("segment_map", COMPUTE, 10 * GiB, 0x5000), ev("alloc", COMPUTE, 10 * GiB, 0x5000),
+             ev("alloc", GATHER, 2 * GiB, 0x1000), ev("free_completed", GATHER, 2 * GiB, 0x1000),
              ev("free_completed", COMPUTE, 10 * GiB, 0x5000), ev("segment_unmap", COMPUTE, 10 * GiB, 0x5000)]
+    def block(size, state):  # the trace's sizes are the sizes asked for; a block's own is rounded up
+        return {"size": size + 512, "requested_size": size, "state": state}
     segments = [  # when the snapshot was taken
-        {"device": 0, "address": 0x100, "total_size": 2 * GiB, "allocated_size": GiB, "stream": COMPUTE,
-         "segment_pool_id": (0, 0), "blocks": []},
+        {"device": 0, "address": 0x100, "total_size": 2 * GiB, "allocated_size": GiB + 512, "stream": COMPUTE,
+         "segment_pool_id": (0, 0), "blocks": [block(GiB, "active_allocated"), block(GiB - 1024, "inactive")]},
         {"device": 0, "address": 0x1000, "total_size": 4 * GiB, "allocated_size": 0, "stream": GATHER,
-         "segment_pool_id": (0, 0), "blocks": []},
+         "segment_pool_id": (0, 0), "blocks": [block(4 * GiB - 512, "inactive")]},
         {"device": 0, "address": 0x9000, "total_size": 30 * GiB, "allocated_size": 30 * GiB, "stream": 333,
          "segment_pool_id": (1, 0), "blocks": []}]
     return {"segments": segments, "device_traces": [trace]}
@@ -44,10 +48,10 @@ def test_the_peak_is_split_by_stream(tmp_path, monkeypatch, capsys):
     result = memory_streams.main([str(path), "--out", str(tmp_path / "streams.md")])
     assert result["peak_reserved"] == 16 * GiB and result["grew_on"] == COMPUTE
     assert result["streams"] == {COMPUTE: {"reserved": 12 * GiB, "allocated": 11 * GiB, "free": GiB},
-                                 GATHER: {"reserved": 4 * GiB, "allocated": 0, "free": 4 * GiB}}
+                                 GATHER: {"reserved": 4 * GiB, "allocated": 2 * GiB, "free": 2 * GiB}}
     table = (tmp_path / "streams.md").read_text()
     assert table == capsys.readouterr().out
-    assert f"| {GATHER} | 4.00 | 0.00 | 4.00 |" in table and f"| {COMPUTE} (the one that grew) | 12.00 |" in table
+    assert f"| {GATHER} | 4.00 | 2.00 | 2.00 |" in table and f"| {COMPUTE} (the one that grew) | 12.00 |" in table
 
 
 def test_a_snapshot_without_actions_says_how_to_take_one(tmp_path, monkeypatch):
