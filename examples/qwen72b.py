@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                               prompt_tokens=16, completion_tokens=args.max_tokens)
     layers = args.layers if (args.layers or args.model) else (None if not on_gpu else 2)
     release = args.release_other
-    if release is None:  # the engine's own default, decided here too so that the plan counts what it will hold
+    if release is None:  # the engine's own default rule, so that the plan counts what it will hold
         from swaprl.engines.vllm import pools_unavailable
 
-        release = on_gpu and tp == 1 and pools_unavailable() is None
+        release = pools_unavailable(cuda=on_gpu, tensor_parallel_size=tp) is None
     # What the loop does, pinned: the parameters stay on the GPU (FSDP2 shards cannot be swapped), the gradients are
     # freed, activation checkpointing is on; the plan chooses the optimizer states' split and the sleep level.
     pinned = {"params": "keep", "grads": "free", "activation_checkpointing": True}

@@ -102,18 +102,22 @@ def _read_checkpoint_index(path: Path) -> dict[str, tuple[tuple[int, ...], str]]
     return out
 
 
-def pools_unavailable(*, built: bool = True, cuda: bool | None = None) -> str | None:
-    """Why an engine cannot release its graphs and buffers while it sleeps (`VLLMEngine(release_other=...)`), or None
-    when it can: an engine swaprl builds, on a CUDA GPU, with `swaprl.kernels` loadable and a vLLM whose profile run
-    swaprl can keep out of the pools. What `release_other=None` decides by, and what a planner for this machine
-    should count (`plan(..., release_other=pools_unavailable() is None)`)."""
+def pools_unavailable(*, built: bool = True, cuda: bool | None = None, tensor_parallel_size: int = 1) -> str | None:
+    """Why an engine does not release its graphs and buffers while it sleeps by default (`VLLMEngine(release_other=
+    None)`), or None when it does: an engine swaprl builds, on one CUDA GPU, with `swaprl.kernels` loadable and a
+    vLLM whose profile run swaprl can keep out of the pools. What a planner for this machine should count
+    (`plan(..., release_other=pools_unavailable(tensor_parallel_size=tp) is None)`)."""
     if not built:
         return "an engine built elsewhere (llm=) allocated its memory before swaprl could route it"
     if not (torch.cuda.is_available() if cuda is None else cuda):
         return "no CUDA GPU (the pausable pools are CUDA virtual memory)"
     from .. import kernels
 
-    return kernels.unavailable() or vllm_compat.startup_runs_unpatchable()
+    why = kernels.unavailable() or vllm_compat.startup_runs_unpatchable()
+    if why is None and tensor_parallel_size > 1:  # NCCL's buffers and the TP ranks' pools: not yet measured
+        why = (f"tensor parallelism over {tensor_parallel_size} GPUs is not the default with the pools yet "
+               "(release_other=True uses them)")
+    return why
 
 
 class VLLMEngine(Engine):
@@ -161,10 +165,7 @@ class VLLMEngine(Engine):
         self.tp_group: distributed.TPGroup | None = None
         built = llm is None
         if release_other is None:
-            why = pools_unavailable(built=built, cuda=self.cuda)
-            if why is None and tensor_parallel_size > 1:  # NCCL's buffers and the TP ranks' pools: not yet measured
-                why = (f"tensor parallelism over {tensor_parallel_size} GPUs is not the default with the pools yet "
-                       "(release_other=True uses them)")
+            why = pools_unavailable(built=built, cuda=self.cuda, tensor_parallel_size=tensor_parallel_size)
             release_other = why is None
             if why is not None:
                 logger.info("the engine keeps its graphs and buffers on the device while it sleeps: %s", why)
