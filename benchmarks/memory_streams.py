@@ -18,25 +18,38 @@ from __future__ import annotations
 import argparse
 import pickle
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 _RESERVED = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 _ALLOCATED = {"alloc": 1, "free_completed": -1}  # a block waiting for another stream's use stays allocated
 _DEFAULT_POOL = (0, 0)
+_PLUMBING = {"allocate", "decorate_context", "__call__", "_call_impl", "_wrapped_call_impl"}
 
 
 def _default_pool(pool) -> bool:
     return pool is None or tuple(pool) == _DEFAULT_POOL  # traces of torch versions without pool ids: counted
 
 
+def _origin(frames: list) -> str | None:
+    """Where an allocation was asked for: its innermost Python frame past torch's plumbing (FSDP2's all-gather
+    and reduce-scatter buffers name `foreach_all_gather` and `foreach_reduce`)."""
+    for f in frames:
+        name, where = f.get("name", ""), f.get("filename", "")
+        if where.endswith(".py") and name not in _PLUMBING and "/torch/utils/" not in where:
+            return name
+    return None
+
+
 def replay(snapshot: dict, device: int | None = None) -> dict:
     """Per stream, the default pool's reserved, allocated and free bytes at the moment its reserved total peaked
-    within the recorded actions. `device`: the index into `device_traces` (default: the one with actions)."""
+    within the recorded actions. `device`: the index into `device_traces` (default: the one with the most
+    allocator actions; a rank's snapshot also lists the other GPUs, with a few `snapshot` marks at most)."""
     traces = snapshot.get("device_traces") or []
-    if device is None:
-        device = next((i for i, t in enumerate(traces) if t), None)
-    if device is None or device >= len(traces) or not traces[device]:
+    counts = [sum(e["action"] in _RESERVED or e["action"] in _ALLOCATED for e in t) for t in traces]
+    if device is None and any(counts):
+        device = max(range(len(traces)), key=counts.__getitem__)
+    if device is None or not 0 <= device < len(traces) or not counts[device]:
         raise ValueError("the snapshot records no allocator actions: take it with torch.cuda.memory."
                          "_record_memory_history() on while the step runs (examples/grpo.py --memory-step N)")
     events = [e for e in traces[device] if e["action"] in _RESERVED or e["action"] in _ALLOCATED]
@@ -56,7 +69,10 @@ def replay(snapshot: dict, device: int | None = None) -> dict:
     # segment is mapped before its first block is handed out): what stood free even then was stranded.
     best, at, state = (sum(reserved.values()), sum(allocated.values())), -1, (dict(reserved), dict(allocated))
     grew = grew_on = None  # the stream whose new pages last raised the total, and that stream at the peak
+    origins: dict[int, Counter] = defaultdict(Counter)
     for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            origins[e["stream"]][_origin(e.get("frames") or [])] += e["size"]
         reserved[e["stream"]] += _RESERVED.get(e["action"], 0) * e["size"]
         allocated[e["stream"]] += _ALLOCATED.get(e["action"], 0) * e["size"]
         if _RESERVED.get(e["action"], 0) > 0:
@@ -67,8 +83,11 @@ def replay(snapshot: dict, device: int | None = None) -> dict:
     peak = best[0]
     streams = {s: {"reserved": state[0].get(s, 0), "allocated": state[1].get(s, 0)}
                for s in sorted(set(state[0]) | set(state[1]))}
-    for row in streams.values():
+    for stream, row in streams.items():
         row["free"] = row["reserved"] - row["allocated"]
+        # the place that asked this stream for the most bytes in the recorded actions; None: no Python frame
+        # (autograd's backward allocates from C++), or no allocation recorded
+        row["mostly"] = origins[stream].most_common(1)[0][0] if origins[stream] else None
     return {"device": device, "actions": len(events), "peak_reserved": peak, "at_action": at,
             "grew_on": grew_on, "streams": streams}
 
@@ -79,10 +98,11 @@ def markdown(path: Path, result: dict) -> str:
              f"Device {result['device']}: {result['actions']} recorded actions of the default pool; it held "
              f"{result['peak_reserved'] / gib:.2f} GiB at its peak (action {result['at_action']}, on stream "
              f"{result['grew_on']}).", "",
-             "| stream | reserved GiB | allocated GiB | free GiB |", "|---|---:|---:|---:|"]
+             "| stream | mostly allocated by | reserved GiB | allocated GiB | free GiB |", "|---|---|---:|---:|---:|"]
     for stream, row in sorted(result["streams"].items(), key=lambda kv: -kv[1]["free"]):
         lines.append(f"| {stream}{' (the one that grew)' if stream == result['grew_on'] else ''} | "
-                     f"{row['reserved'] / gib:.2f} | {row['allocated'] / gib:.2f} | {row['free'] / gib:.2f} |")
+                     f"{row['mostly'] or 'no Python frame'} | {row['reserved'] / gib:.2f} | "
+                     f"{row['allocated'] / gib:.2f} | {row['free'] / gib:.2f} |")
     return "\n".join(lines) + "\n"
 
 

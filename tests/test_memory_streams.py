@@ -20,7 +20,9 @@ def snapshot() -> dict:
     the gather stream takes 2 GiB of its cache again (the peak: the most in use while the most was held); then
     all is freed. A private pool's actions (vLLM's) come between, and must not count."""
     def ev(action, stream, size, addr, pool=(0, 0)):
-        return {"action": action, "stream": stream, "size": size, "addr": addr, "pool_id": pool, "frames": []}
+        frames = [{"filename": "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "name": name}
+                  for name in ("allocate", "foreach_all_gather")] if stream == GATHER else []
+        return {"action": action, "stream": stream, "size": size, "addr": addr, "pool_id": pool, "frames": frames}
     trace = [ev("segment_map", GATHER, 4 * GiB, 0x1000), ev("alloc", GATHER, 4 * GiB, 0x1000),
              ev("free_requested", GATHER, 4 * GiB, 0x1000), ev("free_completed", GATHER, 4 * GiB, 0x1000),
              ev("segment_alloc", 333, 30 * GiB, 0x9000, pool=(1, 0)), ev("alloc", 333, 30 * GiB, 0x9000, pool=(1, 0)),
@@ -30,13 +32,15 @@ def snapshot() -> dict:
     def block(size, state):  # the trace's sizes are the sizes asked for; a block's own is rounded up
         return {"size": size + 512, "requested_size": size, "state": state}
     segments = [  # when the snapshot was taken
-        {"device": 0, "address": 0x100, "total_size": 2 * GiB, "allocated_size": GiB + 512, "stream": COMPUTE,
+        {"device": 1, "address": 0x100, "total_size": 2 * GiB, "allocated_size": GiB + 512, "stream": COMPUTE,
          "segment_pool_id": (0, 0), "blocks": [block(GiB, "active_allocated"), block(GiB - 1024, "inactive")]},
-        {"device": 0, "address": 0x1000, "total_size": 4 * GiB, "allocated_size": 0, "stream": GATHER,
+        {"device": 1, "address": 0x1000, "total_size": 4 * GiB, "allocated_size": 0, "stream": GATHER,
          "segment_pool_id": (0, 0), "blocks": [block(4 * GiB - 512, "inactive")]},
-        {"device": 0, "address": 0x9000, "total_size": 30 * GiB, "allocated_size": 30 * GiB, "stream": 333,
+        {"device": 1, "address": 0x9000, "total_size": 30 * GiB, "allocated_size": 30 * GiB, "stream": 333,
          "segment_pool_id": (1, 0), "blocks": []}]
-    return {"segments": segments, "device_traces": [trace]}
+    # A rank's snapshot lists every GPU; the others' traces hold only the snapshot's own marks.
+    return {"segments": segments, "device_traces": [[{"action": "snapshot", "stream": 0, "size": 0, "addr": 0}],
+                                                    trace]}
 
 
 def test_the_peak_is_split_by_stream(tmp_path, monkeypatch, capsys):
@@ -47,11 +51,14 @@ def test_the_peak_is_split_by_stream(tmp_path, monkeypatch, capsys):
     path.write_bytes(pickle.dumps(snapshot()))
     result = memory_streams.main([str(path), "--out", str(tmp_path / "streams.md")])
     assert result["peak_reserved"] == 16 * GiB and result["grew_on"] == COMPUTE
-    assert result["streams"] == {COMPUTE: {"reserved": 12 * GiB, "allocated": 11 * GiB, "free": GiB},
-                                 GATHER: {"reserved": 4 * GiB, "allocated": 2 * GiB, "free": 2 * GiB}}
+    assert result["device"] == 1  # the trace with the allocator's actions, not the first one listed
+    assert result["streams"] == {
+        COMPUTE: {"reserved": 12 * GiB, "allocated": 11 * GiB, "free": GiB, "mostly": None},
+        GATHER: {"reserved": 4 * GiB, "allocated": 2 * GiB, "free": 2 * GiB, "mostly": "foreach_all_gather"}}
     table = (tmp_path / "streams.md").read_text()
     assert table == capsys.readouterr().out
-    assert f"| {GATHER} | 4.00 | 2.00 | 2.00 |" in table and f"| {COMPUTE} (the one that grew) | 12.00 |" in table
+    assert f"| {GATHER} | foreach_all_gather | 4.00 | 2.00 | 2.00 |" in table
+    assert f"| {COMPUTE} (the one that grew) | no Python frame | 12.00 |" in table
 
 
 def test_a_snapshot_without_actions_says_how_to_take_one(tmp_path, monkeypatch):
@@ -60,6 +67,8 @@ def test_a_snapshot_without_actions_says_how_to_take_one(tmp_path, monkeypatch):
 
     with pytest.raises(ValueError, match="_record_memory_history.*--memory-step"):
         memory_streams.replay({"segments": [], "device_traces": [[]]})
+    with pytest.raises(ValueError, match="_record_memory_history"):  # only the snapshot's own marks
+        memory_streams.replay({"segments": [], "device_traces": [[{"action": "snapshot", "stream": 0, "size": 0}]]})
     with pytest.raises(SystemExit, match="no such file"):
         memory_streams.main([str(tmp_path / "missing.pickle")])
 
