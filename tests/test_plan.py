@@ -629,3 +629,24 @@ def test_release_other_counts_only_what_the_pools_cannot_release():
     assert pooled.inputs["release_other"] and not kept.inputs["release_other"]
     kept_train, pooled_train = kept.gpu["train"]["engine_other"], pooled.gpu["train"]["engine_other"]
     assert pooled_train == 240 * 2**20 and kept_train - pooled_train > 1024 * 2**20
+
+
+def test_an_embedding_and_lm_head_of_their_own_shrink_fsdps_working_set_and_bad_units_name_the_choices():
+    """--fsdp-units split (swaprl.distributed.shard_causal_lm): the layer being worked on or the larger end unit, the
+    prefetched layer, and the first one's gradients, in place of two layers and the whole root with its gradients;
+    a tied embedding stays in the root, so split plans it as root."""
+    m = get_preset("qwen2.5-72b")
+    h, kv_dim = m.hidden_size, m.num_key_value_heads * m.head_dim
+    layer = 2 * h * h + h + 2 * (h * kv_dim + kv_dim) + 3 * h * m.intermediate_size + 2 * h
+    root, end = 2 * m.vocab_size * h + h, m.vocab_size * h
+    units = ("root", "split")
+    plans = {u: sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, fsdp_units=u) for u in units}
+    saved = plans["root"].gpu["train"]["activations"] - plans["split"].gpu["train"]["activations"]
+    assert saved == ((2 * layer + root) * 2 + (layer + root) * 2) - ((layer + end) * 2 + end * 2) > 7 * GiB
+    assert plans["split"].inputs["fsdp_units"] == "split" and "(split units)" in plans["split"].table()
+    tied = {u: sp.plan("qwen2.5-1.5b", cluster="8xH100", tp=1, rollout=ROLLOUT, fsdp_units=u) for u in units}
+    assert tied["root"].gpu["train"]["activations"] == tied["split"].gpu["train"]["activations"]
+    one_gpu = {u: sp.plan("qwen2.5-7b", cluster="1xH100", rollout=ROLLOUT, fsdp_units=u) for u in units}
+    assert one_gpu["root"].gpu["train"]["activations"] == one_gpu["split"].gpu["train"]["activations"]  # no FSDP
+    with pytest.raises(ValueError, match="fsdp_units='layers'.*'root'.*'split'.*shard_causal_lm"):
+        sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, fsdp_units="layers")

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the engine")
+    parser.add_argument("--fsdp-units", default="root", choices=["root", "split"],
+                        help="root: the embedding and lm_head in FSDP's root unit (accelerate, TRL); split: units of "
+                             "their own (swaprl.distributed.shard_causal_lm, the examples)")
     parser.add_argument("--release-other", action="store_true",
                         help="the engine releases its graphs and buffers while asleep (VLLMEngine release_other)")
     parser.add_argument("--processes-per-gpu", type=int, default=1)
@@ -96,7 +99,8 @@ def from_args(args: argparse.Namespace) -> Plan:
     if args.activation_checkpointing is not None:
         pinned["activation_checkpointing"] = args.activation_checkpointing == "on"
     return plan(
-        args.model, cluster=cluster, layers=args.layers, shard_degree=args.shard_degree, tp=args.tp,
+        args.model, cluster=cluster, layers=args.layers, shard_degree=args.shard_degree,
+        fsdp_units=args.fsdp_units, tp=args.tp,
         rollout=Rollout(prompts=args.prompts, completions_per_prompt=args.completions,
                         prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens),
         micro_batch_tokens=args.micro_batch_tokens, param_dtype=args.param_dtype, grad_dtype=args.grad_dtype,

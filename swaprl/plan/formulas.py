@@ -96,12 +96,17 @@ def head_backward_bytes(s: Spec, t: int, b: int) -> int:
 
 
 def fsdp_working_bytes(s: Spec) -> int:
-    """§Activations: unsharded parameters (2 layers + the root's embedding/lm_head) and gradients before the
-    reduce-scatter (1 layer + the root's), when the trainer shards at all."""
+    """§Activations: unsharded parameters and gradients before their reduce-scatter, when the trainer shards at all.
+    With the root holding the embedding and lm_head: 2 layers + the root, and 1 layer's gradients + the root's. With
+    those as units of their own (untied): the unit being worked on (a layer, or the larger of the two) and the
+    prefetched layer, with the gradients of the first."""
     if s.shard_degree == 1:
         return 0
     layer, root = unit_params(s.model)
     b_c, b_g = dtype_bytes(s.compute_dtype)[1], dtype_bytes(s.grad_dtype)[1]
+    if s.fsdp_units == "split" and not s.model.tie_word_embeddings:
+        largest = max(layer, s.model.vocab_size * s.model.hidden_size)
+        return (layer + largest) * b_c + largest * b_g
     return (2 * layer + root) * b_c + (layer + root) * b_g
 
 

@@ -27,6 +27,9 @@ STREAM_CHUNK_BYTES = 2**30  # SwapConfig.stream_chunk_bytes' default (§Phases)
 GRADS = ("free", "keep", "offload")
 SLEEP_LEVELS = (2, 1)
 CHECKPOINTING = (False, True)
+# How the trainer's FSDP units are cut (§Activations): one root unit around the embedding and lm_head, or those two
+# as units of their own.
+FSDP_UNITS = ("root", "split")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -124,6 +127,7 @@ class Spec:
     cluster: Cluster
     rollout: Rollout
     shard_degree: int
+    fsdp_units: str
     tp: int
     param_dtype: str
     grad_dtype: str
@@ -162,6 +166,10 @@ class Spec:
             raise ValueError(f"shard_degree={s!r} must divide the {c.gpus} GPUs of the cluster (FSDP shards over "
                              f"groups of shard_degree GPUs and replicates across groups); use one of "
                              f"{divisors(c.gpus)}")
+        if self.fsdp_units not in FSDP_UNITS:
+            raise ValueError(f"fsdp_units={self.fsdp_units!r}; use 'root' (decoder layers, and one root unit holding "
+                             "the embedding and lm_head: accelerate's FSDP2, TRL's) or 'split' (the embedding and an "
+                             "untied lm_head as units of their own: swaprl.distributed.shard_causal_lm, the examples')")
         if self.optimizer not in STATES_PER_PARAMETER:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(STATES_PER_PARAMETER)}")
         if self.master_weights and self.param_dtype == "float32":

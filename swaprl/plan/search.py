@@ -164,7 +164,8 @@ def _suggestions(s: Spec) -> list[str]:
 
 
 def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: Rollout,
-         shard_degree: int | None = None, tp: int | str = "auto", param_dtype: str = "bfloat16",
+         shard_degree: int | None = None, fsdp_units: str = "root", tp: int | str = "auto",
+         param_dtype: str = "bfloat16",
          grad_dtype: str | None = None,
          optimizer_dtype: str = "float32", master_weights: bool = False, optimizer: str = "adamw",
          compute_dtype: str = "bfloat16", engine_dtype: str = "bfloat16", kv_dtype: str | None = None,
@@ -180,6 +181,9 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     cluster: a `Cluster` or a name in `CLUSTERS`.
     rollout: the global rollout of one step; each of the `gpus / tp` engines gets an equal share.
     shard_degree: GPUs the trainer's FSDP/ZeRO-3 shards over (default: all); it must divide the GPU count.
+    fsdp_units: "root" (the default: decoder layers, and one root unit holding the embedding and lm_head, as
+        accelerate's FSDP2 wraps TRL's model) or "split" (the embedding and an untied lm_head as units of their own:
+        `swaprl.distributed.shard_causal_lm`, the examples'); it sets the unsharded working set (§Activations).
     tp: vLLM tensor-parallel size (inside one node), or "auto" (the default): of the sizes the node and the model
         allow, the one that fits with the fewest rollout waves, the smallest of those; `inputs["tp_auto"]` says
         what each size gave (§Search).
@@ -233,7 +237,7 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
                                 + cluster.gpus_per_node * processes_per_gpu * _HOST_MARGIN_PER_GPU)
         host_margin_bytes = min(host_margin_bytes, cluster.host_memory_bytes - 1)
     fields = dict(model=spec_model, cluster=cluster, rollout=rollout,
-              shard_degree=cluster.gpus if shard_degree is None else shard_degree,
+              shard_degree=cluster.gpus if shard_degree is None else shard_degree, fsdp_units=fsdp_units,
               param_dtype=param_dtype, grad_dtype=grad_dtype, optimizer_dtype=dtype_bytes(optimizer_dtype)[0],
               master_weights=bool(master_weights), optimizer=str(optimizer).lower(),
               compute_dtype=dtype_bytes(compute_dtype)[0], engine_dtype=engine_dtype,
@@ -332,7 +336,8 @@ def _build(s: Spec, *, suggest: bool = True) -> Plan:
     m = s.model
     inputs = {
         "cluster": dataclasses.asdict(s.cluster), "rollout": dataclasses.asdict(s.rollout),
-        "shard_degree": s.shard_degree, "tp": s.tp, "engines": engines, "param_dtype": s.param_dtype,
+        "shard_degree": s.shard_degree, "fsdp_units": s.fsdp_units, "tp": s.tp, "engines": engines,
+        "param_dtype": s.param_dtype,
         "grad_dtype": s.grad_dtype, "optimizer_dtype": s.optimizer_dtype, "master_weights": s.master_weights,
         "optimizer": s.optimizer, "compute_dtype": s.compute_dtype, "engine_dtype": s.engine_dtype,
         "kv_dtype": s.kv_dtype, "micro_batch_tokens": s.micro_batch_tokens,
