@@ -391,17 +391,17 @@ def load_sharded(path: Path, dtype: torch.dtype, device: str, compute: torch.dty
     """
     from accelerate import init_empty_weights
     from safetensors import safe_open
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swaprl.distributed import shard_causal_lm
 
     policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=dtype)} if compute else {}
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     model.tie_weights()  # accelerate's empty init re-creates the parameters after transformers tied them
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    for layer in model.model.layers:
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)
+    shard_causal_lm(model, **policy)  # the embedding and an untied lm_head apart from the root
     model.to_empty(device=device)
     files = {}
     for f in sorted(path.glob("*.safetensors")):

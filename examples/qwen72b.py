@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     # that the plan fits; the loop then runs with that micro batch.
     for micro in (8, 4, 2, 1):
         the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers, tp=tp, settings=pinned,
+                                fsdp_units="split",  # examples/grpo.py shards with shard_causal_lm
                                 micro_batch_tokens=micro * rollout.sequence_tokens, release_other=release,
                                 param_dtype="float32" if args.fp32_params else dtype,
                                 master_weights=args.master_weights,

@@ -48,12 +48,40 @@ def is_fsdp2(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def shard_causal_lm(model: torch.nn.Module, **fsdp_kwargs) -> torch.nn.Module:
+    """Shard a transformers causal LM with FSDP2 over the default process group: each decoder layer a unit, an
+    untied embedding and lm_head each a unit of its own, the rest (final norm; a tied embedding) the root.
+    `fsdp_kwargs` go to every `fully_shard` call (e.g. `mp_policy`). Returns `model`, sharded in place.
+
+    The root stays gathered from its forward to the end of backward, gradients included, and FSDP2 all-gathers each
+    unit into one buffer that its side stream keeps cached once freed: with the embedding and lm_head in the root,
+    both are held whole through every layer's backward, and a buffer the size of both stands free beside the
+    compute stream's peak. As units of their own they are gathered only while used. The lm_head keeps its
+    parameters gathered from its forward to its backward, which follows at once (as the root did); the memory plan
+    counts these units with `fsdp_units="split"`.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not hasattr(model, "get_input_embeddings"):
+        raise ValueError(f"{type(model).__name__} has no `model.layers` or input embedding: shard_causal_lm takes a "
+                         "transformers causal LM (Qwen2, Llama, ...); shard other models with fully_shard yourself")
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    for layer in layers:
+        fully_shard(layer, **fsdp_kwargs)
+    if head is not None and head.weight is not embedding.weight:  # tied: one tensor, so one unit (the root)
+        fully_shard(embedding, **fsdp_kwargs)
+        fully_shard(head, **{"reshard_after_forward": False, **fsdp_kwargs})
+    fully_shard(model, **fsdp_kwargs)
+    return model
+
+
 def reshard(model: torch.nn.Module) -> None:
     """Free the parameters FSDP2 left unsharded after a forward pass without backward.
 
-    FSDP2 keeps the root module's parameters (embeddings, output projection) gathered after its forward, expecting
-    a backward to follow; after a forward for scoring or generation none does, and they would stay gathered while
-    the engine needs the memory.
+    FSDP2 keeps the root module's parameters gathered after its forward (and the lm_head's, as `shard_causal_lm`
+    shards it), expecting a backward to follow; after a forward for scoring or generation none does, and they would
+    stay gathered while the engine needs the memory.
     """
     try:
         from torch.distributed.fsdp import FSDPModule

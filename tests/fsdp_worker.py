@@ -32,13 +32,19 @@ from tests.grpo import ReplicaEngine
 N = 4  # completions per prompt
 
 
-def shard(model: torch.nn.Module, mixed: bool = False, reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """FSDP2 over the layers and the whole; `mixed`: bf16 compute over the fp32 shards (MixedPrecisionPolicy), the
-    gradients reduced in `reduce_dtype`."""
+def shard(model: torch.nn.Module, mixed: bool = False, reduce_dtype: torch.dtype = torch.float32,
+          units: str = "root") -> torch.nn.Module:
+    """FSDP2 over the layers and the whole ("root"), or with an untied embedding and lm_head as units of their own
+    too ("split": swaprl.distributed.shard_causal_lm); `mixed`: bf16 compute over the fp32 shards
+    (MixedPrecisionPolicy), the gradients reduced in `reduce_dtype`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from swaprl.distributed import shard_causal_lm
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     kwargs = {"mp_policy": policy} if mixed else {}
+    if units == "split":
+        return shard_causal_lm(model, **kwargs)
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -99,11 +105,16 @@ def fsdp(args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {"rank": rank, "world": world}
 
-    def build(mixed: bool = False, masters: str | None = None):
+    def build(mixed: bool = False, masters: str | None = None, units: str | None = None):
         """`masters`: "reference", fp32 shards under bf16 compute reduced in bf16 (fp32-master training as FSDP2
-        does it), or "bf16", bf16 shards (for swaprl's masters); both from weights bf16 holds exactly."""
+        does it), or "bf16", bf16 shards (for swaprl's masters); both from weights bf16 holds exactly. `units`:
+        the lm_head untied from the embedding (a copy of it), sharded as `shard`'s `units` says."""
         torch.manual_seed(0)
         model = random_model("tiny", device="cpu")
+        if units is not None:
+            model.config.tie_word_embeddings = False
+            model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+            return shard(model, units=units), None
         full = {n: p.detach().clone() for n, p in model.named_parameters()}
         if masters is not None:
             with torch.no_grad():
@@ -116,9 +127,14 @@ def fsdp(args) -> dict:
         return shard(model, mixed), full
 
     def train(config: swaprl.SwapConfig | None, tag: str = "", steps: int = 3, mixed: bool = False,
-              masters: str | None = None) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
+              masters: str | None = None, units: str | None = None
+              ) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
         """Losses, the shards the optimizer updates (fp32 masters with master weights) and its states."""
-        model, _ = build(mixed, masters)
+        model, _ = build(mixed, masters, units)
+        if units is not None:
+            from torch.distributed.fsdp import FSDPModule
+
+            out[f"units_{units}"] = sorted(n or "root" for n, m in model.named_modules() if isinstance(m, FSDPModule))
         initial = shards(model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         engine = HFEngine(model)
@@ -175,6 +191,12 @@ def fsdp(args) -> dict:
     config = swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=2**20, grads="free")
     out["bitwise_master_weights"] = compare(reference, train(config, "master", masters="bf16"))
     out["master_state_dtypes"] = sorted({str(t.dtype) for t in reference[1] + reference[2] if t.numel() > 1})
+
+    # An untied embedding and lm_head as units of their own train bit for bit as inside the root, swapped too.
+    root = train(None, "units_root", units="root")
+    out["bitwise_units_split"] = compare(root, train(None, "units_split", units="split"))
+    config = swaprl.SwapConfig(optimizer_states=splits["mixed"], stream_chunk_bytes=2**20, grads="free")
+    out["bitwise_units_split_swapped"] = compare(root, train(config, "units_split_swapped", units="split"))
 
     # A shard whose states are larger than a chunk (a 1M-parameter embedding, half per rank): stepped in pieces of
     # its local tensor, against the whole step; with fp32 masters, against the recipe written by hand.

@@ -95,6 +95,24 @@ def test_fsdp2_with_fp32_master_weights_in_host_memory_trains_like_fsdp2s_own_mi
         assert r["model_master"] == r["model_master_reference"] and r["moved_master"]
 
 
+def test_an_untied_embedding_and_lm_head_as_units_of_their_own_train_bit_for_bit_as_in_the_root(ranks):
+    """swaprl.distributed.shard_causal_lm (the examples' sharding): the same losses, shards and AdamW states as with
+    both inside the root, plain and with the states swapped and streamed."""
+    for r in ranks:
+        assert r["units_root"] == ["model.layers.0", "model.layers.1", "root"]
+        assert r["units_split"] == ["lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1", "root"]
+        for run in ("bitwise_units_split", "bitwise_units_split_swapped"):
+            assert all(r[run][k] for k in ("losses", "params", "optimizer")), (r["rank"], run, r[run])
+        assert r["moved_units_split"] and r["moved_units_split_swapped"]
+
+
+def test_shard_causal_lm_refuses_a_model_it_cannot_split_naming_the_way_out():
+    from swaprl.distributed import shard_causal_lm
+
+    with pytest.raises(ValueError, match="transformers causal LM.*fully_shard yourself"):
+        shard_causal_lm(torch.nn.Linear(2, 2))
+
+
 def test_weight_sync_gathers_full_tensors_and_the_check_spans_ranks(ranks):
     for r in ranks:
         assert r["sync_full_tensors"]
