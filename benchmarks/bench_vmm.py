@@ -15,7 +15,9 @@ Each cycle, the trainer's freed memory goes back to the driver (torch's `empty_c
   only changed addresses, which is what an owner-to-owner hand-over would pay;
 - torch with this process's allocator settings: a fresh `torch.empty` of the size after `empty_cache`, and
   `empty_cache` after freeing it;
-- the floor of writing the same bytes (`cuMemsetD8` at the device's memory bandwidth), beside the rates above.
+- the floor of writing the same bytes (`cuMemsetD8` at the device's memory bandwidth), beside the rates above;
+- releasing one range while another is created and mapped on a second thread, against the two one after the other
+  (`--overlap`, 20 MiB pieces): whether torch's `empty_cache` and an engine's wake-up could run at the same time.
 
 Every mapping is checked: a byte pattern is written through the mapped range and read back, so a measure of a
 mapping that does not hold memory fails instead of reading fast. Medians over --repeats after one warm-up.
@@ -165,6 +167,69 @@ def hand_over(drv: Driver, size: int, piece: int, repeats: int) -> dict:
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
+def overlapped(drv: Driver, size: int, piece: int, repeats: int) -> dict:
+    """Unmap + release one range of `size` bytes while a second thread creates + maps another ("together"), against
+    the same two one after the other ("serial"). Medians of `repeats` after a warm-up, each mapping proved."""
+    import threading
+
+    ctx = ctypes.c_void_p()
+    drv.check(drv.cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    ranges = [drv.reserve(size), drv.reserve(size)]
+    offsets = range(0, size, piece)
+    held: list[list[int]] = [[], []]  # each range's handles, mapped in order
+
+    def create_map(k: int) -> None:
+        for off in offsets:
+            held[k].append(drv.create(piece))
+            drv.map(ranges[k] + off, piece, held[k][-1])
+
+    def unmap_release(k: int) -> None:
+        while held[k]:
+            drv.unmap(ranges[k] + offsets[len(held[k]) - 1], piece)
+            drv.release(held[k].pop())
+
+    def on_second_thread(fn, k: int, errors: list) -> threading.Thread:
+        def run():
+            try:
+                drv.check(drv.cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+                fn(k)
+            except BaseException as exc:  # noqa: BLE001  (raised again on the first thread)
+                errors.append(exc)
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    times: dict[str, list[float]] = {"serial": [], "together": []}
+    try:
+        for rep in range(repeats + 1):
+            for way in ("serial", "together"):
+                create_map(0)  # what the first owner hands back
+                start = time.perf_counter()
+                if way == "serial":
+                    unmap_release(0)
+                    create_map(1)
+                else:
+                    errors: list = []
+                    thread = on_second_thread(create_map, 1, errors)
+                    unmap_release(0)
+                    thread.join()
+                    if errors:
+                        raise errors[0]
+                elapsed = time.perf_counter() - start
+                _prove_mapped(drv, ranges[1], size, piece, 0x21 + rep)
+                unmap_release(1)
+                if rep:  # the first round warms the driver up
+                    times[way].append(elapsed)
+    finally:
+        for k in (0, 1):  # what is still mapped goes back, or the range could not be freed
+            try:
+                unmap_release(k)
+                drv.free_address(ranges[k], size)
+            except Exception as exc:  # noqa: BLE001  (reported, not raised over the first failure)
+                print(f"overlapped: giving range {k} back failed: {exc}", file=sys.stderr)
+    return {way: statistics.median(ts) for way, ts in times.items()}
+
+
 def map_sizes(drv: Driver, sizes: list[int], repeats: int) -> dict:
     """The page-table floor of waking and putting to sleep a sleep-mode pool made of allocations of these `sizes`
     (vLLM's: `swaprl.compat.vllm.sleep_pool_allocations`): one physical allocation per size, rounded up to the
@@ -268,6 +333,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "and 1024 for vLLM's whole allocations)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--overlap", action="store_true", help="also release one range while a second thread maps "
+                    "another (20 MiB pieces, twice --gib free)")
     ap.add_argument("--out", type=Path, help="JSON result; a markdown table with the same stem beside it")
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -292,13 +359,17 @@ def main(argv: list[str] | None = None) -> dict:
     if not size:
         raise SystemExit(f"--gib {args.gib}: give at least {step / GIB:.2f} GiB (a whole number of every piece size)")
     free = torch.cuda.mem_get_info()[0]
-    if size > free - 2 * GIB:
+    ranges = 2 if args.overlap else 1
+    if ranges * size > free - 2 * GIB:
         raise SystemExit(f"--gib {args.gib}: {free / GIB:.1f} GiB are free on the GPU; give at most "
-                         f"{max(free / GIB - 2, 0):.1f}")
+                         f"{max(free / GIB - 2, 0) / ranges:.1f}{' with --overlap' if args.overlap else ''}")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "bytes": size,
               "granularity": drv.granularity, "repeats": args.repeats,
               "write_floor_s": write_floor(drv, size, max(pieces), args.repeats),
               "pieces": {str(p // MIB): hand_over(drv, size, p, args.repeats) for p in pieces}}
+    if args.overlap:
+        piece = 20 * MIB if size % (20 * MIB) == 0 else max(pieces)
+        result["overlap"] = {"piece": piece, **overlapped(drv, size, piece, args.repeats)}
     result.update(torch_hand_over(size, args.repeats))
     text = markdown(result)
     print(text, end="")
@@ -325,6 +396,10 @@ def markdown(r: dict) -> str:
                 row(f"map + access with kept handles, {piece} MiB pieces", t["map_only"])]
     out += [row("torch.empty, fresh pages", r["torch_empty_fresh"]),
             row("torch.cuda.empty_cache", r["torch_empty_cache"])]
+    if "overlap" in r:
+        o, mib = r["overlap"], r["overlap"]["piece"] // MIB
+        out += [row(f"release one range, then create + map another, {mib} MiB pieces", o["serial"]),
+                row(f"the same on two threads at once, {mib} MiB pieces", o["together"])]
     return "\n".join(out) + "\n"
 
 

@@ -75,8 +75,10 @@ def test_bench_vmm_maps_real_memory_and_reports_every_way(tmp_path, monkeypatch)
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_vmm
 
-    r = bench_vmm.main(["--gib", "0.25", "--pieces-mib", "2,4", "--repeats", "1", "--out", str(tmp_path / "v.json")])
+    r = bench_vmm.main(["--gib", "0.25", "--pieces-mib", "2,4", "--repeats", "1", "--overlap",
+                        "--out", str(tmp_path / "v.json")])
     assert r["bytes"] == 256 * 2**20 and set(r["pieces"]) == {"2", "4"}
+    assert r["overlap"]["piece"] == 4 * 2**20 and r["overlap"]["serial"] > 0 and r["overlap"]["together"] > 0
     for t in r["pieces"].values():
         assert set(t) == {"create_map", "unmap_release", "unmap_only", "map_only"} and min(t.values()) > 0
     assert r["write_floor_s"] > 0 and r["torch_empty_fresh"] > 0
