@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,29 @@ def hf_name(name: str) -> str:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     full_tensor = getattr(t, "full_tensor", None)  # DTensor (FSDP2): gather this one parameter
-    return full_tensor() if full_tensor is not None else t
+    if full_tensor is None:
+        return t
+    rows = _gather_rows(t)
+    return rows if rows is not None else full_tensor()
+
+
+def _gather_rows(t) -> torch.Tensor | None:
+    """FSDP2's layout, rows split evenly over a 1-D mesh: the shards all-gathered straight into the full tensor.
+    `full_tensor()` gives the same bytes through DTensor's dispatch, which costs host time on every parameter, and
+    a sync is mostly host time: a traced 72B-shaped sync launched 0.1 s of device work in 0.39 s. None for other
+    layouts."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = t.device_mesh, t.placements
+    if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
+        return None
+    world = mesh.size()
+    local = t.to_local()
+    if t.ndim == 0 or local.shape[0] * world != t.shape[0]:  # uneven rows: DTensor pads and unpads them
+        return None
+    full = torch.empty(t.shape, dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(full, local.contiguous(), group=mesh.get_group())
+    return full
 
 
 def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import traceback
@@ -247,6 +248,24 @@ def fsdp(args) -> dict:
     push_weights(model, half, bucket_bytes=2**20)
     out["sync_cast_before_gather"] = sorted({str(t.dtype) for t in half.loaded.values()}) == ["torch.bfloat16"] and \
         all(torch.equal(half.loaded[n], full[n].to(torch.bfloat16)) for n in full)
+
+    # Rows split evenly over the mesh are all-gathered straight into the full tensor; other layouts (uneven rows, a
+    # rank with none, replicated) go through DTensor's full_tensor. Either way the same bytes.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from swaprl import sync
+
+    mesh = init_device_mesh("cpu", (world,))
+    gathered = {}
+    for shape, dtype, placement in [((6, 3), torch.float32, Shard(0)), ((8,), torch.bfloat16, Shard(0)),
+                                    ((5, 3), torch.float32, Shard(0)), ((1, 4), torch.float32, Shard(0)),
+                                    ((4, 6), torch.float32, Shard(1)), ((4, 2), torch.float32, Replicate())]:
+        whole = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape).to(dtype)
+        d = distribute_tensor(whole, mesh, [placement])
+        direct = sync._gather_rows(d)
+        gathered[f"{shape} {placement}"] = [direct is not None, torch.equal(sync._full(d), whole)]
+    out["gather_rows"] = gathered
 
     # The weight sync gathers each parameter's shards into full tensors; the on-policy check spans the ranks.
     torch.manual_seed(123)  # a replica with other weights: only the sync can make it agree

@@ -113,6 +113,14 @@ def test_shard_causal_lm_refuses_a_model_it_cannot_split_naming_the_way_out():
         shard_causal_lm(torch.nn.Linear(2, 2))
 
 
+def test_rows_split_evenly_are_gathered_straight_into_the_full_tensor_and_other_layouts_through_dtensor(ranks):
+    for r in ranks:
+        assert r["gather_rows"] == {
+            "(6, 3) S(0)": [True, True], "(8,) S(0)": [True, True],  # the direct all-gather
+            "(5, 3) S(0)": [False, True], "(1, 4) S(0)": [False, True],  # uneven rows: full_tensor
+            "(4, 6) S(1)": [False, True], "(4, 2) R": [False, True]}, r["rank"]
+
+
 def test_weight_sync_gathers_full_tensors_and_the_check_spans_ranks(ranks):
     for r in ranks:
         assert r["sync_full_tensors"]
