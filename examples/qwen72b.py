@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     preset = "qwen2.5-72b" if on_gpu else "tiny"
     model = args.model or preset
     if on_gpu:
-        total = torch.cuda.mem_get_info()[1]
+        # This rank's own GPU: the current device is still GPU 0 on every rank here (grpo.main sets it later), and a
+        # query of it would leave a CUDA context of every other rank's process on GPU 0 for the whole run.
+        total = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[1]
         host = int(args.host_memory_gib * 2**30) if args.host_memory_gib else psutil.virtual_memory().total
         cluster = planner.Cluster(gpus_per_node=per_node, nodes=world // per_node, gpu_memory_bytes=total,
                                   host_memory_bytes=host)
