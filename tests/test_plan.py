@@ -632,9 +632,9 @@ def test_release_other_counts_only_what_the_pools_cannot_release():
 
 
 def test_an_embedding_and_lm_head_of_their_own_shrink_fsdps_working_set_and_bad_units_name_the_choices():
-    """--fsdp-units split (swaprl.distributed.shard_causal_lm): the layer being worked on or the larger end unit, the
-    prefetched layer, and the first one's gradients, in place of two layers and the whole root with its gradients;
-    a tied embedding stays in the root, so split plans it as root."""
+    """--fsdp-units split (swaprl.distributed.shard_causal_lm): the unit being worked on and the prefetched next one,
+    with the first one's gradients and the reduce-scatter input of the unit before it, in place of two layers and
+    the whole root with its gradients; a tied embedding stays in the root, so split plans it as root."""
     m = get_preset("qwen2.5-72b")
     h, kv_dim = m.hidden_size, m.num_key_value_heads * m.head_dim
     layer = 2 * h * h + h + 2 * (h * kv_dim + kv_dim) + 3 * h * m.intermediate_size + 2 * h
@@ -642,7 +642,9 @@ def test_an_embedding_and_lm_head_of_their_own_shrink_fsdps_working_set_and_bad_
     units = ("root", "split")
     plans = {u: sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, fsdp_units=u) for u in units}
     saved = plans["root"].gpu["train"]["activations"] - plans["split"].gpu["train"]["activations"]
-    assert saved == ((2 * layer + root) * 2 + (layer + root) * 2) - ((layer + end) * 2 + end * 2) > 7 * GiB
+    # 72B's V * h is under two layers: the last layer's window, with the lm_head's reduce-scatter input, is the peak
+    assert end < 2 * layer
+    assert saved == ((2 * layer + root) * 2 + (layer + root) * 2) - (2 * layer * 2 + (layer + end) * 2) > 6 * GiB
     assert plans["split"].inputs["fsdp_units"] == "split" and "(split units)" in plans["split"].table()
     tied = {u: sp.plan("qwen2.5-1.5b", cluster="8xH100", tp=1, rollout=ROLLOUT, fsdp_units=u) for u in units}
     assert tied["root"].gpu["train"]["activations"] == tied["split"].gpu["train"]["activations"]
@@ -650,3 +652,27 @@ def test_an_embedding_and_lm_head_of_their_own_shrink_fsdps_working_set_and_bad_
     assert one_gpu["root"].gpu["train"]["activations"] == one_gpu["split"].gpu["train"]["activations"]  # no FSDP
     with pytest.raises(ValueError, match="fsdp_units='layers'.*'root'.*'split'.*shard_causal_lm"):
         sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, fsdp_units="layers")
+
+
+def test_split_units_count_the_reduce_scatter_input_fsdp2_keeps_from_the_unit_before():
+    """FSDP2 keeps a unit's reduce-scatter input until the next unit's post-backward, so the last layer's backward
+    holds the lm_head's beside two layers and a layer's gradients, and the first layer's holds the prefetched
+    embedding beside the next layer's: with 72B's shapes either outweighs the lm_head's own window, whatever the
+    gradients' dtype."""
+    from swaprl.plan.formulas import unit_params
+
+    m = get_preset("qwen2.5-72b")
+    layer, root = unit_params(m)
+    end = m.vocab_size * m.hidden_size
+    for grad_dtype, b_g in (("bfloat16", 2), ("float32", 4)):
+        plans = {u: sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, fsdp_units=u,
+                            grad_dtype=grad_dtype, settings={"activation_checkpointing": True})
+                 for u in ("root", "split")}
+        in_root = (2 * layer + root) * 2 + (layer + root) * b_g
+        split = plans["split"].gpu["train"]["activations"] - plans["root"].gpu["train"]["activations"] + in_root
+        windows = [(end + layer) * 2 + end * b_g,  # lm_head, the last layer prefetched
+                   2 * layer * 2 + (layer + end) * b_g,  # the last layer: the lm_head's reduce-scatter input
+                   2 * layer * 2 + 2 * layer * b_g,  # a middle layer
+                   (layer + end) * 2 + 2 * layer * b_g,  # the first layer, the embedding prefetched
+                   end * 2 + (end + layer) * b_g]  # the embedding
+        assert split == max(windows) > (layer + end) * 2 + end * b_g, grad_dtype

@@ -98,15 +98,19 @@ def head_backward_bytes(s: Spec, t: int, b: int) -> int:
 def fsdp_working_bytes(s: Spec) -> int:
     """§Activations: unsharded parameters and gradients before their reduce-scatter, when the trainer shards at all.
     With the root holding the embedding and lm_head: 2 layers + the root, and 1 layer's gradients + the root's. With
-    those as units of their own (untied): the unit being worked on (a layer, or the larger of the two) and the
-    prefetched layer, with the gradients of the first."""
+    those as units of their own (untied): the largest of the backward's windows, each the unit being worked on and
+    the prefetched next one, with the gradients of the first and the reduce-scatter input of the unit before it,
+    which FSDP2 keeps until this unit's own reduce-scatter starts."""
     if s.shard_degree == 1:
         return 0
     layer, root = unit_params(s.model)
     b_c, b_g = dtype_bytes(s.compute_dtype)[1], dtype_bytes(s.grad_dtype)[1]
     if s.fsdp_units == "split" and not s.model.tie_word_embeddings:
-        largest = max(layer, s.model.vocab_size * s.model.hidden_size)
-        return (layer + largest) * b_c + largest * b_g
+        end = s.model.vocab_size * s.model.hidden_size
+        # Backward order: lm_head, the layers from the last, the embedding (three layers show every window).
+        order = [0, end, *[layer] * min(s.model.num_hidden_layers, 3), end, 0]
+        return max((cur + following) * b_c + (cur + before) * b_g
+                   for before, cur, following in zip(order, order[1:], order[2:]))
     return (2 * layer + root) * b_c + (layer + root) * b_g
 
 
