@@ -58,7 +58,7 @@ def _gather_rows(t) -> torch.Tensor | None:
     if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
         return None
     world = mesh.size()
-    local = t.to_local()
+    local = t.to_local().detach()  # a copy of the bytes, not of the graph (gloo refuses a grad-requiring input)
     if t.ndim == 0 or local.shape[0] * world != t.shape[0]:  # uneven rows: DTensor pads and unpads them
         return None
     full = torch.empty(t.shape, dtype=local.dtype, device=local.device)

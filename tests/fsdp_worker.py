@@ -265,6 +265,12 @@ def fsdp(args) -> dict:
         d = distribute_tensor(whole, mesh, [placement])
         direct = sync._gather_rows(d)
         gathered[f"{shape} {placement}"] = [direct is not None, torch.equal(sync._full(d), whole)]
+    whole = torch.arange(18, dtype=torch.float32).reshape(6, 3)
+    d = distribute_tensor(whole.clone().requires_grad_(), mesh, [Shard(0)])  # a parameter, gathered with grad on
+    try:
+        gathered["(6, 3) S(0) requires_grad"] = [sync._gather_rows(d) is not None, torch.equal(sync._full(d), whole)]
+    except RuntimeError as exc:
+        gathered["(6, 3) S(0) requires_grad"] = repr(exc)
     out["gather_rows"] = gathered
 
     # The weight sync gathers each parameter's shards into full tensors; the on-policy check spans the ranks.

@@ -118,7 +118,8 @@ def test_rows_split_evenly_are_gathered_straight_into_the_full_tensor_and_other_
         assert r["gather_rows"] == {
             "(6, 3) S(0)": [True, True], "(8,) S(0)": [True, True],  # the direct all-gather
             "(5, 3) S(0)": [False, True], "(1, 4) S(0)": [False, True],  # uneven rows: full_tensor
-            "(4, 6) S(1)": [False, True], "(4, 2) R": [False, True]}, r["rank"]
+            "(4, 6) S(1)": [False, True], "(4, 2) R": [False, True],
+            "(6, 3) S(0) requires_grad": [True, True]}, r["rank"]  # the bytes only, with grad mode on
 
 
 def test_weight_sync_gathers_full_tensors_and_the_check_spans_ranks(ranks):
