@@ -719,6 +719,8 @@ def train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, p
             old = grpo_loss(model, prompts, completions, n, score_only=True, **kw)
         if reference is not None:
             ref = grpo_loss(reference, prompts, completions, n, score_only=True, **kw)
+            # No backward follows: FSDP2 would keep the reference's root and lm_head gathered through generation.
+            swaprl.distributed.reshard(reference)
     loss = tokens = 0
     bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
     for lo, hi in zip(bounds, bounds[1:]):
