@@ -436,9 +436,12 @@ def entered(name: str, calls: cProfile.Profile | None):
 
 
 def write_calls(calls: cProfile.Profile, path: Path) -> None:
-    """The switches' calls by their own time, the largest first (files named without their directories)."""
+    """The switches' calls by their own time, the largest first (files named without their directories), then who
+    called the ten largest: a cost such as torch's memory statistics is spread over many callers."""
     text = io.StringIO()
-    pstats.Stats(calls, stream=text).strip_dirs().sort_stats("tottime").print_stats(40)
+    stats = pstats.Stats(calls, stream=text).strip_dirs().sort_stats("tottime")
+    stats.print_stats(40)
+    stats.print_callers(10)
     path.write_text(text.getvalue())
 
 
