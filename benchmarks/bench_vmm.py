@@ -211,8 +211,10 @@ def overlapped(drv: Driver, size: int, piece: int, repeats: int) -> dict:
                 else:
                     errors: list = []
                     thread = on_second_thread(create_map, 1, errors)
-                    unmap_release(0)
-                    thread.join()
+                    try:
+                        unmap_release(0)
+                    finally:  # the second thread's mappings are settled before anything gives them back
+                        thread.join()
                     if errors:
                         raise errors[0]
                 elapsed = time.perf_counter() - start
