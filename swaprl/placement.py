@@ -148,8 +148,7 @@ class Placement:
             return 0
         free, total = torch.cuda.mem_get_info(self.device)
         cached = memory.default_pool_free_bytes(self.device)
-        regrow = max(memory.torch_peaks(self.device).reserved_since_start() - torch.cuda.memory_reserved(self.device),
-                     0)
+        regrow = max(memory.torch_peaks(self.device).reserved_since_start() - memory.torch_counters(self.device)[1], 0)
         reserve = memory.default_reserve_bytes(total)
         factor = _STEP_TEMPORARIES.get(type(self.optimizer), 1.0)
         room = min(free - regrow - reserve, (free + cached - reserve) / factor)
@@ -509,9 +508,9 @@ class Placement:
         them and NVML shows the drop (one call per transition, not per tensor); returns the bytes handed back."""
         if self.device.type != "cuda":
             return 0
-        before = torch.cuda.memory_reserved(self.device)
+        before = memory.torch_counters(self.device)[1]
         torch.cuda.empty_cache()
-        return max(before - torch.cuda.memory_reserved(self.device), 0)
+        return max(before - memory.torch_counters(self.device)[1], 0)
 
     def engine_room(self, engine_bytes: int) -> EngineRoom | None:
         """Whether `engine_bytes` (the engine's weights and a sync bucket) fit while the optimizer is still on the
@@ -525,8 +524,8 @@ class Placement:
         free = self._device_free()
         if free >= need:
             return "free now"
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return "after release" if free + cached >= need else None
+        allocated, reserved = memory.torch_counters(self.device)
+        return "after release" if free + reserved - allocated >= need else None
 
     def states_to_host(self) -> int:
         """Move the optimizer states into their host buffer for good (optimizer_states='host')."""

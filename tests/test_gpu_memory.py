@@ -134,3 +134,20 @@ def test_attach_threads_lock_host_memory_and_compile_the_check_while_a_graph_is_
     proc = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT], capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_torch_counters_are_torchs_own_and_its_peaks_fold_into_every_reader():
+    """One reading gives what `memory_allocated` and `memory_reserved` give, and the shared peaks keep a passing high
+    for each reader."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    keep = torch.empty(64 * MiB, dtype=torch.uint8, device=device)
+    assert memory.torch_counters(device) == (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+    peaks = memory.torch_peaks(device)
+    peaks.span("a"), peaks.span("b")
+    passing = torch.empty(128 * MiB, dtype=torch.uint8, device=device)
+    high = torch.cuda.max_memory_allocated(device)
+    del passing
+    assert peaks.span("a")[0] == high >= keep.numel() + 128 * MiB
+    assert peaks.span("b")[0] == high  # a's span reset torch's peak; b's high is kept for b
+    assert peaks.span("a")[0] < high  # a's next span starts after the passing high
+    peaks.forget("a"), peaks.forget("b")

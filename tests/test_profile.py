@@ -241,8 +241,8 @@ def test_torch_peaks_keep_each_readers_span_and_the_peak_since_start(monkeypatch
         now.update(allocated=allocated, reserved=reserved)
         peak.update({k: max(peak[k], now[k]) for k in now})
 
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
-        "allocated_bytes.all.peak": peak["allocated"], "reserved_bytes.all.peak": peak["reserved"]})
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: {
+        "allocated_bytes": {"all": {"peak": peak["allocated"]}}, "reserved_bytes": {"all": {"peak": peak["reserved"]}}})
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: peak["reserved"])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peak.update(now))
     peaks = memory.TorchPeaks(torch.device("cuda", 0))

@@ -178,8 +178,7 @@ class Profiler:
                "host_buffers": self._host_buffers}
         if self._cuda:
             rec["device_used"] = memory.device_used_bytes(self._device)
-            rec["torch_allocated"] = torch.cuda.memory_allocated(self._device)
-            rec["torch_reserved"] = torch.cuda.memory_reserved(self._device)
+            rec["torch_allocated"], rec["torch_reserved"] = memory.torch_counters(self._device)
         return rec
 
     def _boundary(self, event: dict) -> dict:
