@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import distributed
+from . import distributed, sync
 from .config import SwapConfig
 from .engines.base import Engine
 from .undo import Step
@@ -80,7 +80,9 @@ class OwnWeights(SharedWeights):
         # Level 2 by default: the weights are synced from the trainer at every wake-up anyway.
         self.sleep_level = 2 if config.sleep_level == "auto" else int(config.sleep_level)
         self.verifier = Verifier(model, engine, bounds=config.verify_tolerance)
-        self.room_bytes = engine.weights_bytes + config.sync_bucket_bytes
+        # The sync's largest bucket beside the weights: an embedding larger than the bucket size is sent whole.
+        self.room_bytes = engine.weights_bytes + sync.largest_bucket_bytes(model, config.sync_bucket_bytes,
+                                                                           sync.engine_dtypes(engine))
         self._kept_on_device, self._emit = kept_on_device, emit
         self._stale = True  # the engine does not hold the trainer's current weights
         self._synced: tuple[float, int] | None = None  # the last sync's seconds and bytes, for its report
@@ -148,10 +150,8 @@ class OwnWeights(SharedWeights):
 
     # ---------------------------------------------------------------- the weights and their check
     def sync_weights(self) -> int:
-        from .sync import push_weights
-
         start = time.perf_counter()
-        sent = push_weights(self.model, self.engine, bucket_bytes=self.config.sync_bucket_bytes)
+        sent = sync.push_weights(self.model, self.engine, bucket_bytes=self.config.sync_bucket_bytes)
         self._synced = (time.perf_counter() - start, sent)
         self._stale = False
         return sent

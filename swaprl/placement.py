@@ -513,8 +513,8 @@ class Placement:
         return max(before - memory.torch_counters(self.device)[1], 0)
 
     def engine_room(self, engine_bytes: int) -> EngineRoom | None:
-        """Whether `engine_bytes` (the engine's weights and a sync bucket) fit while the optimizer is still on the
-        device, and how (see `EngineRoom`); None if not at all.
+        """Whether `engine_bytes` (the engine's weights and the sync's largest bucket) fit while the optimizer is
+        still on the device, and how (see `EngineRoom`); None if not at all.
 
         Gradients that grads="free" drops do not count as room: "free grads" holds them for its undo until the
         switch commits, so no release before the engine wakes can hand their memory back."""
@@ -524,8 +524,8 @@ class Placement:
         free = self._device_free()
         if free >= need:
             return "free now"
-        allocated, reserved = memory.torch_counters(self.device)
-        return "after release" if free + reserved - allocated >= need else None
+        cached = memory.default_pool_free_bytes(self.device)  # not a paused private pool's: no release maps it
+        return "after release" if free + cached >= need else None
 
     def states_to_host(self) -> int:
         """Move the optimizer states into their host buffer for good (optimizer_states='host')."""

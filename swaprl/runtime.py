@@ -95,8 +95,7 @@ class PhaseMachine:
         if self._regions:
             out["regions"] = regions.status(self._regions)
         out["engine"] = self.engine.memory()
-        last = self.last_sync
-        if last is not None:
+        if (last := self.last_sync) is not None:
             out["last_sync"] = {"cycle": last.cycle, "weights": last.weights, "checked": last.checked,
                                 "unreadable": len(last.unreadable), "differing": len(last.differing)}
         if self.device.type == "cuda":
@@ -116,11 +115,8 @@ class PhaseMachine:
     def verify_sync(self, prompts: list[list[int]] | None = None) -> SyncReport:
         """Check the engine now: prove it holds the trainer's weights bit for bit, and measure the rollout-training
         mismatch on the engine's continuations of `prompts` (default: a fixed probe). Returns the report without
-        raising (`report.ok`, `report.differing`).
-
-        Needs the engine awake and the trainer's parameters on the device (phase 'generate' with params='keep').
-        Under torchrun every rank must call it (the trainer's forward is collective), with as many prompts.
-        """
+        raising (`report.ok`, `report.differing`). Needs the engine awake and the trainer's parameters on the device
+        (phase 'generate', params='keep'); under torchrun every rank calls it (the forward is collective)."""
         self._check_bound()
         if self._placement.location("params") != "device":
             raise PhaseError("verify_sync() needs the trainer's parameters on the device; call it with "
@@ -181,17 +177,20 @@ class PhaseMachine:
         self._link.judged = None
         start = time.perf_counter()
         try:
-            moved = self._run_steps(f"{src}->{dst}", self._steps(dst))
+            moved = self._run_steps(f"{src}->{dst}", steps := self._steps(dst))
         except torch.OutOfMemoryError as exc:
-            # A wake-up that found no room, undone exactly already: under "auto" the placement swaps more states,
-            # every rank alike, and the switch goes again (training holds what attach could not see: DDP's buckets,
-            # FSDP2's buffers, the allocator's cache).
+            # A wake-up that found no room, undone exactly already, goes again: with the states gone first if it woke
+            # beside them, else under "auto" with more swapped, every rank alike (what attach cannot see: buffers).
+            overlapped = any(step.started_by for step in steps) and self._unsettled is None
             freed = self._placement.make_room(getattr(exc, "short_bytes", 0)) \
-                if dst == "generate" and self._unsettled is None else 0
-            if not freed:
+                if dst == "generate" and self._unsettled is None and not overlapped else 0
+            if not (overlapped or freed):
                 raise
-            self._emit({"type": "demote", "short_bytes": exc.short_bytes, "bytes": freed})
-            moved = self._run_steps(f"{src}->{dst}", self._steps(dst))
+            logger.warning("%s -> %s goes again, the states %s: %s", src, dst, "offloaded before the engine wakes"
+                           if overlapped else f"{memory.gib(freed):.2f} GiB more of them swapped", exc)
+            if freed:
+                self._emit({"type": "demote", "short_bytes": getattr(exc, "short_bytes", 0), "bytes": freed})
+            moved = self._run_steps(f"{src}->{dst}", self._steps(dst, overlap=False))
         self._phase = dst
         self._unsettled = None  # every step of the switch moved what was out of place for `dst`
         if dst == "generate":
@@ -208,7 +207,7 @@ class PhaseMachine:
             raise_if_failed(judged)
         return moved
 
-    def _steps(self, dst: Phase) -> list[Step]:
+    def _steps(self, dst: Phase, *, overlap: bool = True) -> list[Step]:
         """The steps into `dst`, in order. Into `generate`: the regions pause; torch's cache goes back to the driver;
         the trainer's state starts leaving; the engine wakes its weights, is synced and checked (with room beside the
         states, the offload's copies run under that); the trainer's state has left; the engine wakes its KV cache.
@@ -219,7 +218,8 @@ class PhaseMachine:
             resume = [Step("resume regions", lambda: regions.resume(self._regions),
                            lambda: regions.pause(self._regions))] if self._regions else []
             return link.sleep_steps() + place.reload_steps() + resume + link.train_steps()
-        room = place.engine_room(link.room_bytes) if link.room_bytes and self.config.overlap_offload else None
+        room = place.engine_room(link.room_bytes) if link.room_bytes and self.config.overlap_offload and overlap \
+            else None
         first, then = place.offload_steps(room)
         pause = [Step("pause regions", lambda: regions.pause(self._regions),
                       lambda: regions.resume(self._regions))] if self._regions else []

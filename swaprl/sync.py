@@ -110,30 +110,60 @@ def _layer_of(name: str) -> str:
     return name
 
 
+def _bucket_names(sizes: dict[str, int], bucket_bytes: int) -> Iterator[list[str]]:
+    """The names of each bucket, given every tensor's bytes in the engine's dtype: a bucket is closed once it holds
+    `bucket_bytes`, and only between layers, so one may exceed `bucket_bytes` by a layer (or a lone tensor)."""
+    bucket: list[str] = []
+    filled, layer = 0, None
+    for name, size in sizes.items():
+        if filled >= bucket_bytes and _layer_of(name) != layer:
+            yield bucket
+            bucket, filled = [], 0
+        layer = _layer_of(name)
+        bucket.append(name)
+        filled += size
+    if bucket:
+        yield bucket
+
+
+def _engine_sizes(weights: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype] | None) -> dict[str, int]:
+    """Each tensor's full bytes once cast to the engine's dtype (a DTensor's shape is the full one)."""
+    def itemsize(name: str, t: torch.Tensor) -> int:
+        return ((dtypes or {}).get(name) or t.dtype).itemsize
+    return {n: t.numel() * itemsize(n, t) for n, t in weights.items()}
+
+
+def largest_bucket_bytes(model: torch.nn.Module, bucket_bytes: int,
+                         dtypes: dict[str, torch.dtype] | None = None) -> int:
+    """The device bytes the largest bucket of a sync holds at once: what the sync needs beside the engine's
+    weights. A layer or a lone tensor larger than `bucket_bytes` (an embedding) makes it larger."""
+    sizes = _engine_sizes(trainer_weights(model), dtypes)
+    return max((sum(sizes[n] for n in names) for names in _bucket_names(sizes, bucket_bytes)), default=0)
+
+
 def buckets(model: torch.nn.Module, bucket_bytes: int,
             dtypes: dict[str, torch.dtype] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (name, tensor) of about `bucket_bytes`, whole layers at a time, each tensor gathered and cast
-    to the engine's dtype. A bucket is only closed between layers, so one may exceed `bucket_bytes` by a layer."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    filled = 0
-    layer = None
+    to the engine's dtype only when its bucket is built (`_bucket_names`)."""
+    weights = trainer_weights(model)
     with torch.no_grad():
-        for name, param in trainer_weights(model).items():
-            if filled >= bucket_bytes and _layer_of(name) != layer:
-                yield bucket
-                bucket, filled = [], 0
-            layer = _layer_of(name)
-            t = param.detach()
-            want = (dtypes or {}).get(name)
-            if want is not None and t.dtype != want:
-                # Cast before the gather (elementwise, so the same bits): an fp32 trainer's shards cross the link
-                # between GPUs in the engine's dtype, half the bytes.
-                t = t.to(want)
-            t = _full(t)
-            bucket.append((name, t))
-            filled += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
+        for names in _bucket_names(_engine_sizes(weights, dtypes), bucket_bytes):
+            bucket = []
+            for name in names:
+                t = weights[name].detach()
+                want = (dtypes or {}).get(name)
+                if want is not None and t.dtype != want:
+                    # Cast before the gather (elementwise, so the same bits): an fp32 trainer's shards cross the
+                    # link between GPUs in the engine's dtype, half the bytes.
+                    t = t.to(want)
+                bucket.append((name, _full(t)))
+            yield bucket
+
+
+def engine_dtypes(engine) -> dict[str, torch.dtype] | None:
+    """The dtype each weight has in the engine's checkpoint, which the sync casts to (None: unknown, sent as is)."""
+    expected = engine.expected_weights()
+    return {n: dt for n, (_, dt) in expected.items()} if expected else None
 
 
 def push_weights(model: torch.nn.Module, engine, *, bucket_bytes: int) -> int:
@@ -141,7 +171,7 @@ def push_weights(model: torch.nn.Module, engine, *, bucket_bytes: int) -> int:
     expected = engine.expected_weights()
     if expected is not None:
         check_names(model, expected)
-    dtypes = {n: dt for n, (_, dt) in expected.items()} if expected else None
+    dtypes = engine_dtypes(engine)
     start = time.perf_counter()
     sent = 0
     count = 0
@@ -149,5 +179,6 @@ def push_weights(model: torch.nn.Module, engine, *, bucket_bytes: int) -> int:
         engine.load_weights(bucket)
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
         count += 1
+        bucket.clear()  # the loop would hold this bucket's gathered tensors while the next one is gathered
     logger.info("weight sync: %.2f GiB in %d bucket(s) in %.3f s", sent / 2**30, count, time.perf_counter() - start)
     return sent

@@ -33,7 +33,7 @@ import torch
 from . import distributed, fingerprint
 from .engines.base import Engine, EngineStateError, Sampling, random_streams_kept, sequence_logprobs
 from .fingerprint import WeightPrint, module_fingerprints
-from .sync import trainer_weights
+from .sync import engine_dtypes, trainer_weights
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def check_weights(model: torch.nn.Module, engine: Engine) -> WeightCheck | None:
     prints = engine.weight_fingerprints()
     if prints is None:
         return None
-    sent = {n: dt for n, (_, dt) in (engine.expected_weights() or {}).items()}
+    sent = engine_dtypes(engine) or {}
     held = {src: wp.dtype for wp in prints.values() for src in wp.sources}
     return compare(module_fingerprints(model, sent=sent, held=held), prints, _aliases(model))
 

@@ -70,6 +70,43 @@ def test_a_switch_undone_after_the_weights_woke_puts_the_engine_back_to_sleep(ti
     assert rt.last_sync.ok and grpo.proved(rt.last_sync)
 
 
+@pytest.mark.vllm
+def test_a_wake_up_beside_the_states_that_runs_out_of_memory_goes_again_with_them_gone_first(
+        tiny_checkpoint, vllm_engine, monkeypatch):
+    """The weights woken and synced while the swapped states' copies run (room judged from torch's counters) and
+    the sync out of memory: the switch is undone and goes again with the states offloaded first; nothing is lost."""
+    from swaprl import sync
+
+    model = load(tiny_checkpoint)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, vllm_engine, config=swaprl.SwapConfig(optimizer_states="swap"))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    before = [t.clone() for t in states_of(opt)]
+    push, seen = sync.push_weights, []
+
+    def out_of_memory_once(*args, **kwargs):
+        if not any(name == "sync weights" for _, name in seen):
+            raise torch.OutOfMemoryError("no room for the sync's bucket")
+        return push(*args, **kwargs)
+
+    monkeypatch.setattr(sync, "push_weights", out_of_memory_once)
+    remove = rt.add_listener(lambda e: seen.append((e["type"], e.get("step"))) if e["type"] in ("step", "error")
+                             else None)
+    with rt.phase("generate"):
+        assert rt.status()["optimizer"]["location"] == "host"
+        assert rt.last_sync.ok and grpo.proved(rt.last_sync)
+    remove()
+    steps = [name for kind, name in seen if kind == "step"]
+    assert ("error", "sync weights") in seen
+    assert "start offload optimizer" in steps[:steps.index("offload optimizer")]  # overlapped, then not
+    assert steps.index("offload optimizer") < steps.index("engine wake weights", steps.index("offload optimizer"))
+    assert all(torch.equal(a, b) for a, b in zip(before, states_of(opt), strict=True))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)  # the next switch overlaps again
+    rt.detach()
+
+
 # ---------------------------------------------------------------- a fault inside a rollback
 def trained(checkpoint):
     """A runtime whose optimizer states exist and are swapped at each switch."""

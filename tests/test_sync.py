@@ -52,3 +52,57 @@ def test_trainer_weights_of_wrapped_model_match_the_bare_model():
     assert any("_checkpoint_wrapped_module" in n for n, _ in compiled.named_parameters())
     assert {n: tuple(p.shape) for n, p in trainer_weights(compiled).items()} == bare
     check_names(compiled, {n: (shape, torch.float32) for n, shape in bare.items()})
+
+
+def _layered_model():
+    """A decoder's names: an embedding larger than the bucket, two layers of two tensors each, a norm, a head."""
+    from swaprl.checkpoints import random_model
+
+    torch.manual_seed(0)
+    return random_model("tiny", layers=2, device="cpu")
+
+
+def test_the_largest_bucket_is_what_the_sync_holds_at_once_embedding_included():
+    from swaprl.sync import buckets, largest_bucket_bytes
+
+    model = _layered_model()
+    embed = model.get_input_embeddings().weight
+    bf16 = {n: torch.bfloat16 for n in trainer_weights(model)}
+    for bucket_bytes, dtypes in ((1, None), (1, bf16), (embed.numel() * 4 + 1, None), (10 * 2**30, bf16)):
+        built = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets(model, bucket_bytes, dtypes)]
+        assert largest_bucket_bytes(model, bucket_bytes, dtypes) == max(built)
+    # One byte per bucket: every layer, and every tensor outside the layers, is a bucket of its own.
+    layer = sum(p.numel() * 2 for n, p in trainer_weights(model).items() if n.startswith("model.layers.0."))
+    assert largest_bucket_bytes(model, 1, bf16) == max(layer, embed.numel() * 2) > 1
+    assert largest_bucket_bytes(model, 10 * 2**30, bf16) == sum(p.numel() * 2 for p in trainer_weights(model).values())
+
+
+def test_the_sync_lets_each_bucket_go_before_it_gathers_the_next(monkeypatch):
+    """No tensor of a bucket the engine has loaded is alive while the next bucket is gathered (cast to the engine's
+    dtype here, so each bucket's tensors are the sync's own, as an FSDP2 gather's are)."""
+    import gc
+    import weakref
+
+    from swaprl import sync
+
+    model = _layered_model()
+    loaded: list[weakref.ref] = []
+    alive_while_gathering = []
+
+    def gather(t):
+        gc.collect()
+        alive_while_gathering.append(sum(ref() is not None for ref in loaded))
+        return t
+
+    class Engine:
+        def expected_weights(self):
+            return {n: (tuple(p.shape), torch.bfloat16) for n, p in trainer_weights(model).items()}
+
+        def load_weights(self, bucket):
+            loaded.extend(weakref.ref(t) for _, t in bucket)
+
+    monkeypatch.setattr(sync, "_full", gather)
+    sent = sync.push_weights(model, Engine(), bucket_bytes=1)
+    assert len(loaded) == len(trainer_weights(model)) == len(alive_while_gathering)
+    assert alive_while_gathering == [0] * len(loaded)
+    assert sent == sum(p.numel() * 2 for p in trainer_weights(model).values())
