@@ -179,18 +179,18 @@ class PhaseMachine:
         try:
             moved = self._run_steps(f"{src}->{dst}", steps := self._steps(dst))
         except torch.OutOfMemoryError as exc:
-            # A wake-up that found no room, undone exactly already, goes again: with the states gone first if it woke
-            # beside them, else under "auto" with more swapped, every rank alike (what attach cannot see: buffers).
-            overlapped = any(step.started_by for step in steps) and self._unsettled is None
-            freed = self._placement.make_room(getattr(exc, "short_bytes", 0)) \
-                if dst == "generate" and self._unsettled is None and not overlapped else 0
-            if not (overlapped or freed):
+            # A wake-up that found no room, undone exactly already, goes again: under "auto" with more states swapped,
+            # every rank alike (what attach cannot see: buffers), else with them gone first if it woke beside them.
+            if dst != "generate" or self._unsettled is not None:
                 raise
-            logger.warning("%s -> %s goes again, the states %s: %s", src, dst, "offloaded before the engine wakes"
-                           if overlapped else f"{memory.gib(freed):.2f} GiB more of them swapped", exc)
+            freed = self._placement.make_room(getattr(exc, "short_bytes", 0))
             if freed:
-                self._emit({"type": "demote", "short_bytes": getattr(exc, "short_bytes", 0), "bytes": freed})
-            moved = self._run_steps(f"{src}->{dst}", self._steps(dst, overlap=False))
+                self._emit({"type": "demote", "short_bytes": exc.short_bytes, "bytes": freed})
+            elif any(step.started_by for step in steps):
+                logger.warning("%s -> %s goes again with the states offloaded first (%s)", src, dst, exc)
+            else:
+                raise
+            moved = self._run_steps(f"{src}->{dst}", self._steps(dst, overlap=bool(freed)))
         self._phase = dst
         self._unsettled = None  # every step of the switch moved what was out of place for `dst`
         if dst == "generate":
