@@ -144,8 +144,9 @@ class Runtime(PhaseMachine):
         with installed.on_error():
             if self.config.master_weights:  # before the placement, which homes the masters with the states
                 installed.push(master.install(optimizer, override=_keep_installed)[1], "install")
+            streamed = {"type": "step", "transition": "optimizer.step", "step": "stream optimizer states"}
             self._placement = place = Placement(model, optimizer, self.device, self.config, unmeasurable=why,
-                                                on_streamed_step=self._on_streamed_step)
+                                                on_streamed_step=lambda info: self._emit(streamed | info))
         self.config = config = place.config  # "auto" resolved
         built = Undo("the engine attach built")  # closed if attach then fails; kept (the caller's) once attached
         with installed.on_error(), self._restore.on_error(), built.on_error():

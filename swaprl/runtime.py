@@ -22,10 +22,10 @@ from typing import Literal, get_args
 
 import torch
 
-from . import memory, regions
+from . import distributed, memory, regions
 from .config import SwapConfig
 from .errors import PhaseError
-from .undo import Step, Undo
+from .undo import Step, Undo, in_flight
 from .verify import SyncReport, raise_if_failed
 
 logger = logging.getLogger(__name__)
@@ -176,18 +176,20 @@ class PhaseMachine:
             return 0
         self._link.judged = None
         start = time.perf_counter()
+        steps = self._steps(dst)
         try:
-            moved = self._run_steps(f"{src}->{dst}", steps := self._steps(dst))
+            moved = self._run_steps(f"{src}->{dst}", steps)
         except torch.OutOfMemoryError as exc:
-            # A wake-up that found no room, undone exactly already, goes again: under "auto" with more states swapped,
-            # every rank alike (what attach cannot see: buffers), else with them gone first if it woke beside them.
-            if dst != "generate" or self._unsettled is not None:
-                raise
-            freed = self._placement.make_room(getattr(exc, "short_bytes", 0))
+            # Undone exactly already, it goes again: under "auto" with more states swapped, every rank alike; else,
+            # in one process (a rank going again alone would issue collectives the others do not), with the states
+            # gone first if it ran out beside their copies (the room check reads torch's counters).
+            settled = dst == "generate" and self._unsettled is None
+            freed = self._placement.make_room(getattr(exc, "short_bytes", 0)) if settled else 0
             if freed:
                 self._emit({"type": "demote", "short_bytes": exc.short_bytes, "bytes": freed})
-            elif any(step.started_by for step in steps):
+            elif settled and in_flight(steps, exc.swaprl_failed_at) and not distributed.is_distributed():
                 logger.warning("%s -> %s goes again with the states offloaded first (%s)", src, dst, exc)
+                self._emit({"type": "retry", "transition": f"{src}->{dst}", "how": "the states offloaded first"})
             else:
                 raise
             moved = self._run_steps(f"{src}->{dst}", self._steps(dst, overlap=bool(freed)))
@@ -248,10 +250,10 @@ class PhaseMachine:
     def _run_steps(self, transition: str, steps: list[Step]) -> int:
         undo = Undo(transition)
         committed: list[Callable[[], object]] = []
-        total, current = 0, "?"
+        total, current, at = 0, "?", -1
         started: dict[str, float] = {}
         try:
-            for step in steps:
+            for at, step in enumerate(steps):
                 current = step.name
                 t0 = started[step.name] = time.perf_counter()
                 with torch.profiler.record_function(f"swaprl {transition}: {step.name}"):  # named in a trace
@@ -274,6 +276,7 @@ class PhaseMachine:
         except BaseException as exc:
             logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition, current,
                            type(exc).__name__, len(undo))
+            exc.swaprl_failed_at = at  # which step failed, for the switch's retry
             self._emit({"type": "error", "transition": transition, "step": current,
                         "error": f"{type(exc).__name__}: {exc}"[:500]})
             failed = undo.run()
@@ -322,9 +325,6 @@ class PhaseMachine:
                              "enough): it brings them back; free device memory first if the cause was an "
                              "out-of-memory error")
         place.check_step(self._phase)
-
-    def _on_streamed_step(self, info: dict) -> None:
-        self._emit({"type": "step", "transition": "optimizer.step", "step": "stream optimizer states", **info})
 
     def _check_open(self) -> None:
         if self._closed:

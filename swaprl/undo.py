@@ -78,3 +78,10 @@ class Step:
     blocking: bool = True  # False: its copies may still run when the next step starts (not timed to completion)
     started_by: str | None = None  # the step that queued this one's copies: its event also gets the whole span
     moves: bool = True  # False: the bytes `do` returns were freed or handed back, not moved (not in the switch's total)
+
+
+def in_flight(steps: list[Step], at: int) -> bool:
+    """Whether `steps[at]` ran while copies an earlier step queued were still running: after a step whose copies a
+    later one waits for (`Step.started_by`), up to that one."""
+    names = [s.name for s in steps]
+    return any(names.index(s.started_by) < at <= i for i, s in enumerate(steps) if s.started_by in names)

@@ -70,40 +70,95 @@ def test_a_switch_undone_after_the_weights_woke_puts_the_engine_back_to_sleep(ti
     assert rt.last_sync.ok and grpo.proved(rt.last_sync)
 
 
-@pytest.mark.vllm
-def test_a_wake_up_beside_the_states_that_runs_out_of_memory_goes_again_with_them_gone_first(
-        tiny_checkpoint, vllm_engine, monkeypatch):
-    """The weights woken and synced while the swapped states' copies run (room judged from torch's counters) and
-    the sync out of memory: the switch is undone and goes again with the states offloaded first; nothing is lost."""
-    from swaprl import sync
-
-    model = load(tiny_checkpoint)
+def _swapping_vllm_runtime(checkpoint, engine):
+    model = load(checkpoint)
     if torch.cuda.is_available():
         model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rt = swaprl.attach(model, opt, vllm_engine, config=swaprl.SwapConfig(optimizer_states="swap"))
+    rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(optimizer_states="swap"))
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    return model, opt, rt
+
+
+def _out_of_memory_once(monkeypatch, owner, name: str) -> list:
+    """`owner.name` runs out of memory the first time it is called; returns the list of calls that failed."""
+    real, failed = getattr(owner, name), []
+
+    def once(*args, **kwargs):
+        if not failed:
+            failed.append(name)
+            raise torch.OutOfMemoryError(f"no room in {name}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, once)
+    return failed
+
+
+@pytest.mark.vllm
+def test_a_wake_up_beside_the_states_that_runs_out_of_memory_goes_again_with_them_gone_first(
+        tiny_checkpoint, vllm_engine, monkeypatch, tmp_path):
+    """The weights woken and synced while the swapped states' copies run (room judged from torch's counters) and
+    the sync out of memory: the switch is undone and goes again with the states offloaded first; nothing is lost,
+    and the profile tells the failed attempt from the switch that stood."""
+    from swaprl import sync
+    from swaprl.profile.report import load_run, transition_rows
+
+    model, opt, rt = _swapping_vllm_runtime(tiny_checkpoint, vllm_engine)
     before = [t.clone() for t in states_of(opt)]
-    push, seen = sync.push_weights, []
-
-    def out_of_memory_once(*args, **kwargs):
-        if not any(name == "sync weights" for _, name in seen):
-            raise torch.OutOfMemoryError("no room for the sync's bucket")
-        return push(*args, **kwargs)
-
-    monkeypatch.setattr(sync, "push_weights", out_of_memory_once)
+    _out_of_memory_once(monkeypatch, sync, "push_weights")
+    seen = []
     remove = rt.add_listener(lambda e: seen.append((e["type"], e.get("step"))) if e["type"] in ("step", "error")
                              else None)
-    with rt.phase("generate"):
-        assert rt.status()["optimizer"]["location"] == "host"
-        assert rt.last_sync.ok and grpo.proved(rt.last_sync)
+    with attach_profiler(rt, tmp_path / "profile.jsonl") as profiler:
+        with rt.phase("generate"):
+            assert rt.status()["optimizer"]["location"] == "host"
+            assert rt.last_sync.ok and grpo.proved(rt.last_sync)
+        profiler.close()
     remove()
     steps = [name for kind, name in seen if kind == "step"]
     assert ("error", "sync weights") in seen
     assert "start offload optimizer" in steps[:steps.index("offload optimizer")]  # overlapped, then not
     assert steps.index("offload optimizer") < steps.index("engine wake weights", steps.index("offload optimizer"))
     assert all(torch.equal(a, b) for a, b in zip(before, states_of(opt), strict=True))
+    run = load_run(tmp_path / "profile.jsonl")
+    assert any("went again, the states offloaded first" in w for w in run.warnings), run.warnings
+    counts = {r["step"]: r["count"] for r in transition_rows(run) if r["transition"] == "train->generate"}
+    assert counts["engine wake weights"] == counts["sync weights"] == 1 and "start offload optimizer" not in counts
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)  # the next switch overlaps again
+    rt.detach()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", ["copies done", "torchrun"])
+def test_a_switch_does_not_go_again_where_offloading_first_cannot_help(tiny_checkpoint, vllm_engine, monkeypatch,
+                                                                       case):
+    """Out of memory once the states' copies have finished (the KV cache's wake-up), or under torchrun (a rank
+    going again alone would issue collectives the others do not): raised as it was, the switch undone."""
+    from swaprl import distributed, sync
+    from swaprl.link import OwnWeights
+
+    model, opt, rt = _swapping_vllm_runtime(tiny_checkpoint, vllm_engine)
+    before = [t.clone() for t in states_of(opt)]
+    if case == "torchrun":
+        failed = _out_of_memory_once(monkeypatch, sync, "push_weights")
+        monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    else:
+        wake, failed = OwnWeights.wake, []
+
+        def kv_cache_out_of_memory(self, tags):
+            if tags == ["kv_cache"] and not failed:
+                failed.append(tags)
+                raise torch.OutOfMemoryError("no room for the KV cache")
+            return wake(self, tags)
+
+        monkeypatch.setattr(OwnWeights, "wake", kv_cache_out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        with rt.phase("generate"):
+            pytest.fail("the block must not run when entering the phase failed")
+    monkeypatch.undo()
+    assert failed and rt.current_phase == "train" and "unsettled" not in rt.status()
+    assert all(torch.equal(a, b) for a, b in zip(before, states_of(opt), strict=True))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
     rt.detach()
 
 

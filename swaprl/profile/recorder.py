@@ -25,6 +25,8 @@ object a line; every line is written whole and flushed, so a crash leaves a read
             (`swaprl.verify`)
     demote  {"type": "demote", "t", "short_bytes", "bytes"}: optimizer_states="auto" swapped more states after the
             engine's wake-up lacked `short_bytes` (then rolled back and retried)
+    retry   {"type": "retry", "t", "transition", "how"}: the switch that just failed (the error before it) goes again,
+            as `how` says
     phase   {"type": "phase", "t", "phase", "from", "cycle", "seconds", "bytes", "host_rss", "status", "attribution"
             [, "torch_private_free", "torch_peak_allocated", "torch_peak_reserved"]} (the first one, "from": null,
             is the state when recording started; torch_private_free: bytes of torch's private pools that no block
@@ -210,7 +212,7 @@ class Profiler:
             self._write(self._sample())
         elif kind == "error":  # a transition that failed and was rolled back
             self._write({"type": "error"} | {k: event[k] for k in ("t", "transition", "step", "error")})
-        elif kind in ("sync", "demote"):  # the on-policy check after a sync; "auto" states swapped from now on
+        elif kind in ("sync", "demote", "retry"):  # the check after a sync; a failed switch going again
             self._write(event)
 
     # ---------------------------------------------------------------- plumbing

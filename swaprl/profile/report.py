@@ -124,7 +124,7 @@ def load_run(path: str | Path) -> Run:
     run = Run(path=path, header=header)
     body = lines[1:]
     last = max((i for i, line in enumerate(body) if line.strip()), default=-1)
-    bad = 0
+    bad, boundary = 0, float("-inf")  # the last phase record's time: a switch's steps come after it
     for i, line in enumerate(body):
         if not line.strip():
             continue
@@ -144,13 +144,19 @@ def load_run(path: str | Path) -> Run:
             run.steps.append(rec)
         elif kind == "phase":
             run.phases.append(rec)
+            boundary = rec.get("t", boundary)
         elif kind == "sync":
             run.syncs.append(rec)
         elif kind == "end":
             run.end = rec
         elif kind == "error":
+            # The failed attempt's steps were undone: they are no switch's timings.
+            run.steps = [s for s in run.steps if s["transition"] != rec.get("transition") or s["t"] <= boundary]
             run.warnings.append(f"{path.name}: {rec.get('transition')} failed at step {rec.get('step')!r} and was "
                                 f"rolled back: {rec.get('error')}")
+        elif kind in ("retry", "demote"):
+            how = rec.get("how") or f"{_b(rec.get('bytes', 0))} more of the optimizer states swapped"
+            run.warnings.append(f"{path.name}: the switch that failed went again, {how}")
     if bad:
         run.warnings.append(f"{path.name}: {bad} unreadable line(s) skipped inside the file")
     if run.end is None and not run.empty:
