@@ -52,6 +52,9 @@ across nodes.
 Also per way: the peak memory while the engine holds its memory (from its wake-up to its sleep: TRL's in way a,
 swaprl's in way b) and while it does not, and each step's loss as TRL logs it, so a wrapped run can be compared
 with the plain one step by step; `--spread` runs way a a second time, for the run-to-run spread of TRL's own losses.
+With vLLM, every call of the engine's `generate` is recorded (`extra.rollouts`, `record_rollouts`): digests of
+numpy's global state before and after it (vLLM 0.26's V2 runner seeds each unseeded request from it), of its
+prompts and of the token ids it sampled, so two ways that should sample alike can be compared call by call.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -326,8 +330,10 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
             return out
         return labelled
 
+    rollouts: list[dict] = []
     if use_vllm:
         vg = trainer.vllm_generation
+        record_rollouts(vg.llm, rollouts)  # before wrap(): its own calls of the engine are recorded too
         vg.generate = generate_timer(vg.generate)
         if spec["way"] == "a":
             vg.sync_weights = switch_timer(vg.sync_weights)
@@ -382,7 +388,7 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         s["train_s"] = s["step_s"] - s["generate_s"] - s["switch_s"]
     # since attach (or the start) even where a profile resets torch's peaks at each phase
     peak_reserved = swaprl.memory.torch_peaks(torch.device("cuda")).reserved_since_start() if cuda else None
-    extra = {"torch_max_reserved_bytes": peak_reserved, "wrap_s": wrap_s,
+    extra = {"torch_max_reserved_bytes": peak_reserved, "wrap_s": wrap_s, "rollouts": rollouts,
              "world_size": world, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
     if floor is not None:
         floor.fill(steps)
@@ -399,6 +405,37 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         # were put on the host (by the config, or by "auto" at the first step) because they do not fit there; the
         # child exits with them where they are
     return {"steps": steps, **extra}
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def numpy_state_digest() -> str:
+    """numpy's global generator state, as a digest: the stream vLLM 0.26's V2 runner seeds requests from."""
+    import numpy as np
+
+    _, keys, pos, *_ = np.random.get_state()
+    return _digest(keys.tobytes() + str(pos).encode())
+
+
+def record_rollouts(llm, into: list) -> None:
+    """Record each call of `llm.generate` into `into`: what decides its samples (numpy's state before it, its
+    prompts) and what it sampled (every completion's token ids), as digests, with numpy's state after it and the
+    number of requests. Two runs that should sample alike are then compared call by call; a different state
+    before a call with the same prompts tells seeds apart from logits."""
+    generate = llm.generate
+
+    @functools.wraps(generate)
+    def recorded(prompts, *args, **kwargs):
+        before = numpy_state_digest()
+        outputs = generate(prompts, *args, **kwargs)
+        sampled = [[list(c.token_ids) for c in o.outputs] for o in outputs]
+        into.append({"numpy_before": before, "numpy_after": numpy_state_digest(), "requests": len(outputs),
+                     "prompts": _digest(repr(prompts).encode()), "completions": _digest(repr(sampled).encode())})
+        return outputs
+
+    llm.generate = recorded
 
 
 def engine_share(util: float, spec: dict, card_bytes: int | None = None) -> float:
@@ -631,6 +668,14 @@ def phases_and_losses(result: dict) -> list[str]:
             same = sum(d == 0 for d in diffs)
             out.append(f"\nLosses of {label} against a: {same} of {len(diffs)} steps equal, largest difference "
                        f"{max(diffs):.3g}.")
+    for way, w in ways.items():
+        calls = w["extra"].get("rollouts") or []
+        size = max((c["requests"] for c in calls), default=0)
+        rollouts = [c for c in calls if c["requests"] == size]  # TRL's own: the engine's other calls are smaller
+        if rollouts:
+            out.append(f"\nWay {way}'s rollouts (numpy's state before, prompts, completions), step by step: "
+                       + "; ".join(f"{c['numpy_before'][:8]} {c['prompts'][:8]} {c['completions'][:8]}"
+                                   for c in rollouts) + ".")
     head = ("Peak device memory per phase (\"setup\": loading the model, starting the engine and, in way b, "
             "attaching; then \"generate\" from the engine's wake-up to its sleep, TRL's in way a, swaprl's in way "
             "b, whose offload runs under the wake-up, and \"train\" the rest) and the losses TRL logged:")
