@@ -456,3 +456,15 @@ def test_a_wrong_engine_is_refused_before_anything_is_allocated(tiny_checkpoint,
         swaprl.attach(model, opt, engine)
     with pytest.raises(swaprl.PhaseError):
         swaprl.current()
+
+
+def test_a_step_is_in_flight_between_the_step_that_queues_copies_and_the_one_that_waits_for_them():
+    from swaprl.undo import Step, in_flight
+
+    steps = [Step("release cached memory", lambda: 0), Step("start offload optimizer", lambda: 0),
+             Step("engine wake weights", lambda: 0), Step("sync weights", lambda: 0),
+             Step("finish offload optimizer", lambda: 0, started_by="start offload optimizer"),
+             Step("release cached memory", lambda: 0), Step("engine wake kv_cache", lambda: 0)]
+    assert [in_flight(steps, at) for at in range(len(steps))] == [False, False, True, True, True, False, False]
+    assert not in_flight(steps[:2] + steps[5:], 1)  # nothing waits for copies: none in flight
+    assert not in_flight(steps, -1)
