@@ -144,30 +144,3 @@ def test_smoke_as_two_nodes_of_one_rank_each(tmp_path, monkeypatch):
         records = [json.loads(line) for line in p.read_text().splitlines()]
         assert records[0]["schema"] == "swaprl.profile" and any(r["type"] == "phase" for r in records)
 
-
-@pytest.mark.vllm
-def test_the_rollout_record_tells_seeds_from_samples_on_a_real_engine(vllm_engine, monkeypatch):
-    """`record_rollouts` on vLLM: the same seeded request twice is the same prompts and samples; other prompts
-    differ; a draw from numpy between two calls shows in the state recorded before the second."""
-    import numpy as np
-
-    import swaprl
-
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import bench_grpo
-
-    llm = vllm_engine.llm
-    monkeypatch.setattr(llm, "generate", llm.generate)  # put back after the test: the engine is the session's
-    calls: list[dict] = []
-    bench_grpo.record_rollouts(llm, calls)
-    seeded = swaprl.Sampling(max_tokens=8, n=2, seed=3)
-    first = vllm_engine.generate([[1, 2, 3], [4, 5]], seeded)
-    np.random.rand()
-    again = vllm_engine.generate([[1, 2, 3], [4, 5]], seeded)
-    other = vllm_engine.generate([[6, 7, 8]], seeded)
-    assert first == again and len(calls) == 3
-    assert calls[0]["prompts"] == calls[1]["prompts"] != calls[2]["prompts"]
-    assert calls[0]["completions"] == calls[1]["completions"] != calls[2]["completions"]
-    assert [c["requests"] for c in calls] == [2, 2, 1]  # one per prompt, each with its n completions
-    assert calls[1]["numpy_before"] != calls[0]["numpy_after"]  # the draw between them
-    assert calls[2]["numpy_after"] == bench_grpo.numpy_state_digest()

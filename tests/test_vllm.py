@@ -5,6 +5,7 @@ memory over 50 cycles). One engine per test session: vLLM's sleep-mode allocator
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +52,36 @@ def test_generate_returns_n_completions_per_prompt(tiny_checkpoint, engine):
     assert len(out) == 6
     assert all(1 <= len(c) <= 5 for c in out)
     assert all(0 <= t < model.config.vocab_size for c in out for t in c)
+
+def test_the_rollout_record_tells_seeds_from_samples_on_a_real_engine(tiny_checkpoint, engine, monkeypatch):
+    """`record_rollouts` (benchmarks/bench_grpo.py) on vLLM: the same seeded request twice is the same prompts and
+    samples; other prompts differ; a draw from numpy between two calls shows in the state recorded before the
+    second."""
+    import numpy as np
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_grpo
+
+    model, opt = trainer(tiny_checkpoint)
+    rt = swaprl.attach(model, opt, engine)
+    monkeypatch.setattr(engine.llm, "generate", engine.llm.generate)  # put back after the test: the session's
+    calls: list[dict] = []
+    bench_grpo.record_rollouts(engine.llm, calls)
+    seeded = swaprl.Sampling(max_tokens=8, n=2, seed=3)
+    with swaprl.phase("generate"):
+        first = rt.engine.generate([[1, 2, 3], [4, 5]], seeded)
+        np.random.rand()
+        again = rt.engine.generate([[1, 2, 3], [4, 5]], seeded)
+        rt.engine.generate([[6, 7, 8]], seeded)
+        now = bench_grpo.numpy_state_digest()
+    assert first == again and len(calls) >= 3
+    ours = calls[-3:]  # the switch's own calls (the probe) came before
+    assert ours[0]["prompts"] == ours[1]["prompts"] != ours[2]["prompts"]
+    assert ours[0]["completions"] == ours[1]["completions"] != ours[2]["completions"]
+    assert [c["requests"] for c in ours] == [2, 2, 1]  # one per prompt, each with its n completions
+    assert ours[1]["numpy_before"] != ours[0]["numpy_after"]  # the draw between them
+    assert ours[2]["numpy_after"] == now
+    swaprl.detach()
 
 
 def random_streams() -> tuple:
