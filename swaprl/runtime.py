@@ -24,7 +24,7 @@ import torch
 
 from . import distributed, memory, regions
 from .config import SwapConfig
-from .errors import PhaseError
+from .errors import PhaseError, switch_out_of_memory
 from .undo import Step, Undo, in_flight
 from .verify import SyncReport, raise_if_failed
 
@@ -250,11 +250,9 @@ class PhaseMachine:
     def _run_steps(self, transition: str, steps: list[Step]) -> int:
         undo = Undo(transition)
         committed: list[Callable[[], object]] = []
-        total, current, at = 0, "?", -1
-        started: dict[str, float] = {}
+        total, started = 0, {}  # started: each step's start time
         try:
             for at, step in enumerate(steps):
-                current = step.name
                 t0 = started[step.name] = time.perf_counter()
                 with torch.profiler.record_function(f"swaprl {transition}: {step.name}"):  # named in a trace
                     moved = step.do() or 0
@@ -274,10 +272,10 @@ class PhaseMachine:
                     event["span_seconds"] = t1 - started[step.started_by]
                 self._emit(event)
         except BaseException as exc:
-            logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition, current,
+            logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition, step.name,
                            type(exc).__name__, len(undo))
             exc.swaprl_failed_at = at  # which step failed, for the switch's retry
-            self._emit({"type": "error", "transition": transition, "step": current,
+            self._emit({"type": "error", "transition": transition, "step": step.name,
                         "error": f"{type(exc).__name__}: {exc}"[:500]})
             failed = undo.run()
             if failed:
@@ -290,6 +288,8 @@ class PhaseMachine:
                              "memory first for an out-of-memory error)")
             elif self.device.type == "cuda":
                 torch.cuda.empty_cache()  # what the undone steps freed goes back to the driver, as before the switch
+            if not failed and isinstance(exc, torch.OutOfMemoryError):  # undone whole: what would give it room
+                exc.add_note(switch_out_of_memory(transition, step.name))
             raise
         for commit in committed:
             commit()

@@ -152,11 +152,13 @@ def test_a_switch_does_not_go_again_where_offloading_first_cannot_help(tiny_chec
             return wake(self, tags)
 
         monkeypatch.setattr(OwnWeights, "wake", kv_cache_out_of_memory)
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(torch.OutOfMemoryError) as err:
         with rt.phase("generate"):
             pytest.fail("the block must not run when entering the phase failed")
     monkeypatch.undo()
     assert failed and rt.current_phase == "train" and "unsettled" not in rt.status()
+    notes = "\n".join(getattr(err.value, "__notes__", []))  # the error names what gives the switch room
+    assert "was undone; nothing was lost" in notes and "SwapConfig(overlap_offload=False)" in notes, notes
     assert all(torch.equal(a, b) for a, b in zip(before, states_of(opt), strict=True))
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
     rt.detach()
