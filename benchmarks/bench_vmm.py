@@ -102,6 +102,21 @@ class Driver:
     def unmap(self, ptr: int, size: int) -> None:
         self.check(self.cu.cuMemUnmap(ctypes.c_uint64(ptr), ctypes.c_size_t(size)), "cuMemUnmap")
 
+    def retain(self, ptr: int) -> int:
+        handle = ctypes.c_ulonglong()
+        self.check(self.cu.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(ptr)),
+                   "cuMemRetainAllocationHandle")
+        return handle.value
+
+    def map_only(self, ptr: int, size: int, handle: int) -> int:
+        """cuMemMap without setting access: the driver's result code, not raised (a refusal is a finding)."""
+        return self.cu.cuMemMap(ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
+                                ctypes.c_ulonglong(handle), ctypes.c_ulonglong(0))
+
+    def set_access(self, ptr: int, size: int) -> None:
+        self.check(self.cu.cuMemSetAccess(ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.byref(self.access),
+                                          ctypes.c_size_t(1)), "cuMemSetAccess")
+
     def release(self, handle: int) -> None:
         self.check(self.cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
 
@@ -288,6 +303,106 @@ def map_sizes(drv: Driver, sizes: list[int], repeats: int) -> dict:
     return {"bytes": total, "allocations": len(pieces), **{k: statistics.median(v) for k, v in times.items()}}
 
 
+def torch_pages(drv: Driver, base: int, size: int) -> tuple[list[tuple[int, int, int]], bool]:
+    """The physical pages under torch memory [base, base + size), as (offset, size, handle) for each page wholly
+    inside, one reference retained on each; and whether retaining twice inside one page gave the same handle."""
+    g = drv.granularity
+    per_granule = [drv.retain(base + off) for off in range(0, size, g)]
+    same_twice = drv.retain(base) == per_granule[0]
+    drv.release(per_granule[0])
+    pages: list[list[int]] = []
+    for k, h in enumerate(per_granule):
+        if pages and pages[-1][2] == h:
+            pages[-1][1] += g
+            drv.release(h)  # one reference kept per page
+        else:
+            pages.append([k * g, g, h])
+    return [tuple(p) for p in pages], same_twice
+
+
+def lend(drv: Driver, size: int, repeats: int) -> dict:
+    """torch's own pages mapped at a second address range and unmapped again, the handles retained from torch's
+    mappings (`cuMemRetainAllocationHandle`): what a hand-over costs when no physical memory is released or created.
+    Each round proves both ways that the two ranges share memory: bytes torch writes read back through the second
+    range, and bytes written there read back through torch's tensor."""
+    import torch
+
+    held = torch.empty(size, dtype=torch.uint8, device="cuda")
+    base = held.data_ptr()
+    pages, same_twice = torch_pages(drv, base, size)
+    result: dict = {"pages": len(pages), "page_bytes": sorted({p[1] for p in pages}), "same_handle_twice": same_twice,
+                    "first_page_offset": pages[0][0]}
+    # Can part of a page be mapped (its first granule)? A remainder of an allocation would need it.
+    probe = drv.reserve(drv.granularity)
+    rc = drv.map_only(probe, drv.granularity, pages[0][2])
+    result["prefix_map_rc"] = rc
+    if rc == 0:
+        drv.unmap(probe, drv.granularity)
+    drv.free_address(probe, drv.granularity)
+    for _, _, h in pages:
+        drv.release(h)
+    lent = drv.reserve(size)
+    times: dict[str, list[float]] = {k: [] for k in ("retain", "map", "access", "unmap_whole", "unmap_pages",
+                                                     "release")}
+    try:
+        for rep in range(repeats + 1):
+            held.fill_(0x30 + rep)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            handles = [drv.retain(base + off) for off, _, _ in pages]
+            t_retain = time.perf_counter() - start
+            t_map = _timed(lambda: [drv.check(drv.map_only(lent + off, n, h), "cuMemMap")
+                                    for (off, n, _), h in zip(pages, handles)])
+            t_access = _timed(lambda: drv.set_access(lent, size))
+            for off in range(0, size, max(size // 64, drv.granularity)):
+                got = drv.read(lent + off, 8)
+                if got != bytes([0x30 + rep]) * 8:
+                    raise RuntimeError(f"the lent range read {got!r} at {off}, not what torch wrote: no shared memory")
+            drv.fill(lent, 0x60 + rep, size)
+            if not bool((held[:: size // 64] == 0x60 + rep).all()):
+                raise RuntimeError("torch's tensor does not see the bytes written through the lent range")
+            whole = rep % 2 == 0  # one unmap over every page, or one per page, in turn
+            if whole:
+                t_unmap = _timed(lambda: drv.unmap(lent, size))
+            else:
+                t_unmap = _timed(lambda: [drv.unmap(lent + off, n) for off, n, _ in pages])
+            t_release = _timed(lambda: [drv.release(h) for h in handles])
+            if rep:
+                times["retain"].append(t_retain)
+                times["map"].append(t_map)
+                times["access"].append(t_access)
+                times["unmap_whole" if whole else "unmap_pages"].append(t_unmap)
+                times["release"].append(t_release)
+    finally:
+        drv.free_address(lent, size)
+    del held
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    torch.cuda.empty_cache()
+    result["freed_by_empty_cache"] = torch.cuda.mem_get_info()[0] - free_before
+    result.update({k: statistics.median(v) for k, v in times.items() if v})
+    return result
+
+
+def retake(size: int) -> dict:
+    """Whether `caching_allocator_alloc` of a free cached block's exact size, on its stream, hands back that block."""
+    import torch
+
+    a = torch.empty(size, dtype=torch.uint8, device="cuda")
+    b = torch.empty(size + 6 * MIB, dtype=torch.uint8, device="cuda")
+    c = torch.empty(size, dtype=torch.uint8, device="cuda")
+    where = b.data_ptr()
+    del b
+    stream = torch.cuda.current_stream()
+    start = time.perf_counter()
+    ptr = torch.cuda.caching_allocator_alloc(size + 6 * MIB, stream=stream)
+    took = time.perf_counter() - start
+    torch.cuda.caching_allocator_delete(ptr)
+    del a, c
+    torch.cuda.empty_cache()
+    return {"same_block": ptr == where, "alloc_s": took}
+
+
 def torch_hand_over(size: int, repeats: int) -> dict:
     """torch's allocator with this process's settings: new pages for a fresh tensor, and `empty_cache` after it."""
     import torch
@@ -337,6 +452,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--overlap", action="store_true", help="also release one range while a second thread maps "
                     "another (20 MiB pieces, twice --gib free)")
+    ap.add_argument("--lend", action="store_true", help="also map torch's own pages at a second address range "
+                    "with handles retained from torch's mappings, and unmap them again")
     ap.add_argument("--out", type=Path, help="JSON result; a markdown table with the same stem beside it")
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -373,6 +490,9 @@ def main(argv: list[str] | None = None) -> dict:
         piece = 20 * MIB if size % (20 * MIB) == 0 else max(pieces)
         result["overlap"] = {"piece": piece, **overlapped(drv, size, piece, args.repeats)}
     result.update(torch_hand_over(size, args.repeats))
+    if args.lend:
+        result["lend"] = lend(drv, size, args.repeats)
+        result["retake"] = retake(GIB)
     text = markdown(result)
     print(text, end="")
     if args.out:
@@ -402,6 +522,19 @@ def markdown(r: dict) -> str:
         o, mib = r["overlap"], r["overlap"]["piece"] // MIB
         out += [row(f"release one range, then create + map another, {mib} MiB pieces", o["serial"]),
                 row(f"the same on two threads at once, {mib} MiB pieces", o["together"])]
+    if "lend" in r:
+        ln = r["lend"]
+        out += [row(f"retain torch's page handles ({ln['pages']} pages)", ln["retain"]),
+                row("map them at a second range (no access yet)", ln["map"]),
+                row("set access over the whole second range, one call", ln["access"])]
+        out += [row(f"unmap {what}", ln[key]) for what, key in (("every page in one call", "unmap_whole"),
+                                                                ("page by page", "unmap_pages")) if key in ln]
+        out += [row("release the retained handles", ln["release"]), "",
+                f"torch's pages: {[b // MIB for b in ln['page_bytes']]} MiB, the first at offset "
+                f"{ln['first_page_offset']}; "
+                f"the same handle retained twice: {ln['same_handle_twice']}; mapping one granule of a page: "
+                f"rc {ln['prefix_map_rc']}; freed by empty_cache after: {ln['freed_by_empty_cache'] / GIB:.2f} GiB; "
+                f"caching_allocator_alloc gave the freed block back: {r['retake']['same_block']}."]
     return "\n".join(out) + "\n"
 
 

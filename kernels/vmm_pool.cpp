@@ -25,12 +25,21 @@
 // kept ranges, each run of them with its own physical allocation, and leaves the rest of the address range
 // reserved but unbacked: torch still counts the free blocks there, but nothing will hand them out.
 //
+// Lent pages: an address range another allocator reserved (vLLM's sleep-mode pool) can be backed, while it is
+// awake, by the physical pages under memory torch's caching allocator holds for the lender (free cached blocks it
+// allocated for the purpose). Each page's handle is retained from torch's own mapping (cuMemRetainAllocationHandle)
+// and mapped a second time at the engine's address; what is left of the range under a whole page gets physical
+// memory of its own. Nothing is created or released for the pages: waking and sleeping then cost only mapping and
+// unmapping, and the trainer finds its pages still mapped when the engine sleeps. The caller keeps torch's blocks
+// allocated for as long as a range is lent from them.
+//
 // Thread safety: one mutex around all state; the CUDA calls run on the calling thread's current context (torch's
 // primary context for the device), made current here when the thread has none.
 
 #include <cuda.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -72,8 +81,18 @@ struct Slot {
   size_t granularity = 0;  // the device's allocation granularity (set by the first segment)
 };
 
+// A range backed by lent pages (retained handles) and, past the last whole page, memory of its own (created).
+struct Lent {
+  size_t size = 0;
+  std::vector<Piece> pages;  // retained from torch's mappings
+  std::vector<Piece> own;    // created here
+};
+
 std::mutex mu;
 Slot slots[kSlots];
+std::unordered_map<CUdeviceptr, Lent> lent;
+size_t lent_page_bytes = 0;  // bytes of torch's pages mapped at lent ranges
+size_t lent_own_bytes = 0;   // bytes of physical memory created for lent ranges' remainders
 std::string last_error;
 
 bool check(CUresult r, const char* what) {
@@ -224,6 +243,29 @@ std::vector<std::pair<size_t, size_t>> kept_runs(CUdeviceptr base, const Segment
   return runs;
 }
 
+// Unmap and let go of every piece of a lent range: the retained pages (torch still maps them) and the range's own
+// memory. One unmap over the whole range when the driver takes it, else piece by piece.
+bool unlend(CUdeviceptr dst, Lent& range) {
+  size_t mapped = 0;
+  for (const Piece& p : range.pages) mapped = std::max(mapped, p.offset + p.size);
+  for (const Piece& p : range.own) mapped = std::max(mapped, p.offset + p.size);
+  bool whole = mapped > 0 && cuMemUnmap(dst, mapped) == CUDA_SUCCESS;
+  for (std::vector<Piece>* pieces : {&range.pages, &range.own})
+    for (const Piece& p : *pieces)
+      if (!whole && !check(cuMemUnmap(dst + p.offset, p.size), "cuMemUnmap")) return false;
+  for (const Piece& p : range.pages) {
+    if (!check(cuMemRelease(p.handle), "cuMemRelease")) return false;
+    lent_page_bytes -= p.size;
+  }
+  for (const Piece& p : range.own) {
+    if (!check(cuMemRelease(p.handle), "cuMemRelease")) return false;
+    lent_own_bytes -= p.size;
+  }
+  range.pages.clear();
+  range.own.clear();
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -350,6 +392,121 @@ int swaprl_vmm_resume(int s, int device, int kept_only, int fill) {
   slot.host = nullptr;
   slot.paused = false;
   return 0;
+}
+
+// Back the reserved range [dst, dst + size) with the n pages of `page` bytes that start at pages[i] (addresses in
+// torch's memory, each the start of one physical allocation of that size), the i-th at dst + i * page, and the rest
+// of the range with memory of its own; readable and writable from `device`. Returns 0, or -1 with
+// swaprl_vmm_error() set and nothing mapped, retained or created.
+int swaprl_vmm_lend(uint64_t dst, uint64_t size, const uint64_t* pages, int n, uint64_t page, int device) {
+  std::lock_guard<std::mutex> guard(mu);
+  if (lent.count(dst)) {
+    last_error = "the range is lent already";
+    return -1;
+  }
+  if (static_cast<uint64_t>(n) * page > size) {
+    last_error = "more pages than the range holds";
+    return -1;
+  }
+  if (!ensure_context(device)) return -1;
+  Lent range;
+  range.size = size;
+  auto undo = [&]() {
+    std::string why = last_error;
+    unlend(dst, range);
+    last_error = why;
+    return -1;
+  };
+  for (int i = 0; i < n; ++i) {
+    CUmemGenericAllocationHandle handle, last;
+    if (!check(cuMemRetainAllocationHandle(&handle, reinterpret_cast<void*>(pages[i])),
+               "cuMemRetainAllocationHandle"))
+      return undo();
+    // The page must be one physical allocation of `page` bytes: its last byte is backed by the same handle.
+    if (!check(cuMemRetainAllocationHandle(&last, reinterpret_cast<void*>(pages[i] + page - 1)),
+               "cuMemRetainAllocationHandle")) {
+      cuMemRelease(handle);
+      return undo();
+    }
+    cuMemRelease(last);
+    if (last != handle) {
+      cuMemRelease(handle);
+      last_error = "a lent page is not one physical allocation of the page size";
+      return undo();
+    }
+    if (!check(cuMemMap(dst + i * page, page, 0, handle, 0), "cuMemMap")) {
+      cuMemRelease(handle);
+      return undo();
+    }
+    range.pages.push_back({i * page, page, handle});
+    lent_page_bytes += page;
+  }
+  size_t rest = size - static_cast<size_t>(n) * page;
+  if (rest) {
+    CUmemAllocationProp prop = properties(device);
+    CUmemGenericAllocationHandle handle;
+    if (!check(cuMemCreate(&handle, rest, &prop, 0), "cuMemCreate")) return undo();
+    if (!check(cuMemMap(dst + n * page, rest, 0, handle, 0), "cuMemMap")) {
+      cuMemRelease(handle);
+      return undo();
+    }
+    range.own.push_back({static_cast<size_t>(n) * page, rest, handle});
+    lent_own_bytes += rest;
+  }
+  CUmemAccessDesc access;
+  std::memset(&access, 0, sizeof(access));
+  access.location = properties(device).location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if (!check(cuMemSetAccess(dst, size, &access, 1), "cuMemSetAccess")) return undo();
+  lent[dst] = std::move(range);
+  return 0;
+}
+
+// Unmap what swaprl_vmm_lend mapped at dst and let go of it (torch's pages stay mapped where torch maps them).
+// Waits for the device first: work in flight may still read the range. Returns 0, 1 if nothing is lent there, or
+// -1 with swaprl_vmm_error() set.
+int swaprl_vmm_unlend(uint64_t dst, int device) {
+  std::lock_guard<std::mutex> guard(mu);
+  auto it = lent.find(dst);
+  if (it == lent.end()) return 1;
+  if (!ensure_context(device) || !check(cuCtxSynchronize(), "cuCtxSynchronize")) return -1;
+  if (!unlend(dst, it->second)) return -1;
+  lent.erase(it);
+  return 0;
+}
+
+// The bytes of the physical allocation mapped at `ptr` (the start of one), found by asking the driver which handle
+// backs each granule after it, up to `limit` bytes; 0 if nothing is mapped there, -1 with swaprl_vmm_error() set.
+int64_t swaprl_vmm_page_bytes(uint64_t ptr, uint64_t limit, int device) {
+  std::lock_guard<std::mutex> guard(mu);
+  if (!ensure_context(device)) return -1;
+  CUmemAllocationProp prop = properties(device);
+  size_t granularity = 0;
+  if (!check(cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+             "cuMemGetAllocationGranularity"))
+    return -1;
+  CUmemGenericAllocationHandle first;
+  if (cuMemRetainAllocationHandle(&first, reinterpret_cast<void*>(ptr)) != CUDA_SUCCESS) return 0;
+  uint64_t size = granularity;
+  for (; size < limit; size += granularity) {
+    CUmemGenericAllocationHandle next;
+    if (cuMemRetainAllocationHandle(&next, reinterpret_cast<void*>(ptr + size)) != CUDA_SUCCESS) break;
+    cuMemRelease(next);
+    if (next != first) break;
+  }
+  cuMemRelease(first);
+  return static_cast<int64_t>(size);
+}
+
+// which: 0 = torch's page bytes mapped at lent ranges, 1 = bytes created for their remainders, 2 = ranges lent.
+uint64_t swaprl_vmm_lent_stat(int which) {
+  std::lock_guard<std::mutex> guard(mu);
+  switch (which) {
+    case 0: return lent_page_bytes;
+    case 1: return lent_own_bytes;
+    case 2: return lent.size();
+    default: return 0;
+  }
 }
 
 }  // extern "C"

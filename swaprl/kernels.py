@@ -132,6 +132,13 @@ def _load() -> ctypes.CDLL:
                                          ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_void_p,
                                          ctypes.c_uint64, ctypes.c_int]
         lib.swaprl_vmm_resume.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.swaprl_vmm_lend.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64),
+                                        ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
+        lib.swaprl_vmm_unlend.argtypes = [ctypes.c_uint64, ctypes.c_int]
+        lib.swaprl_vmm_lent_stat.restype = ctypes.c_uint64
+        lib.swaprl_vmm_lent_stat.argtypes = [ctypes.c_int]
+        lib.swaprl_vmm_page_bytes.restype = ctypes.c_int64
+        lib.swaprl_vmm_page_bytes.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]
         _state["lib"], _state["path"], _state["slots"] = lib, path, set()
         return lib
 
@@ -333,6 +340,46 @@ class PausablePool:
         self.host.release()
         with _lock:
             _state["slots"].discard(self.slot)
+
+
+def page_bytes(ptr: int, limit: int, device: int) -> int:
+    """The bytes of the physical allocation mapped at `ptr` (the start of one, such as a page of torch's expandable
+    segments), at most `limit`; 0 where none is mapped (memory from `cudaMalloc`)."""
+    got = _load().swaprl_vmm_page_bytes(ptr, limit, device)
+    if got < 0:
+        raise RuntimeError(f"reading the page at {ptr:#x} failed: {_load().swaprl_vmm_error().decode()}")
+    return int(got)
+
+
+def lend(dst: int, size: int, pages: list[int], page: int, device: int) -> None:
+    """Back the reserved range [dst, dst + size) with the physical pages of `page` bytes that start at `pages` (in
+    memory torch holds; the caller keeps it allocated while the range is lent), in order, and the rest of the range
+    with memory of its own. Raises `torch.OutOfMemoryError` (nothing mapped) when that memory cannot be created."""
+    lib = _load()
+    addresses = (ctypes.c_uint64 * len(pages))(*pages)
+    if lib.swaprl_vmm_lend(dst, size, addresses, len(pages), page, device) != 0:
+        why = lib.swaprl_vmm_error().decode()
+        error = torch.OutOfMemoryError if "OUT_OF_MEMORY" in why.upper() else RuntimeError
+        raise error(f"lending {len(pages)} pages to the range at {dst:#x} ({size} bytes) failed: {why}; nothing "
+                    "was mapped")
+
+
+def unlend(dst: int, device: int) -> bool:
+    """Unmap a range `lend` backed (torch keeps its pages) and release its own memory; False if none is lent there."""
+    lib = _load()
+    rc = lib.swaprl_vmm_unlend(dst, device)
+    if rc < 0:
+        raise RuntimeError(f"unmapping the lent range at {dst:#x} failed: {lib.swaprl_vmm_error().decode()}")
+    return rc == 0
+
+
+def lent_bytes() -> tuple[int, int]:
+    """Bytes of torch's pages mapped at lent ranges, and bytes created for what those ranges hold past their last
+    whole page; (0, 0) when the library is not loaded."""
+    if "lib" not in _state:
+        return 0, 0
+    lib = _state["lib"]
+    return int(lib.swaprl_vmm_lent_stat(0)), int(lib.swaprl_vmm_lent_stat(1))
 
 
 def main(argv: list[str] | None = None) -> int:

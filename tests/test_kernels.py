@@ -39,7 +39,8 @@ def test_the_source_builds_and_exports_every_entry_point(tmp_path):
                              check=True).stdout
     names = {line.split()[-1] for line in symbols.splitlines()}
     wanted = {f"swaprl_vmm_{fn}_{k}" for fn in ("malloc", "free") for k in range(8)}
-    wanted |= {"swaprl_vmm_pause", "swaprl_vmm_resume", "swaprl_vmm_stat", "swaprl_vmm_error", "swaprl_vmm_slots"}
+    wanted |= {"swaprl_vmm_pause", "swaprl_vmm_resume", "swaprl_vmm_stat", "swaprl_vmm_error", "swaprl_vmm_slots",
+               "swaprl_vmm_lend", "swaprl_vmm_unlend", "swaprl_vmm_lent_stat", "swaprl_vmm_page_bytes"}
     assert wanted <= names, wanted - names
 
 
