@@ -309,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--release-other", action=argparse.BooleanOptionalAction, default=None,
                     help="vLLM: release its CUDA graphs, buffers and workspaces while it sleeps (VLLMEngine's "
                          "release_other; default: wherever swaprl.kernels can)")
+    ap.add_argument("--lend-pages", action=argparse.BooleanOptionalAction, default=None,
+                    help="vLLM: wake on the pages under torch's free cached blocks instead of handing them back to "
+                         "the driver (VLLMEngine's lend_pages; off by default)")
     ap.add_argument("--warmup", type=int, default=2,
                     help="steps left out of the medians (first-time costs: kernel compilations, buffers not "
                          "prepared at attach)")
@@ -353,7 +356,7 @@ def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.op
                       gpu_memory_utilization=config.gpu_memory_utilization,
                       kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
                       reserve_bytes=swaprl.placement.engine_reserve_bytes(optimizer, config), seed=args.seed,
-                      tensor_parallel_size=args.tp, release_other=args.release_other)
+                      tensor_parallel_size=args.tp, release_other=args.release_other, lend_pages=args.lend_pages)
 
 
 def expandable_segments() -> None:

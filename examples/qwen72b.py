@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--release-other", action=argparse.BooleanOptionalAction, default=None,
                     help="release vLLM's CUDA graphs, buffers and workspaces while it sleeps (default: wherever "
                          "swaprl.kernels can; the plan counts what the engine will do)")
+    ap.add_argument("--lend-pages", action=argparse.BooleanOptionalAction, default=None,
+                    help="wake vLLM on the pages under torch's free cached blocks (VLLMEngine's lend_pages; off "
+                         "by default)")
     ap.add_argument("--trace-step", type=int, default=None, metavar="N",
                     help="record step N with torch's profiler (examples/grpo.py --trace-step)")
     ap.add_argument("--memory-step", type=int, default=None, metavar="N",
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         # graphs out of its own sizing (2.2 GiB per GPU at 72B's width), which the plan counts as engine memory.
         loop += ["--dtype", "bfloat16", "--tp", str(tp), "--kv-cache-gib", f"{the_plan.kv_cache_bytes / 2**30:.3f}"]
     loop += ["--release-other" if release else "--no-release-other"]
+    if args.lend_pages is not None:
+        loop += ["--lend-pages" if args.lend_pages else "--no-lend-pages"]
     for flag, step in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
         if step is not None:
             loop += [flag, str(step)]

@@ -73,14 +73,33 @@ def device_total_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[1]
 
 
+_lent: dict[int, int] = {}  # device index -> bytes of torch's blocks held for an engine (swaprl.lending)
+
+
+def note_lent(device: int, delta: int) -> None:
+    """Count `delta` more bytes of torch's blocks on `device` as held for the engine (negative: given back)."""
+    _lent[device] = _lent.get(device, 0) + delta
+
+
+def lent_bytes(device: torch.device | int) -> int:
+    """Bytes of torch's blocks on `device` an engine wakes on (`swaprl.lending`): allocated in torch's counters,
+    the engine's memory in fact."""
+    index = device if isinstance(device, int) else device.index if device.index is not None else \
+        torch.cuda.current_device()
+    return _lent.get(index, 0)
+
+
 def torch_counters(device: torch.device) -> tuple[int, int]:
     """torch's allocated and reserved bytes on `device`, from one reading of its statistics: `memory_allocated` and
     `memory_reserved` each build all of them (a dict of some 150 counters) and take the allocator's lock, which a
-    phase switch, and the profiler's sampler beside it, would otherwise pay for twice per figure."""
+    phase switch, and the profiler's sampler beside it, would otherwise pay for twice per figure. The blocks held
+    for an engine (`lent_bytes`) count as neither: they are the engine's."""
     stats = torch.cuda.memory_stats_as_nested_dict(device)
     if not stats:  # CUDA not initialised yet: nothing allocated
         return 0, 0
-    return int(stats["allocated_bytes"]["all"]["current"]), int(stats["reserved_bytes"]["all"]["current"])
+    lent = lent_bytes(device) if _lent else 0
+    return (int(stats["allocated_bytes"]["all"]["current"]) - lent,
+            int(stats["reserved_bytes"]["all"]["current"]) - lent)
 
 
 def device_figures(device: torch.device) -> dict[str, int]:

@@ -43,8 +43,7 @@ class PhaseMachine:
         self.model = self.optimizer = self.engine = self.device = None
         self._unbound: str | None = None  # why nothing is bound yet (a pending runtime); None once bound
         self._phase: Phase = "train"
-        self._depth = self._cycle = 0
-        self._closed = False
+        self._depth, self._cycle, self._closed = 0, 0, False
         self._listeners: list[Callable[[dict], None]] = []
         self._detach_callbacks = Undo("detach")
         self._placement = self._link = None  # swaprl.placement.Placement, swaprl.link.SharedWeights: set by attach
@@ -215,7 +214,8 @@ class PhaseMachine:
         states, the offload's copies run under that); the trainer's state has left; the engine wakes its KV cache.
         Into `train`: the engine sleeps, the trainer's state comes back, the regions resume, the probe is scored."""
         place, link = self._placement, self._link
-        release = Step("release cached memory", place.release_cache, moves=False)  # freed blocks to the driver (vLLM)
+        # Freed blocks go to the driver for vLLM to map, unless the engine wakes on their pages where torch holds them.
+        release = [Step("release cached memory", place.release_cache, moves=False)] if not self.engine.lender else []
         if dst == "train":
             resume = [Step("resume regions", lambda: regions.resume(self._regions),
                            lambda: regions.pause(self._regions))] if self._regions else []
@@ -226,10 +226,10 @@ class PhaseMachine:
         pause = [Step("pause regions", lambda: regions.pause(self._regions),
                       lambda: regions.resume(self._regions))] if self._regions else []
         # Released before the copies start (with them in flight it took as long as they did); not if the weights fit.
-        early = [s for s in first if s.blocking] + ([release] if room != "free now" else [])
+        early = [s for s in first if s.blocking] + (release if room != "free now" else [])
         steps = pause + early + [s for s in first if not s.blocking] + link.wake_steps(self._cycle + 1) + then
         ready = link.ready_steps()
-        return steps + ([release] if ready else []) + ready  # the sync's buckets, the state just moved
+        return steps + (release if ready else []) + ready  # the sync's buckets, the state just moved
 
     def _settle(self) -> None:
         """Complete the moves a failed rollback left undone, for the phase the runtime is in: each step of a switch

@@ -337,11 +337,52 @@ def test_sleep_frees_the_engine_memory_and_status_sees_it(tiny_checkpoint, engin
 
 
 @pytest.mark.gpu
+def test_the_engine_wakes_on_torchs_cached_pages_and_generates_as_on_memory_of_its_own(tiny_checkpoint, engine):
+    """With torch's freed blocks cached, the switch into generate hands none back to the driver: the KV cache wakes
+    on their pages (only what fills no whole page is new memory), generates what it generated on its own memory,
+    and the pages are torch's again once the engine sleeps."""
+    from swaprl import kernels
+    from swaprl.lending import PageLender
+
+    assert engine.lender is None, "lending is off by default"
+    engine.lender = PageLender(torch.cuda.current_device())  # as VLLMEngine(lend_pages=True) builds it
+    try:
+        _wake_on_lent_pages(tiny_checkpoint, engine, kernels)
+    finally:
+        engine.lender = None
+
+
+def _wake_on_lent_pages(tiny_checkpoint, engine, kernels):
+    model, opt = trainer(tiny_checkpoint)
+    rt = swaprl.attach(model, opt, engine)
+    sampling = swaprl.Sampling(max_tokens=16, n=2, seed=3)
+    torch.cuda.empty_cache()  # nothing to lend: the engine maps memory of its own
+    with swaprl.phase("generate"):
+        assert kernels.lent_bytes()[0] == 0
+        reference = rt.engine.generate(PROBE, sampling)
+    with swaprl.phase("train"):
+        freed = torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")
+        del freed  # cached by torch, not handed back
+    torch.cuda.synchronize()
+    free0 = _free()
+    with swaprl.phase("generate"):
+        lent = kernels.lent_bytes()[0]
+        assert lent >= engine.kv_cache_bytes - 64 * MiB, (lent, engine.kv_cache_bytes)
+        awake = rt.status()["engine"]
+        woke = awake["weights_bytes"] + awake["kv_cache_bytes"] + awake.get("other_pooled_bytes", 0)
+        assert free0 - _free() <= woke - lent + 64 * MiB, (free0 - _free(), woke, lent)  # the driver gave the rest
+        assert rt.engine.generate(PROBE, sampling) == reference
+    assert kernels.lent_bytes() == (0, 0) and memory.lent_bytes(torch.cuda.current_device()) == 0
+    assert torch.cuda.memory_reserved() >= lent  # the pages went back to torch's cache, not to the driver
+
+
+@pytest.mark.gpu
 def test_wake_that_does_not_fit_fails_before_mapping(tiny_checkpoint, engine):
     model, opt = trainer(tiny_checkpoint)
     rt = swaprl.attach(model, opt, engine)
     with swaprl.phase("train"):
         train_step(model, opt)
+    torch.cuda.empty_cache()  # nothing cached for the engine to wake on: only what the driver has free
     hog = torch.empty(_free() - 1024 * MiB, dtype=torch.uint8, device="cuda")  # user code holding memory
     states = [v.clone() for st in opt.state.values() for v in st.values() if v.is_cuda]
     with pytest.raises(swaprl.engines.vllm.EngineWakeError, match=r"needs \d+ bytes .* only \d+ bytes .* free"):

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -189,6 +189,63 @@ def _sleep_allocator():
     except ImportError:
         return None
     return CuMemAllocator.instance
+
+
+_lending: dict = {}  # "waking": the lender vLLM's wake-ups map with now; "lenders": those whose ranges sleep unmaps
+
+
+def lend_pages(lender) -> contextlib.AbstractContextManager:
+    """Inside: each allocation vLLM's sleep-mode allocator wakes is backed by `lender`'s pages
+    (`swaprl.lending.PageLender.map`) instead of new physical memory; from then on its sleep unmaps them through the
+    lender. vLLM calls its module's `create_and_map` / `unmap_and_release` for each allocation (0.26 and later):
+    those two names are replaced, once, by functions that hand lent allocations to their lender and every other to
+    vLLM's own."""
+    from vllm.device_allocator import cumem
+
+    if "create" not in _lending:
+        _lending.update(create=cumem.create_and_map, unmap=cumem.unmap_and_release, lenders=[], waking=None)
+
+        def create_and_map(handle) -> None:
+            lender = _lending["waking"]
+            if lender is not None:
+                try:
+                    lender.map(int(handle[2]), int(handle[1]))
+                    return
+                except torch.OutOfMemoryError:
+                    raise
+                except RuntimeError as exc:  # the driver refused torch's pages: memory of vLLM's own, as before
+                    logger.warning("swaprl: waking an allocation on lent pages failed (%s); vLLM maps its own", exc)
+            _lending["create"](handle)
+
+        def unmap_and_release(handle) -> None:
+            if not any(lender.unmap(int(handle[2])) for lender in _lending["lenders"]):
+                _lending["unmap"](handle)
+
+        cumem.create_and_map, cumem.unmap_and_release = create_and_map, unmap_and_release
+    if lender not in _lending["lenders"]:
+        _lending["lenders"].append(lender)
+
+    @contextlib.contextmanager
+    def waking() -> Iterator[None]:
+        _lending["waking"] = lender
+        try:
+            yield
+        finally:
+            _lending["waking"] = None
+
+    return waking()
+
+
+def sleep_mapped(tags: Sequence[str]) -> None:
+    """Unmap the allocations of these tags that are mapped (a wake-up that failed halfway), as vLLM's sleep would
+    without keeping anything, and mark them asleep."""
+    from vllm.device_allocator import cumem
+
+    allocator = _sleep_allocator()
+    for data in allocator.pointer_to_data.values() if allocator is not None else ():
+        if data.tag in tags and not data.is_asleep:
+            cumem.unmap_and_release(data.handle)
+            data.is_asleep = True
 
 
 def apply_model(llm, fn: Callable[[torch.nn.Module], _R]) -> list[_R]:

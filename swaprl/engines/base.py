@@ -81,6 +81,9 @@ class Engine(abc.ABC):
     """Device bytes of the engine's own copy of the weights when awake (0 when it shares the trainer's)."""
     max_sequence_length: int | None = None
     """Longest prompt + completion the engine accepts (None: no limit of its own)."""
+    lender = None
+    """A `swaprl.lending.PageLender` when the engine wakes on the pages under torch's free cached blocks: it takes
+    what it needs from the cache itself, which must not be handed back to the driver first."""
 
     def bind(self, model: torch.nn.Module) -> None:
         """Called by `attach` with the trainer's model (an engine that needs no model ignores it)."""

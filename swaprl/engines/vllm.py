@@ -134,6 +134,12 @@ class VLLMEngine(Engine):
     they are not measured yet); True raises naming what is missing where they
     cannot; False keeps those allocations on the device while the engine sleeps. An `llm` built elsewhere allocated
     before swaprl could route it, so it cannot have it.
+    lend_pages: wake up on the physical pages under torch's free cached blocks, mapped at the engine's addresses,
+    instead of torch handing them back to the driver and vLLM creating new ones (`swaprl.lending`, docs/kernels.md);
+    the engine's sleep unmaps them and torch finds them still mapped. It needs swaprl's native library
+    (`swaprl.kernels`) and lends only what torch's expandable segments hold. Off by default: it cuts the engine's
+    page-table work at a switch, but at 72B-20L on 2 x H200 the second switch's KV cache found less room than
+    without it (benchmarks/results/lend_h200x2_72b20l/).
     The remaining keywords go to `vllm.LLM`.
 
     Environment: vLLM reads its start-up settings from environment variables. While `vllm.LLM` is built, the engine
@@ -149,7 +155,7 @@ class VLLMEngine(Engine):
                  gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
                  reserve_bytes: int | None = None, max_model_len: int | None = None, enforce_eager: bool = False,
                  seed: int = 0, tensor_parallel_size: int = 1, release_other: bool | None = None,
-                 **llm_kwargs) -> None:
+                 lend_pages: bool = False, **llm_kwargs) -> None:
         if model is None and llm is None:
             raise ValueError("VLLMEngine needs a checkpoint directory (VLLMEngine('path/to/model')) or an LLM")
         vllm_compat.check_version()
@@ -172,6 +178,9 @@ class VLLMEngine(Engine):
         if release_other and not built:
             raise ValueError("release_other=True needs an engine built by VLLMEngine (pass a checkpoint, not llm=): "
                              "what an engine allocated before swaprl saw it cannot be moved into a pausable pool")
+        if lend_pages and not self.cuda:
+            raise RuntimeError("lend_pages=True needs a CUDA GPU (torch's pages are CUDA virtual memory); pass "
+                               "lend_pages=False on this machine")
         if release_other and not self.cuda:
             raise RuntimeError("release_other=True needs a CUDA GPU (the pausable pools are CUDA virtual memory); "
                                "pass release_other=False on this machine")
@@ -205,6 +214,16 @@ class VLLMEngine(Engine):
                     self.other.close()
                     self.other = None
                 raise
+        self.lender = None  # swaprl.lending.PageLender, when the engine wakes on torch's cached pages
+        if lend_pages:
+            from .. import kernels
+
+            why = kernels.unavailable()
+            if why is not None:
+                raise RuntimeError(f"{why}. Build it with `python -m swaprl.kernels`, or pass lend_pages=False")
+            from ..lending import PageLender
+
+            self.lender = PageLender(torch.cuda.current_device())
         facts = vllm_compat.engine_facts(llm)
         if not built and distributed.is_distributed():  # the caller's LLM (with the external launcher, as TRL's)
             self.tp_group = distributed.TPGroup(facts.tensor_parallel_size)
@@ -386,7 +405,7 @@ class VLLMEngine(Engine):
             raise EngineStateError(f"the vLLM engine cannot put its {' and '.join(sorted(want))} to sleep while its "
                                    f"{' and '.join(sorted(set(_TAGS) - self._sleeping - want))} stays awake; sleep "
                                    "the whole engine (tags=None)")
-        free0 = self._free(settled=True)
+        free0, lent0 = self._free(settled=True), self._lent()
         if self._sleeping:  # woken in part (a staged wake-up undone halfway): vLLM's own sleep would do nothing
             vllm_compat.sleep_partly_awake(self.llm, level)
         else:
@@ -399,7 +418,15 @@ class VLLMEngine(Engine):
         if self.other is not None and not self.other.paused:  # paused already while the KV cache slept
             self.other.pause()
             self.stats.update({f"other_{k}": v for k, v in self.other.stats.items()})
-        self.stats["freed_bytes"] = self._free() - free0
+        # The pages lent while awake go back to torch's cache after vLLM's sleep, which ends with `empty_cache`.
+        lent_back = lent0 - self._lent()
+        if self.lender is not None:
+            self.lender.give_back()
+            from .. import kernels
+
+            if any(kernels.lent_bytes()):  # every lent range unmapped with the engine's sleep
+                logger.warning("the engine sleeps with %s bytes still lent (pages, own)", kernels.lent_bytes())
+        self.stats["freed_bytes"] = self._free() - free0 + lent_back
 
     def wake(self, tags: Sequence[MemoryTag] | None = None) -> None:
         want = [t for t in (tags or _TAGS) if t in self._sleeping]
@@ -415,37 +442,69 @@ class VLLMEngine(Engine):
         resume_other = self.other is not None and self.other.paused and self._sleeping <= set(want)
         if resume_other:
             needed += self.other.resume_bytes
+        lending = False
         if self.cuda:
-            free = self._free()
             margin = 256 * 2**20
+            sizes = [n for tag, ns in self.pool_allocations().items() if tag in want for n in ns]
+            ready = self.lender.take(sizes) if self.lender is not None else 0
+            lending = ready > 0
+            free = self._free()
+            if free < needed - ready + margin:
+                # What the lent pages do not cover is vLLM's own memory: torch hands back that much of its cache
+                # (lending) or all of it.
+                if lending:
+                    self.lender.release(needed - ready + margin - free)
+                if self._free() < needed - ready + margin:
+                    torch.cuda.empty_cache()
+                free = self._free()
+            if lending:
+                logger.info("waking the engine's %s: %.2f GiB of torch's pages to lend, %.2f GiB more to map, %.2f "
+                            "GiB free", " and ".join(want), gib(ready), gib(max(needed - ready, 0)), gib(free))
             # Every rank wakes together, so every rank refuses if one of them cannot: the others would otherwise
             # wait forever for it in the weight sync's first collective.
-            short = distributed.all_reduce([max(needed + margin - free, 0)], "max")[0]
+            short = distributed.all_reduce([max(needed + margin - free - ready, 0)], "max")[0]
+            if short > 0 and self.lender is not None:
+                try:  # what the error below says matters more than this reading
+                    census = {k: f"{gib(v):.2f} GiB" if k not in ("segments", "free_blocks") else v
+                              for k, v in self.lender.census().items()}
+                    logger.warning("torch's memory when the wake-up fell short: %s", census)
+                except Exception as exc:  # noqa: BLE001
+                    logger.warning("reading torch's memory for the wake-up that fell short failed: %s", exc)
             if short > 0:
-                here = (f"but only {free} bytes ({gib(free):.2f} GiB) are free on the device" if needed + margin > free
-                        else f"and this rank has {gib(free):.2f} GiB free, but another rank is {gib(short):.2f} GiB "
-                        "short")
+                if self.lender is not None:
+                    self.lender.give_back_unused()  # the blocks just taken
+                here = (f"but only {free} bytes ({gib(free):.2f} GiB) are free on the device"
+                        + (f" and {gib(ready):.2f} GiB of torch's cached pages can be lent" if ready else "")
+                        if needed + margin > free + ready
+                        else f"and this rank has {gib(free + ready):.2f} GiB, but another rank is {gib(short):.2f} "
+                        "GiB short")
                 raise EngineWakeError(
                     f"waking the vLLM engine's {' and '.join(want)} needs {needed} bytes ({gib(needed):.2f} GiB) "
                     f"{here}. Nothing was mapped; the engine stays asleep. Free device memory first: offload what "
                     "the trainer does not need while generating (SwapConfig grads='free'/'offload', "
                     "params='offload'), delete tensors you hold, or build the engine with a smaller "
                     "kv_cache_memory_bytes / gpu_memory_utilization.", short_bytes=int(short))
-        free0 = self._free()
+        free0, lent0 = self._free(), self._lent()
         if resume_other:
             self.other.resume()
             self.stats["other_resume_s"] = self.other.stats["resume_s"]
             free0 = self._free()
         try:
-            self.llm.wake_up(tags=want)
+            with vllm_compat.lend_pages(self.lender) if lending else contextlib.nullcontext():
+                self.llm.wake_up(tags=want)
         except BaseException:
+            if lending:
+                vllm_compat.sleep_mapped(want)  # what this wake-up mapped, unmapped again
             if resume_other:
                 self.other.pause()  # asleep as before, pools included
             raise
+        finally:
+            if lending:
+                self.lender.give_back_unused() if self.lender.lent else self.lender.give_back()
         self._sleeping -= set(want)
         if "weights" in want and self._level == 1:
             self._weights_valid = True
-        mapped = free0 - self._free()
+        mapped = free0 - self._free() + self._lent() - lent0
         self.stats[f"woke_{'_'.join(want)}_bytes"] = mapped
         if self.cuda and len(want) == 1:
             self._pool[want[0]] = mapped
@@ -517,6 +576,8 @@ class VLLMEngine(Engine):
         return vllm_compat.sleep_pool_allocations() if self.cuda else {}
 
     def close(self) -> None:
+        if getattr(self, "lender", None) is not None and self.lender.lent:
+            self.sleep(2)  # vLLM's teardown frees what is mapped as memory of its own: lent pages are not
         llm, self.llm = getattr(self, "llm", None), None
         if self.other is not None and self.other.paused:
             self.other.resume()  # vLLM's teardown may touch its buffers
@@ -531,6 +592,14 @@ class VLLMEngine(Engine):
     def _other(self, what: str):
         """`OtherMemory.capturing()` / `.running()` when the pools are on, else nothing."""
         return getattr(self.other, what)() if self.other is not None else contextlib.nullcontext()
+
+    def _lent(self) -> int:
+        """Bytes of torch's pages lent to the engine now."""
+        if self.lender is None:
+            return 0
+        from .. import kernels
+
+        return kernels.lent_bytes()[0]
 
     def _free(self, *, settled: bool = False) -> int:
         """The device's free bytes. `settled`: after handing torch's cached free blocks back to the driver first, as

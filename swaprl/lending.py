@@ -1,0 +1,217 @@
+"""torch's free cached pages lent to an engine's sleep-mode allocations while the engine is awake.
+
+A switch into `generate` used to hand torch's cached free blocks back to the driver (`empty_cache`: unmap and
+release every page) so that vLLM's wake-up could create physical memory and map it at its fixed addresses, and the
+engine's sleep released that memory again for torch to create anew in training. The driver's cost is in creating
+and releasing physical memory, not in mapping it (benchmarks/bench_vmm.py). Lending skips both: the free blocks
+stay allocated in torch's cache for the lender (`torch.cuda.caching_allocator_alloc`, on the stream that owns
+them), the physical pages under them are mapped a second time at the engine's addresses (`kernels.lend`), and
+when the engine sleeps they are unmapped there and the blocks freed: torch finds them still mapped.
+
+It needs torch's expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, swaprl's default): each
+of their pages is one physical allocation the driver can name. Without them, or without swaprl's native library,
+nothing is lendable and the engine wakes as before.
+
+While lent, the blocks count as allocated in torch's statistics; `memory.lent_bytes` says how many of them are the
+engine's, and `memory.torch_counters` leaves them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels, memory
+
+
+@dataclass
+class _Free:
+    """A free block of torch's default pool that holds at least one whole page."""
+    address: int
+    size: int
+    stream: int
+    base: int  # its segment's first byte: pages start there, every `page` bytes
+    page: int
+
+
+class PageLender:
+    """Lends the pages under torch's free cached blocks on `device` to an engine's allocations.
+
+    `lendable()` says how many bytes could be lent now; `take(sizes)` allocates free blocks holding the whole pages
+    those allocations can use; `map(dst, size)` backs an engine allocation with taken pages (and memory of its own
+    past the last whole page, or where the pages ran out); `unmap(dst)` undoes that; `give_back()` frees every block
+    taken (after every range is unmapped), `give_back_unused()` those none of whose pages were mapped."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._blocks: dict[int, int] = {}  # block address -> size, allocated from torch's cache
+        self._pages: list[tuple[int, int, int]] = []  # (page address, page bytes, block address), not yet mapped
+        self._used: dict[int, int] = {}  # block address -> its pages mapped now
+        self._ranges: dict[int, list[int]] = {}  # lent range -> the blocks its pages came from
+
+    # ---------------------------------------------------------------- what torch holds free
+    def _scan(self) -> tuple[list[_Free], dict[int, tuple[int, int]]]:
+        """The default pool's free blocks holding whole pages, largest first, and its segments (base -> end, page
+        bytes; 0 where the segment's memory is not made of pages the driver can name, as `cudaMalloc`'s is not)."""
+        out, segments = [], {}
+        for seg in torch.cuda.memory_snapshot(include_traces=False) if kernels.available() else ():
+            if (seg.get("device") != self.device or seg.get("segment_type") != "large"
+                    or tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)):
+                continue
+            base = addr = int(seg["address"])
+            # An expandable segment maps pages of one size from its first byte (20 MiB by default).
+            page = kernels.page_bytes(base, 2**30, self.device)
+            segments[base] = (base + int(seg["total_size"]), page)
+            for block in seg["blocks"]:
+                size = int(block["size"])
+                if page and block["state"] == "inactive" and self._whole(addr, size, base, page):
+                    out.append(_Free(addr, size, int(seg["stream"]), base, page))
+                addr += size
+        return sorted(out, key=lambda b: -b.size), segments
+
+    @staticmethod
+    def _whole(addr: int, size: int, base: int, page: int) -> int:
+        """Bytes of whole pages inside [addr, addr + size)."""
+        first = base + -(-(addr - base) // page) * page
+        end = base + (addr + size - base) // page * page
+        return max(end - first, 0)
+
+    def lendable(self) -> int:
+        """Bytes of whole pages under torch's free cached blocks now (none without expandable segments)."""
+        return sum(self._whole(b.address, b.size, b.base, b.page) for b in self._scan()[0])
+
+    def census(self) -> dict:
+        """Where torch's default pool on the device stands, in bytes, for a message: its blocks by state, the free
+        ones' whole pages, its segments, and what this lender holds."""
+        out = {"segments": 0, "allocated": 0, "pending_free": 0, "free": 0, "free_whole_pages": 0, "free_blocks": 0,
+               "lender_blocks": sum(self._blocks.values()), "lender_pages_unmapped": sum(n for _, n, _ in self._pages),
+               "lent_pages": kernels.lent_bytes()[0], "lent_own": kernels.lent_bytes()[1]}
+        free, total = torch.cuda.mem_get_info(self.device)
+        out.update(device_used=total - free, default_pool=0, private_pools=0)
+        for seg in torch.cuda.memory_snapshot(include_traces=False):
+            if seg.get("device") != self.device:
+                continue
+            if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0):
+                out["private_pools"] += int(seg["total_size"])
+                continue
+            out["segments"] += 1
+            out["default_pool"] += int(seg["total_size"])
+            base = addr = int(seg["address"])
+            page = kernels.page_bytes(base, 2**30, self.device) if seg.get("segment_type") == "large" else 0
+            for block in seg["blocks"]:
+                size, state = int(block["size"]), block["state"]
+                key = {"active_allocated": "allocated", "active_pending_free": "pending_free"}.get(state, "free")
+                out[key] += size
+                if key == "free":
+                    out["free_blocks"] += 1
+                    out["free_whole_pages"] += self._whole(addr, size, base, page) if page else 0
+                addr += size
+        return out
+
+    # ---------------------------------------------------------------- taking and giving back
+    def take(self, sizes: list[int]) -> int:
+        """Allocate free cached blocks until they hold whole pages enough for allocations of these `sizes` (what of
+        each fills whole pages), or none is left; returns the page bytes ready to map. The last block is taken only
+        as far as it is needed."""
+        blocks, segments = self._scan()
+        if not blocks:
+            return 0
+        page = blocks[0].page
+        want = sum(n // page * page for n in sizes)
+        ready = sum(n for _, n, _ in self._pages)
+        for block in blocks:
+            if ready >= want:
+                break
+            if block.page != page:
+                continue
+            whole = self._whole(block.address, block.size, block.base, page)
+            # Two pages more than needed: a block cut from the front of a free one starts anywhere in a page.
+            ask = block.size if whole <= want - ready else min(block.size, want - ready + 2 * page)
+            ptr = torch.cuda.caching_allocator_alloc(ask, self.device, stream=block.stream)
+            self._blocks[ptr] = ask
+            memory.note_lent(self.device, ask)
+            # Best fit may have cut it from another free block, of another segment even: its pages are that one's.
+            base = next((b for b, (end, _) in segments.items() if b <= ptr < end), None)
+            if base is None or segments[base][1] != page:
+                continue  # no pages of this size: given back unused after the wake-up
+            first = base + -(-(ptr - base) // page) * page
+            for at in range(first, base + (ptr + ask - base) // page * page, page):
+                self._pages.append((at, page, ptr))
+                ready += page
+        return ready
+
+    def release(self, nbytes: int) -> int:
+        """Hand back to the driver about `nbytes` of torch's free cached pages, the smallest free blocks first, and
+        keep the rest cached (for a later wake-up to lend): `empty_cache` would hand back all of them. The blocks
+        to keep are allocated around the call and freed after it. Returns the bytes torch handed back."""
+        blocks, _ = self._scan()
+        keep, going = [], 0
+        for block in reversed(blocks):  # smallest first
+            if going < nbytes:
+                going += self._whole(block.address, block.size, block.base, block.page)
+            else:
+                try:
+                    keep.append(torch.cuda.caching_allocator_alloc(block.size, self.device, stream=block.stream))
+                except torch.OutOfMemoryError:  # the block went meanwhile: torch emptied its cache to retry
+                    break
+        before = torch.cuda.memory_reserved(self.device)
+        try:
+            torch.cuda.empty_cache()
+        finally:
+            for ptr in keep:
+                torch.cuda.caching_allocator_delete(ptr)
+        return before - torch.cuda.memory_reserved(self.device)
+
+    def map(self, dst: int, size: int) -> int:
+        """Back the engine's reserved range [dst, dst + size) with taken pages, in the order taken, and past them
+        with memory of its own; returns the page bytes mapped."""
+        page = self._pages[0][1] if self._pages else 0
+        count = min(size // page, len(self._pages)) if page else 0
+        fits, self._pages = self._pages[:count], self._pages[count:]
+        try:
+            kernels.lend(dst, size, [p[0] for p in fits], page or 1, self.device)
+        except BaseException:
+            self._pages = fits + self._pages
+            raise
+        blocks = [p[2] for p in fits]
+        for b in blocks:
+            self._used[b] = self._used.get(b, 0) + 1
+        self._ranges[dst] = blocks
+        return count * page
+
+    def unmap(self, dst: int) -> bool:
+        """Unmap a range `map` backed; False if it is not one of this lender's."""
+        if dst not in self._ranges:
+            return False
+        kernels.unlend(dst, self.device)
+        for b in self._ranges.pop(dst):
+            self._used[b] -= 1
+        return True
+
+    @property
+    def lent(self) -> bool:
+        return bool(self._ranges)
+
+    def give_back_unused(self) -> int:
+        """Free the taken blocks none of whose pages are mapped; returns their bytes."""
+        unused = [b for b in self._blocks if not self._used.get(b)]
+        self._pages = [p for p in self._pages if p[2] not in unused]
+        return self._free(unused)
+
+    def give_back(self) -> int:
+        """Free every taken block; every range must be unmapped first. Returns their bytes."""
+        if self._ranges:
+            raise RuntimeError(f"{len(self._ranges)} lent ranges are still mapped: unmap them before giving the "
+                               "blocks back")
+        self._pages = []
+        return self._free(list(self._blocks))
+
+    def _free(self, blocks: list[int]) -> int:
+        total = 0
+        for b in blocks:
+            torch.cuda.caching_allocator_delete(b)
+            total += self._blocks.pop(b)
+            self._used.pop(b, None)
+        memory.note_lent(self.device, -total)
+        return total

@@ -1,0 +1,122 @@
+"""swaprl.lending: the pages under torch's free cached blocks mapped at an engine's addresses, for real on the GPU.
+
+An address range reserved with the driver stands for one of vLLM's sleep-mode allocations (vLLM reserves its
+ranges the same way); the engine itself wakes on lent pages in the vLLM tests, where it is on by default. Here:
+a lent range reads and writes torch's own pages, creates physical memory only past its last whole page, and gives
+everything back; a page that is not one physical allocation is refused with nothing mapped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from swaprl import kernels, memory
+from swaprl.lending import PageLender
+
+MiB = 2**20
+gpu = pytest.mark.gpu
+
+
+def _free() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+class _Reserved:
+    """An address range reserved with the driver and nothing mapped: what vLLM's allocator holds for an allocation
+    while the engine sleeps."""
+
+    def __init__(self, size: int) -> None:
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        self.size, ptr = size, ctypes.c_uint64()
+        assert self.cu.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
+                                           ctypes.c_uint64(0), ctypes.c_ulonglong(0)) == 0
+        self.ptr = ptr.value
+
+    def view(self) -> torch.Tensor:
+        """The range as a uint8 tensor (valid while it is mapped)."""
+        holder = type("Range", (), {"__cuda_array_interface__": {"shape": (self.size,), "typestr": "|u1",
+                                                                  "data": (self.ptr, False), "version": 3}})()
+        return torch.as_tensor(holder, device="cuda")
+
+    def close(self) -> None:
+        assert self.cu.cuMemAddressFree(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size)) == 0
+
+
+@pytest.fixture
+def lender():
+    if not kernels.available():
+        pytest.fail(f"the native library must load on the GPU machine: {kernels.unavailable()}")
+    torch.cuda.empty_cache()
+    block = torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")  # pages torch maps, then holds free
+    del block
+    out = PageLender(torch.cuda.current_device())
+    if not out.lendable():
+        pytest.skip("torch holds no lendable pages: run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    yield out
+    assert not out.lent
+    out.give_back()
+    torch.cuda.empty_cache()
+
+
+@gpu
+def test_a_lent_range_is_torchs_own_pages_and_creates_memory_only_past_the_last_whole_page(lender):
+    device = torch.cuda.current_device()
+    size = 2**30 + 6 * MiB  # not a whole number of pages
+    warm = torch.zeros(1, dtype=torch.uint8, device="cuda")
+    assert not bool((warm.fill_(7) == 7).logical_not().any())  # kernels loaded before the driver is read
+    reserved_before = torch.cuda.memory_reserved()
+    allocated_before = memory.torch_counters(torch.device("cuda", device))[0]
+    ready = lender.take([size])
+    first_page, page, _ = lender._pages[0]
+    assert page % (2 * MiB) == 0 and ready >= size // page * page, (page, ready)
+    assert memory.lent_bytes(device) >= ready
+    assert memory.torch_counters(torch.device("cuda", device))[0] == allocated_before  # the engine's, not torch's
+    dst = _Reserved(size)
+    free0 = _free()
+    try:
+        lent = lender.map(dst.ptr, size)
+        assert lent == size // page * page
+        assert free0 - _free() == size - lent  # new physical memory only for what fills no whole page
+        dst.view().fill_(7)
+        torch.cuda.synchronize()
+        # The bytes are in torch's pages: read the first one lent where torch maps it.
+        held = _Reserved.__new__(_Reserved)
+        held.size, held.ptr = page, first_page
+        assert not bool((held.view() == 7).logical_not().any()), "torch's page does not hold what was written there"
+        assert lender.unmap(dst.ptr) and not lender.unmap(dst.ptr)
+        assert _free() == free0
+    finally:
+        if lender.lent:
+            lender.unmap(dst.ptr)
+        dst.close()
+    lender.give_back()
+    assert memory.lent_bytes(device) == 0
+    assert torch.cuda.memory_reserved() == reserved_before  # no page released or created on torch's side
+
+
+@gpu
+def test_a_page_that_is_not_one_physical_allocation_is_refused_with_nothing_mapped(lender):
+    lender.take([2**30])
+    page = lender._pages[0][1]
+    dst = _Reserved(4 * page)
+    try:
+        with pytest.raises(RuntimeError, match="not one physical allocation"):
+            kernels.lend(dst.ptr, 4 * page, [lender._pages[0][0]], 2 * page, torch.cuda.current_device())
+        assert kernels.lent_bytes() == (0, 0)
+        assert not kernels.unlend(dst.ptr, torch.cuda.current_device())
+    finally:
+        dst.close()
+    lender.give_back_unused()
+
+
+def test_lend_pages_without_a_gpu_names_the_fix(tiny_checkpoint, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("checks the machine without a GPU")
+    from swaprl.engines.vllm import VLLMEngine
+
+    with pytest.raises(RuntimeError, match="lend_pages=True needs a CUDA GPU.*lend_pages=False"):
+        VLLMEngine(tiny_checkpoint, lend_pages=True)
