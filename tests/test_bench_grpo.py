@@ -33,6 +33,8 @@ def test_smoke_runs_the_three_ways_and_reports(tmp_path, monkeypatch, capsys):
         assert m["rollout_tokens"] > 0 and m["rollout_tok_s"] > 0 and m["train_tok_s"] > 0, (way, m)
         assert 0 <= m["switch_s"] < m["step_s"], (way, m)
         assert len(w["steps"]) == 2  # one warm-up step, one timed
+        if way in "ab":  # TRL's runs record each call of the engine; the record is kept in the merged result
+            assert isinstance(w["extra"]["rollouts"], list), (way, w["extra"])
     assert result["ways"]["a"]["step_ratio_to_trl"] == 1.0
     assert result["ways"]["b"]["median"]["switch_s"] > 0  # swaprl's phase events were counted
     assert result["ways"]["c"]["extra"]["engine"] == "HFEngine"
