@@ -244,26 +244,34 @@ std::vector<std::pair<size_t, size_t>> kept_runs(CUdeviceptr base, const Segment
 }
 
 // Unmap and let go of every piece of a lent range: the retained pages (torch still maps them) and the range's own
-// memory. One unmap over the whole range when the driver takes it, else piece by piece.
+// memory. One unmap over the whole range when the driver takes it, else piece by piece. Every piece is let go even
+// when one fails (a retry must not release a handle twice); returns false with the first error set.
 bool unlend(CUdeviceptr dst, Lent& range) {
   size_t mapped = 0;
   for (const Piece& p : range.pages) mapped = std::max(mapped, p.offset + p.size);
   for (const Piece& p : range.own) mapped = std::max(mapped, p.offset + p.size);
   bool whole = mapped > 0 && cuMemUnmap(dst, mapped) == CUDA_SUCCESS;
+  bool ok = true;
+  std::string first;
+  auto keep_first = [&](bool good) {
+    if (!good && ok) first = last_error;
+    ok = ok && good;
+  };
   for (std::vector<Piece>* pieces : {&range.pages, &range.own})
     for (const Piece& p : *pieces)
-      if (!whole && !check(cuMemUnmap(dst + p.offset, p.size), "cuMemUnmap")) return false;
+      if (!whole) keep_first(check(cuMemUnmap(dst + p.offset, p.size), "cuMemUnmap"));
   for (const Piece& p : range.pages) {
-    if (!check(cuMemRelease(p.handle), "cuMemRelease")) return false;
+    keep_first(check(cuMemRelease(p.handle), "cuMemRelease"));
     lent_page_bytes -= p.size;
   }
   for (const Piece& p : range.own) {
-    if (!check(cuMemRelease(p.handle), "cuMemRelease")) return false;
+    keep_first(check(cuMemRelease(p.handle), "cuMemRelease"));
     lent_own_bytes -= p.size;
   }
   range.pages.clear();
   range.own.clear();
-  return true;
+  if (!ok) last_error = first;
+  return ok;
 }
 
 }  // namespace
@@ -396,9 +404,10 @@ int swaprl_vmm_resume(int s, int device, int kept_only, int fill) {
 
 // Back the reserved range [dst, dst + size) with the n pages of `page` bytes that start at pages[i] (addresses in
 // torch's memory, each the start of one physical allocation of that size), the i-th at dst + i * page, and the rest
-// of the range with memory of its own; readable and writable from `device`. Returns 0, or -1 with
+// of the range with memory of its own; readable and writable from `device`. `fill` (0-255, or -1 for none) is
+// written over the whole range, for memory that must not read as what torch left there. Returns 0, or -1 with
 // swaprl_vmm_error() set and nothing mapped, retained or created.
-int swaprl_vmm_lend(uint64_t dst, uint64_t size, const uint64_t* pages, int n, uint64_t page, int device) {
+int swaprl_vmm_lend(uint64_t dst, uint64_t size, const uint64_t* pages, int n, uint64_t page, int device, int fill) {
   std::lock_guard<std::mutex> guard(mu);
   if (lent.count(dst)) {
     last_error = "the range is lent already";
@@ -429,7 +438,14 @@ int swaprl_vmm_lend(uint64_t dst, uint64_t size, const uint64_t* pages, int n, u
       return undo();
     }
     cuMemRelease(last);
-    if (last != handle) {
+    // ... and it starts there: the byte before it is another allocation's, or none's (cuMemMap maps from offset 0).
+    CUmemGenericAllocationHandle before = 0;
+    bool starts = cuMemRetainAllocationHandle(&before, reinterpret_cast<void*>(pages[i] - 1)) != CUDA_SUCCESS;
+    if (!starts) {
+      starts = before != handle;
+      cuMemRelease(before);
+    }
+    if (last != handle || !starts) {
       cuMemRelease(handle);
       last_error = "a lent page is not one physical allocation of the page size";
       return undo();
@@ -458,6 +474,9 @@ int swaprl_vmm_lend(uint64_t dst, uint64_t size, const uint64_t* pages, int n, u
   access.location = properties(device).location;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   if (!check(cuMemSetAccess(dst, size, &access, 1), "cuMemSetAccess")) return undo();
+  if (fill >= 0 && (!check(cuMemsetD8Async(dst, static_cast<unsigned char>(fill), size, nullptr), "cuMemsetD8Async") ||
+                    !check(cuStreamSynchronize(nullptr), "cuStreamSynchronize")))
+    return undo();
   lent[dst] = std::move(range);
   return 0;
 }
@@ -470,9 +489,9 @@ int swaprl_vmm_unlend(uint64_t dst, int device) {
   auto it = lent.find(dst);
   if (it == lent.end()) return 1;
   if (!ensure_context(device) || !check(cuCtxSynchronize(), "cuCtxSynchronize")) return -1;
-  if (!unlend(dst, it->second)) return -1;
+  bool ok = unlend(dst, it->second);  // every piece let go, even when one failed: nothing is left to retry
   lent.erase(it);
-  return 0;
+  return ok ? 0 : -1;
 }
 
 // The bytes of the physical allocation mapped at `ptr` (the start of one), found by asking the driver which handle

@@ -133,7 +133,7 @@ def _load() -> ctypes.CDLL:
                                          ctypes.c_uint64, ctypes.c_int]
         lib.swaprl_vmm_resume.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.swaprl_vmm_lend.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64),
-                                        ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
+                                        ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
         lib.swaprl_vmm_unlend.argtypes = [ctypes.c_uint64, ctypes.c_int]
         lib.swaprl_vmm_lent_stat.restype = ctypes.c_uint64
         lib.swaprl_vmm_lent_stat.argtypes = [ctypes.c_int]
@@ -351,15 +351,16 @@ def page_bytes(ptr: int, limit: int, device: int) -> int:
     return int(got)
 
 
-def lend(dst: int, size: int, pages: list[int], page: int, device: int) -> None:
+def lend(dst: int, size: int, pages: list[int], page: int, device: int, *, fill: int | None = None) -> None:
     """Back the reserved range [dst, dst + size) with the physical pages of `page` bytes that start at `pages` (in
     memory torch holds; the caller keeps it allocated while the range is lent), in order, and the rest of the range
-    with memory of its own. Raises `torch.OutOfMemoryError` (nothing mapped) when that memory cannot be created."""
+    with memory of its own; `fill` (a byte) is written over the whole range. Raises `torch.OutOfMemoryError` when
+    that memory cannot be created, RuntimeError otherwise; nothing is mapped then."""
     lib = _load()
     addresses = (ctypes.c_uint64 * len(pages))(*pages)
-    if lib.swaprl_vmm_lend(dst, size, addresses, len(pages), page, device) != 0:
+    if lib.swaprl_vmm_lend(dst, size, addresses, len(pages), page, device, -1 if fill is None else fill) != 0:
         why = lib.swaprl_vmm_error().decode()
-        error = torch.OutOfMemoryError if "OUT_OF_MEMORY" in why.upper() else RuntimeError
+        error = torch.OutOfMemoryError if "out of memory" in why.lower() else RuntimeError
         raise error(f"lending {len(pages)} pages to the range at {dst:#x} ({size} bytes) failed: {why}; nothing "
                     "was mapped")
 

@@ -112,39 +112,51 @@ class PageLender:
     # ---------------------------------------------------------------- taking and giving back
     def take(self, sizes: list[int]) -> int:
         """Allocate free cached blocks until they hold whole pages enough for allocations of these `sizes` (what of
-        each fills whole pages), or none is left; returns the page bytes ready to map. The last block is taken only
-        as far as it is needed."""
+        each fills whole pages), or none is left; returns the page bytes ready to map (those left from an earlier
+        call included). The last block is taken only as far as it is needed; a block whose edges (the pages it
+        shares with its neighbours) outweigh its whole pages is left to be handed back to the driver instead."""
         blocks, segments = self._scan()
+        ready = sum(n for _, n, _ in self._pages)
         if not blocks:
-            return 0
+            return ready
         page = blocks[0].page
         want = sum(n // page * page for n in sizes)
-        ready = sum(n for _, n, _ in self._pages)
+        streams = set()
         for block in blocks:
             if ready >= want:
                 break
-            if block.page != page:
-                continue
             whole = self._whole(block.address, block.size, block.base, page)
+            if block.page != page or 2 * whole < block.size:
+                continue
             # Two pages more than needed: a block cut from the front of a free one starts anywhere in a page.
             ask = block.size if whole <= want - ready else min(block.size, want - ready + 2 * page)
             ptr = torch.cuda.caching_allocator_alloc(ask, self.device, stream=block.stream)
+            # Best fit may have cut it from another free block than this one, which the scan no longer describes,
+            # or torch may have mapped new memory for it: then stop, and read again at the next wake-up.
+            if not any(b.address <= ptr and ptr + ask <= b.address + b.size for b in blocks):
+                torch.cuda.caching_allocator_delete(ptr)
+                break
             self._blocks[ptr] = ask
             memory.note_lent(self.device, ask)
-            # Best fit may have cut it from another free block, of another segment even: its pages are that one's.
-            base = next((b for b, (end, _) in segments.items() if b <= ptr < end), None)
-            if base is None or segments[base][1] != page:
-                continue  # no pages of this size: given back unused after the wake-up
+            streams.add(block.stream)
+            base = next(b for b, (end, _) in segments.items() if b <= ptr < end)
             first = base + -(-(ptr - base) // page) * page
             for at in range(first, base + (ptr + ask - base) // page * page, page):
                 self._pages.append((at, page, ptr))
                 ready += page
+            blocks = [b for b in blocks if not (b.address <= ptr < b.address + b.size)]  # what is still free
+        # torch hands a block to the stream it was freed on, ordered after that stream's work; the engine writes
+        # it from its own streams: wait for the owners' queued work first.
+        for stream in streams:
+            (torch.cuda.ExternalStream(stream, device=self.device) if stream
+             else torch.cuda.default_stream(self.device)).synchronize()
         return ready
 
     def release(self, nbytes: int) -> int:
         """Hand back to the driver about `nbytes` of torch's free cached pages, the smallest free blocks first, and
         keep the rest cached (for a later wake-up to lend): `empty_cache` would hand back all of them. The blocks
-        to keep are allocated around the call and freed after it. Returns the bytes torch handed back."""
+        to keep are allocated around the call and freed after it. Returns the bytes torch handed back. (A vLLM
+        whose wake-up empties torch's cache itself, as 0.31's does, hands back the rest there.)"""
         blocks, _ = self._scan()
         keep, going = [], 0
         for block in reversed(blocks):  # smallest first
@@ -163,14 +175,15 @@ class PageLender:
                 torch.cuda.caching_allocator_delete(ptr)
         return before - torch.cuda.memory_reserved(self.device)
 
-    def map(self, dst: int, size: int) -> int:
+    def map(self, dst: int, size: int, *, zero: bool = False) -> int:
         """Back the engine's reserved range [dst, dst + size) with taken pages, in the order taken, and past them
-        with memory of its own; returns the page bytes mapped."""
+        with memory of its own (`zero`: written with zeros, as new memory reads, not with what torch left there);
+        returns the page bytes mapped."""
         page = self._pages[0][1] if self._pages else 0
         count = min(size // page, len(self._pages)) if page else 0
         fits, self._pages = self._pages[:count], self._pages[count:]
         try:
-            kernels.lend(dst, size, [p[0] for p in fits], page or 1, self.device)
+            kernels.lend(dst, size, [p[0] for p in fits], page or 1, self.device, fill=0 if zero else None)
         except BaseException:
             self._pages = fits + self._pages
             raise
@@ -184,14 +197,21 @@ class PageLender:
         """Unmap a range `map` backed; False if it is not one of this lender's."""
         if dst not in self._ranges:
             return False
-        kernels.unlend(dst, self.device)
-        for b in self._ranges.pop(dst):
-            self._used[b] -= 1
+        try:
+            kernels.unlend(dst, self.device)  # lets go of every piece even when it raises
+        finally:
+            for b in self._ranges.pop(dst):
+                self._used[b] -= 1
         return True
 
     @property
     def lent(self) -> bool:
         return bool(self._ranges)
+
+    def unmap_all(self) -> None:
+        """Unmap every range still lent (before vLLM's own teardown frees them as memory of its own)."""
+        for dst in list(self._ranges):
+            self.unmap(dst)
 
     def give_back_unused(self) -> int:
         """Free the taken blocks none of whose pages are mapped; returns their bytes."""

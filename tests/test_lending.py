@@ -1,7 +1,7 @@
 """swaprl.lending: the pages under torch's free cached blocks mapped at an engine's addresses, for real on the GPU.
 
 An address range reserved with the driver stands for one of vLLM's sleep-mode allocations (vLLM reserves its
-ranges the same way); the engine itself wakes on lent pages in the vLLM tests, where it is on by default. Here:
+ranges the same way); the engine itself wakes on lent pages in tests/test_vllm.py. Here:
 a lent range reads and writes torch's own pages, creates physical memory only past its last whole page, and gives
 everything back; a page that is not one physical allocation is refused with nothing mapped.
 """

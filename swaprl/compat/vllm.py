@@ -11,6 +11,7 @@ Importing this module does not import vLLM.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -208,8 +209,11 @@ def lend_pages(lender) -> contextlib.AbstractContextManager:
         def create_and_map(handle) -> None:
             lender = _lending["waking"]
             if lender is not None:
+                allocator = _sleep_allocator()
+                data = allocator.pointer_to_data.get(int(handle[2])) if allocator is not None else None
                 try:
-                    lender.map(int(handle[2]), int(handle[1]))
+                    # The KV cache reads as new memory does (zeros), not as what the trainer left in the pages.
+                    lender.map(int(handle[2]), int(handle[1]), zero=getattr(data, "tag", None) == "kv_cache")
                     return
                 except torch.OutOfMemoryError:
                     raise
@@ -222,6 +226,9 @@ def lend_pages(lender) -> contextlib.AbstractContextManager:
                 _lending["unmap"](handle)
 
         cumem.create_and_map, cumem.unmap_and_release = create_and_map, unmap_and_release
+        # vLLM's allocator frees what is still mapped at exit through its C extension, which knows nothing of lent
+        # ranges; registered after vLLM's own hook, this runs before it.
+        atexit.register(lambda: [lender.unmap_all() for lender in _lending["lenders"]])
     if lender not in _lending["lenders"]:
         _lending["lenders"].append(lender)
 
@@ -234,6 +241,12 @@ def lend_pages(lender) -> contextlib.AbstractContextManager:
             _lending["waking"] = None
 
     return waking()
+
+
+def forget_lender(lender) -> None:
+    """Stop handing allocations to `lender` (its engine is closed)."""
+    if lender in _lending.get("lenders", ()):
+        _lending["lenders"].remove(lender)
 
 
 def sleep_mapped(tags: Sequence[str]) -> None:

@@ -224,6 +224,10 @@ class VLLMEngine(Engine):
             from ..lending import PageLender
 
             self.lender = PageLender(torch.cuda.current_device())
+            if "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
+                logger.warning("lend_pages=True lends only the pages of torch's expandable segments: set "
+                               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before torch allocates, or the "
+                               "engine wakes on memory of its own")
         facts = vllm_compat.engine_facts(llm)
         if not built and distributed.is_distributed():  # the caller's LLM (with the external launcher, as TRL's)
             self.tp_group = distributed.TPGroup(facts.tensor_parallel_size)
@@ -442,37 +446,25 @@ class VLLMEngine(Engine):
         resume_other = self.other is not None and self.other.paused and self._sleeping <= set(want)
         if resume_other:
             needed += self.other.resume_bytes
-        lending = False
+        lending, failed = False, None
         if self.cuda:
             margin = 256 * 2**20
             sizes = [n for tag, ns in self.pool_allocations().items() if tag in want for n in ns]
-            ready = self.lender.take(sizes) if self.lender is not None else 0
+            ready, failed = self._lend_for(want, sizes, needed, margin) if self.lender is not None else (0, None)
             lending = ready > 0
+            if self._free() < needed - ready + margin:
+                torch.cuda.empty_cache()  # what torch holds free goes back to the driver, for vLLM to map
             free = self._free()
-            if free < needed - ready + margin:
-                # What the lent pages do not cover is vLLM's own memory: torch hands back that much of its cache
-                # (lending) or all of it.
-                if lending:
-                    self.lender.release(needed - ready + margin - free)
-                if self._free() < needed - ready + margin:
-                    torch.cuda.empty_cache()
-                free = self._free()
-            if lending:
-                logger.info("waking the engine's %s: %.2f GiB of torch's pages to lend, %.2f GiB more to map, %.2f "
-                            "GiB free", " and ".join(want), gib(ready), gib(max(needed - ready, 0)), gib(free))
             # Every rank wakes together, so every rank refuses if one of them cannot: the others would otherwise
             # wait forever for it in the weight sync's first collective.
-            short = distributed.all_reduce([max(needed + margin - free - ready, 0)], "max")[0]
-            if short > 0 and self.lender is not None:
-                try:  # what the error below says matters more than this reading
-                    census = {k: f"{gib(v):.2f} GiB" if k not in ("segments", "free_blocks") else v
-                              for k, v in self.lender.census().items()}
-                    logger.warning("torch's memory when the wake-up fell short: %s", census)
-                except Exception as exc:  # noqa: BLE001
-                    logger.warning("reading torch's memory for the wake-up that fell short failed: %s", exc)
+            short = distributed.all_reduce([needed + margin if failed is not None
+                                            else max(needed + margin - free - ready, 0)], "max")[0]
             if short > 0:
                 if self.lender is not None:
+                    self._log_census()
                     self.lender.give_back_unused()  # the blocks just taken
+                if failed is not None:
+                    raise failed
                 here = (f"but only {free} bytes ({gib(free):.2f} GiB) are free on the device"
                         + (f" and {gib(ready):.2f} GiB of torch's cached pages can be lent" if ready else "")
                         if needed + margin > free + ready
@@ -483,31 +475,64 @@ class VLLMEngine(Engine):
                     f"{here}. Nothing was mapped; the engine stays asleep. Free device memory first: offload what "
                     "the trainer does not need while generating (SwapConfig grads='free'/'offload', "
                     "params='offload'), delete tensors you hold, or build the engine with a smaller "
-                    "kv_cache_memory_bytes / gpu_memory_utilization.", short_bytes=int(short))
-        free0, lent0 = self._free(), self._lent()
-        if resume_other:
-            self.other.resume()
-            self.stats["other_resume_s"] = self.other.stats["resume_s"]
-            free0 = self._free()
+                    "kv_cache_memory_bytes / gpu_memory_utilization"
+                    + (" (or with lend_pages=False)." if self.lender is not None else "."), short_bytes=int(short))
+        free0 = self._free()
+        resumed = self.other.resume_bytes if resume_other else 0
         try:
+            if resume_other:
+                self.other.resume()
+                self.stats["other_resume_s"] = self.other.stats["resume_s"]
+                free0 = self._free()
             with vllm_compat.lend_pages(self.lender) if lending else contextlib.nullcontext():
                 self.llm.wake_up(tags=want)
         except BaseException:
             if lending:
                 vllm_compat.sleep_mapped(want)  # what this wake-up mapped, unmapped again
-            if resume_other:
+                if "weights" in want:
+                    self._weights_valid = False  # vLLM let go of a level-1 sleep's host copy as it woke each part
+            if resume_other and not self.other.paused:
                 self.other.pause()  # asleep as before, pools included
             raise
         finally:
-            if lending:
-                self.lender.give_back_unused() if self.lender.lent else self.lender.give_back()
+            if self.lender is not None:
+                self.lender.give_back_unused()
         self._sleeping -= set(want)
         if "weights" in want and self._level == 1:
             self._weights_valid = True
-        mapped = free0 - self._free() + self._lent() - lent0
+        # Lent pages move no driver memory: what woke is what vLLM's records say it maps (and the pools resumed).
+        mapped = sum(sizes) + resumed if lending else free0 - self._free()
         self.stats[f"woke_{'_'.join(want)}_bytes"] = mapped
         if self.cuda and len(want) == 1:
             self._pool[want[0]] = mapped
+
+    def _lend_for(self, want: list[str], sizes: list[int], needed: int, margin: int) -> tuple[int, Exception | None]:
+        """Take torch's free cached pages for the allocations of `want` (`sizes`) and have torch hand back to the
+        driver what they do not cover, keeping the rest cached; returns the page bytes ready, and the error that
+        stopped it. It does not raise: every rank must reach the wake-up's check, which raises for all."""
+        try:
+            ready = self.lender.take(sizes)
+            free = self._free()
+            if ready and free < needed - ready + margin:
+                self.lender.release(needed - ready + margin - free)
+            if ready:
+                logger.info("waking the engine's %s: %.2f GiB of torch's pages to lend, %.2f GiB more to map, %.2f "
+                            "GiB free", " and ".join(want), gib(ready), gib(max(needed - ready, 0)),
+                            gib(self._free()))
+            return ready, None
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            self.lender.give_back_unused()
+            exc.add_note("swaprl: taking torch's cached pages for the engine's wake-up failed; nothing was mapped and "
+                         "the engine stays asleep (build it with lend_pages=False to wake on memory of its own)")
+            return 0, exc
+
+    def _log_census(self) -> None:
+        try:  # what the wake-up's error says matters more than this reading
+            census = {k: f"{gib(v):.2f} GiB" if k not in ("segments", "free_blocks") else v
+                      for k, v in self.lender.census().items()}
+            logger.warning("torch's memory when the wake-up fell short: %s", census)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("reading torch's memory for the wake-up that fell short failed: %s", exc)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if "weights" in self._sleeping:
@@ -576,8 +601,15 @@ class VLLMEngine(Engine):
         return vllm_compat.sleep_pool_allocations() if self.cuda else {}
 
     def close(self) -> None:
-        if getattr(self, "lender", None) is not None and self.lender.lent:
-            self.sleep(2)  # vLLM's teardown frees what is mapped as memory of its own: lent pages are not
+        lender = getattr(self, "lender", None)
+        if lender is not None:
+            try:
+                if lender.lent:
+                    self.sleep(2)  # vLLM's teardown frees what is mapped as memory of its own: lent pages are not
+            finally:
+                lender.unmap_all()
+                lender.give_back()
+                vllm_compat.forget_lender(lender)
         llm, self.llm = getattr(self, "llm", None), None
         if self.other is not None and self.other.paused:
             self.other.resume()  # vLLM's teardown may touch its buffers
