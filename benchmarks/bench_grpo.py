@@ -428,14 +428,29 @@ def record_rollouts(llm, into: list) -> None:
 
     @functools.wraps(generate)
     def recorded(prompts, *args, **kwargs):
-        before = numpy_state_digest()
+        before, weights = numpy_state_digest(), engine_weights_digest(llm)
         outputs = generate(prompts, *args, **kwargs)
         sampled = [[list(c.token_ids) for c in o.outputs] for o in outputs]
         into.append({"numpy_before": before, "numpy_after": numpy_state_digest(), "requests": len(outputs),
-                     "prompts": _digest(repr(prompts).encode()), "completions": _digest(repr(sampled).encode())})
+                     "weights": weights, "prompts": _digest(repr(prompts).encode()),
+                     "completions": _digest(repr(sampled).encode())})
         return outputs
 
     llm.generate = recorded
+
+
+def engine_weights_digest(llm) -> str:
+    """A digest of this process's engine weights, bit for bit (swaprl's fingerprints of every parameter, in name
+    order): the same prompts and seeds sample differently only if it, or the engine's kernels, differ."""
+    from swaprl import fingerprint
+    from swaprl.compat import vllm as vllm_compat
+
+    def fold(model):
+        named = sorted(model.named_parameters())
+        return [name for name, _ in named], fingerprint.fold_into([p.data for _, p in named])
+
+    names, prints = vllm_compat.apply_model(llm, fold)[0]
+    return _digest(repr(list(zip(names, prints))).encode())
 
 
 def engine_share(util: float, spec: dict, card_bytes: int | None = None) -> float:
@@ -673,9 +688,10 @@ def phases_and_losses(result: dict) -> list[str]:
         size = max((c["requests"] for c in calls), default=0)
         rollouts = [c for c in calls if c["requests"] == size]  # TRL's own: the engine's other calls are smaller
         if rollouts:
-            out.append(f"\nWay {way}'s rollouts (numpy's state before, prompts, completions), step by step: "
-                       + "; ".join(f"{c['numpy_before'][:8]} {c['prompts'][:8]} {c['completions'][:8]}"
-                                   for c in rollouts) + ".")
+            out.append(f"\nWay {way}'s rollouts (numpy's state before, the engine's weights, prompts, completions), "
+                       "step by step: " + "; ".join(
+                           f"{c['numpy_before'][:8]} {c.get('weights', '-')[:8]} {c['prompts'][:8]} "
+                           f"{c['completions'][:8]}" for c in rollouts) + ".")
     head = ("Peak device memory per phase (\"setup\": loading the model, starting the engine and, in way b, "
             "attaching; then \"generate\" from the engine's wake-up to its sleep, TRL's in way a, swaprl's in way "
             "b, whose offload runs under the wake-up, and \"train\" the rest) and the losses TRL logged:")

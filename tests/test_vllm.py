@@ -56,7 +56,7 @@ def test_generate_returns_n_completions_per_prompt(tiny_checkpoint, engine):
 def test_the_rollout_record_tells_seeds_from_samples_on_a_real_engine(tiny_checkpoint, engine, monkeypatch):
     """`record_rollouts` (benchmarks/bench_grpo.py) on vLLM: the same seeded request twice is the same prompts and
     samples; other prompts differ; a draw from numpy between two calls shows in the state recorded before the
-    second."""
+    second; the engine's weights digest holds until a training step is synced."""
     import numpy as np
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -81,6 +81,12 @@ def test_the_rollout_record_tells_seeds_from_samples_on_a_real_engine(tiny_check
     assert [c["requests"] for c in ours] == [2, 2, 1]  # one per prompt, each with its n completions
     assert ours[1]["numpy_before"] != ours[0]["numpy_after"]  # the draw between them
     assert ours[2]["numpy_after"] == now
+    assert ours[0]["weights"] == ours[1]["weights"] == ours[2]["weights"]
+    with swaprl.phase("train"):
+        train_step(model, opt)
+    with swaprl.phase("generate"):  # trained and synced: the engine's weights are others
+        rt.engine.generate([[1, 2, 3], [4, 5]], seeded)
+    assert calls[-1]["weights"] != ours[2]["weights"]
     swaprl.detach()
 
 
