@@ -83,10 +83,13 @@ class PageLender:
 
     def census(self) -> dict:
         """Where torch's default pool on the device stands, in bytes, for a message: its blocks by state, the free
-        ones' whole pages, its segments, and what this lender holds."""
+        ones' whole pages, its segments, and what this lender holds: its blocks, their count, and their edges (the
+        bytes outside whole pages, which pin the pages they share with their neighbours)."""
+        unmapped, (lent, own) = sum(n for _, n, _ in self._pages), kernels.lent_bytes()
         out = {"segments": 0, "allocated": 0, "pending_free": 0, "free": 0, "free_whole_pages": 0, "free_blocks": 0,
-               "lender_blocks": sum(self._blocks.values()), "lender_pages_unmapped": sum(n for _, n, _ in self._pages),
-               "lent_pages": kernels.lent_bytes()[0], "lent_own": kernels.lent_bytes()[1]}
+               "lender_blocks": sum(self._blocks.values()), "lender_block_count": len(self._blocks),
+               "lender_edges": sum(self._blocks.values()) - lent - unmapped, "lender_pages_unmapped": unmapped,
+               "lent_pages": lent, "lent_own": own}
         free, total = torch.cuda.mem_get_info(self.device)
         out.update(device_used=total - free, default_pool=0, private_pools=0)
         for seg in torch.cuda.memory_snapshot(include_traces=False):

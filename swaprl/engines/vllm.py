@@ -528,7 +528,7 @@ class VLLMEngine(Engine):
 
     def _log_census(self) -> None:
         try:  # what the wake-up's error says matters more than this reading
-            census = {k: f"{gib(v):.2f} GiB" if k not in ("segments", "free_blocks") else v
+            census = {k: f"{gib(v):.2f} GiB" if k not in ("segments", "free_blocks", "lender_block_count") else v
                       for k, v in self.lender.census().items()}
             logger.warning("torch's memory when the wake-up fell short: %s", census)
         except Exception as exc:  # noqa: BLE001
