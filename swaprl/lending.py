@@ -51,21 +51,30 @@ class PageLender:
         self._ranges: dict[int, list[int]] = {}  # lent range -> the blocks its pages came from
 
     # ---------------------------------------------------------------- what torch holds free
-    def _scan(self) -> tuple[list[_Free], dict[int, tuple[int, int]]]:
-        """The default pool's free blocks holding whole pages, largest first, and its segments (base -> end, page
-        bytes; 0 where the segment's memory is not made of pages the driver can name, as `cudaMalloc`'s is not)."""
-        out, segments = [], {}
+    def _segments(self):
+        """Each segment of torch's pools on the device as (segment, first byte, page bytes), the page bytes 0 but
+        for the default pool's large segments made of pages the driver can name (expandable segments, whose pages
+        start at the segment's first byte; `cudaMalloc`'s memory has none)."""
         for seg in torch.cuda.memory_snapshot(include_traces=False) if kernels.available() else ():
-            if (seg.get("device") != self.device or seg.get("segment_type") != "large"
-                    or tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)):
+            if seg.get("device") != self.device:
                 continue
-            base = addr = int(seg["address"])
-            # An expandable segment maps pages of one size from its first byte (20 MiB by default).
-            page = kernels.page_bytes(base, 2**30, self.device)
+            base = int(seg["address"])
+            default = tuple(seg.get("segment_pool_id") or (0, 0)) == (0, 0)
+            large = default and seg.get("segment_type") == "large"
+            yield seg, base, kernels.page_bytes(base, 2**30, self.device) if large else 0
+
+    def _scan(self) -> tuple[list[_Free], dict[int, tuple[int, int]]]:
+        """The default pool's free blocks holding whole pages, largest first, and its paged segments (first byte ->
+        end, page bytes)."""
+        out, segments = [], {}
+        for seg, base, page in self._segments():
+            if not page:
+                continue
             segments[base] = (base + int(seg["total_size"]), page)
+            addr = base
             for block in seg["blocks"]:
                 size = int(block["size"])
-                if page and block["state"] == "inactive" and self._whole(addr, size, base, page):
+                if block["state"] == "inactive" and self._whole(addr, size, base, page):
                     out.append(_Free(addr, size, int(seg["stream"]), base, page))
                 addr += size
         return sorted(out, key=lambda b: -b.size), segments
@@ -92,16 +101,13 @@ class PageLender:
                "lent_pages": lent, "lent_own": own}
         free, total = torch.cuda.mem_get_info(self.device)
         out.update(device_used=total - free, default_pool=0, private_pools=0)
-        for seg in torch.cuda.memory_snapshot(include_traces=False):
-            if seg.get("device") != self.device:
-                continue
+        for seg, base, page in self._segments():
             if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0):
                 out["private_pools"] += int(seg["total_size"])
                 continue
             out["segments"] += 1
             out["default_pool"] += int(seg["total_size"])
-            base = addr = int(seg["address"])
-            page = kernels.page_bytes(base, 2**30, self.device) if seg.get("segment_type") == "large" else 0
+            addr = base
             for block in seg["blocks"]:
                 size, state = int(block["size"]), block["state"]
                 key = {"active_allocated": "allocated", "active_pending_free": "pending_free"}.get(state, "free")

@@ -8,7 +8,8 @@ everything back; a page that is not one physical allocation is refused with noth
 
 from __future__ import annotations
 
-import ctypes
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,14 +28,14 @@ def _free() -> int:
 
 class _Reserved:
     """An address range reserved with the driver and nothing mapped: what vLLM's allocator holds for an allocation
-    while the engine sleeps."""
+    while the engine sleeps (reserved through benchmarks/bench_vmm.py's driver calls)."""
 
     def __init__(self, size: int) -> None:
-        self.cu = ctypes.CDLL("libcuda.so.1")
-        self.size, ptr = size, ctypes.c_uint64()
-        assert self.cu.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                                           ctypes.c_uint64(0), ctypes.c_ulonglong(0)) == 0
-        self.ptr = ptr.value
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+        from bench_vmm import Driver
+
+        self.driver = Driver(torch.cuda.current_device())
+        self.size, self.ptr = size, self.driver.reserve(size)
 
     def view(self) -> torch.Tensor:
         """The range as a uint8 tensor (valid while it is mapped)."""
@@ -43,7 +44,7 @@ class _Reserved:
         return torch.as_tensor(holder, device="cuda")
 
     def close(self) -> None:
-        assert self.cu.cuMemAddressFree(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size)) == 0
+        self.driver.free_address(self.ptr, self.size)
 
 
 @pytest.fixture
