@@ -138,7 +138,7 @@ class VLLMEngine(Engine):
     instead of torch handing them back to the driver and vLLM creating new ones (`swaprl.lending`, docs/kernels.md);
     the engine's sleep unmaps them and torch finds them still mapped. It needs swaprl's native library
     (`swaprl.kernels`) and lends only what torch's expandable segments hold. Off by default: it cuts the engine's
-    page-table work at a switch, but at 72B-20L on 2 x H200 the second switch's KV cache found less room than
+    page-table work at a switch, but at 72B-20L on 2 x H200 the third switch's KV cache found less room than
     without it (benchmarks/results/lend_h200x2_72b20l/).
     The remaining keywords go to `vllm.LLM`.
 
