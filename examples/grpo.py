@@ -440,11 +440,13 @@ def entered(name: str, calls: cProfile.Profile | None):
 
 def write_calls(calls: cProfile.Profile, path: Path) -> None:
     """The switches' calls by their own time, the largest first (files named without their directories), then who
-    called the ten largest: a cost such as torch's memory statistics is spread over many callers."""
+    called the ten largest (a cost such as torch's memory statistics is spread over many callers), then the calls by
+    the time spent in them and what they called (which step of a switch holds the time)."""
     text = io.StringIO()
     stats = pstats.Stats(calls, stream=text).strip_dirs().sort_stats("tottime")
     stats.print_stats(40)
     stats.print_callers(10)
+    stats.sort_stats("cumulative").print_stats(60)
     path.write_text(text.getvalue())
 
 

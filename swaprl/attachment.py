@@ -162,6 +162,7 @@ class Runtime(PhaseMachine):
                     built.push(engine.close)
                 checks.check_engine(engine, config)
             self.engine = engine
+            place.whole_segments = engine.lender is None
             self._link = link(engine, model, config, kept_on_device=lambda: place.home_bytes()["device"],
                               emit=self._emit)
             engine.bind(model)

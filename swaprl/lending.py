@@ -92,10 +92,12 @@ class PageLender:
 
     def census(self) -> dict:
         """Where torch's default pool on the device stands, in bytes, for a message: its blocks by state, the free
-        ones' whole pages, its segments, and what this lender holds: its blocks, their count, and their edges (the
-        bytes outside whole pages, which pin the pages they share with their neighbours)."""
+        ones' whole pages, its segments (those without pages to lend, `cudaMalloc`'s, apart), its three largest
+        allocated blocks, and what this lender holds: its blocks, their count, and their edges (the bytes outside
+        whole pages, which pin the pages they share with their neighbours)."""
         unmapped, (lent, own) = sum(n for _, n, _ in self._pages), kernels.lent_bytes()
         out = {"segments": 0, "allocated": 0, "pending_free": 0, "free": 0, "free_whole_pages": 0, "free_blocks": 0,
+               "unpaged": 0, "unpaged_free": 0, "largest_allocated": [],
                "lender_blocks": sum(self._blocks.values()), "lender_block_count": len(self._blocks),
                "lender_edges": sum(self._blocks.values()) - lent - unmapped, "lender_pages_unmapped": unmapped,
                "lent_pages": lent, "lent_own": own}
@@ -107,6 +109,7 @@ class PageLender:
                 continue
             out["segments"] += 1
             out["default_pool"] += int(seg["total_size"])
+            out["unpaged"] += 0 if page else int(seg["total_size"])
             addr = base
             for block in seg["blocks"]:
                 size, state = int(block["size"]), block["state"]
@@ -115,6 +118,9 @@ class PageLender:
                 if key == "free":
                     out["free_blocks"] += 1
                     out["free_whole_pages"] += self._whole(addr, size, base, page) if page else 0
+                    out["unpaged_free"] += 0 if page else size
+                elif key == "allocated":
+                    out["largest_allocated"] = sorted(out["largest_allocated"] + [size], reverse=True)[:3]
                 addr += size
         return out
 

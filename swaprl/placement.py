@@ -75,6 +75,11 @@ class Placement:
         gpu = device.index if device.type == "cuda" else None
         self._res = {name: _Resource(name, HostBuffer(name, pin=pin, device=gpu)) for name in RESOURCES}
         self._pending_reload: torch.cuda.Event | None = None
+        self.whole_segments = True
+        """The reloaded states come back in one segment of their own (`Mover.reload`'s `one_segment`), which the
+        release before the engine's wake-up hands back whole; False for an engine that wakes on torch's cached pages
+        (`lend_pages`): in torch's pages, which that wake-up borrows when the states leave, and which the next
+        reload finds still mapped."""
         self._homes = assign_homes(optimizer, config.state_split())
         self._first_states_homed = not (self.auto and device.type == "cuda")
         if not self._first_states_homed:
@@ -439,7 +444,7 @@ class Placement:
         moved = sum(nbytes(m.tensor) for m in res.moved)
         try:
             event = self._mover.reload(res.moved, wait=not defer, buffer=res.buffer,
-                                       one_segment=name != "grads")
+                                       one_segment=self.whole_segments and name != "grads")
             if defer:
                 self._pending_reload = event
         except torch.OutOfMemoryError as exc:

@@ -409,11 +409,14 @@ class VLLMEngine(Engine):
             raise EngineStateError(f"the vLLM engine cannot put its {' and '.join(sorted(want))} to sleep while its "
                                    f"{' and '.join(sorted(set(_TAGS) - self._sleeping - want))} stays awake; sleep "
                                    "the whole engine (tags=None)")
+        t0 = time.perf_counter()
         free0, lent0 = self._free(settled=True), self._lent()
+        t1 = time.perf_counter()
         if self._sleeping:  # woken in part (a staged wake-up undone halfway): vLLM's own sleep would do nothing
             vllm_compat.sleep_partly_awake(self.llm, level)
         else:
             self.llm.sleep(level=level)
+        t2 = time.perf_counter()
         self._sleeping = set(_TAGS)
         if "weights" in want:
             self._level = level
@@ -431,6 +434,8 @@ class VLLMEngine(Engine):
             if any(kernels.lent_bytes()):  # every lent range unmapped with the engine's sleep
                 logger.warning("the engine sleeps with %s bytes still lent (pages, own)", kernels.lent_bytes())
         self.stats["freed_bytes"] = self._free() - free0 + lent_back
+        logger.debug("the engine slept in %.3f s: %.3f s releasing torch's cache, %.3f s vLLM's sleep, %.3f s after",
+                     time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def wake(self, tags: Sequence[MemoryTag] | None = None) -> None:
         want = [t for t in (tags or _TAGS) if t in self._sleeping]
@@ -446,25 +451,30 @@ class VLLMEngine(Engine):
         resume_other = self.other is not None and self.other.paused and self._sleeping <= set(want)
         if resume_other:
             needed += self.other.resume_bytes
-        lending, failed = False, None
+        lending, t0 = False, time.perf_counter()
+        sizes = [n for tag, ns in self.pool_allocations().items() if tag in want for n in ns]
         if self.cuda:
             margin = 256 * 2**20
-            sizes = [n for tag, ns in self.pool_allocations().items() if tag in want for n in ns]
-            ready, failed = self._lend_for(want, sizes, needed, margin) if self.lender is not None else (0, None)
-            lending = ready > 0
+            ready = self._lend_for(want, sizes, needed, margin) if self.lender is not None else 0
             if self._free() < needed - ready + margin:
                 torch.cuda.empty_cache()  # what torch holds free goes back to the driver, for vLLM to map
+            if ready and self._free() + ready < needed + margin:
+                # Short on lent pages plus free memory: the taken blocks' edges (the pages they share with others)
+                # and the blocks left untaken may make up the difference once handed back to the driver whole.
+                logger.warning("waking the engine's %s on torch's pages falls short (%.2f GiB to lend, %.2f GiB "
+                               "free, %.2f GiB needed): it wakes on memory of its own. torch's memory: %s",
+                               " and ".join(want), gib(ready), gib(self._free()), gib(needed + margin), self._census())
+                self.lender.give_back_unused()  # the blocks just taken, none mapped
+                ready = 0
+                torch.cuda.empty_cache()
+            lending = ready > 0
             free = self._free()
             # Every rank wakes together, so every rank refuses if one of them cannot: the others would otherwise
             # wait forever for it in the weight sync's first collective.
-            short = distributed.all_reduce([needed + margin if failed is not None
-                                            else max(needed + margin - free - ready, 0)], "max")[0]
+            short = distributed.all_reduce([max(needed + margin - free - ready, 0)], "max")[0]
             if short > 0:
                 if self.lender is not None:
-                    self._log_census()
                     self.lender.give_back_unused()  # the blocks just taken
-                if failed is not None:
-                    raise failed
                 here = (f"but only {free} bytes ({gib(free):.2f} GiB) are free on the device"
                         + (f" and {gib(ready):.2f} GiB of torch's cached pages can be lent" if ready else "")
                         if needed + margin > free + ready
@@ -475,9 +485,8 @@ class VLLMEngine(Engine):
                     f"{here}. Nothing was mapped; the engine stays asleep. Free device memory first: offload what "
                     "the trainer does not need while generating (SwapConfig grads='free'/'offload', "
                     "params='offload'), delete tensors you hold, or build the engine with a smaller "
-                    "kv_cache_memory_bytes / gpu_memory_utilization"
-                    + (" (or with lend_pages=False)." if self.lender is not None else "."), short_bytes=int(short))
-        free0 = self._free()
+                    "kv_cache_memory_bytes / gpu_memory_utilization.", short_bytes=int(short))
+        free0, t1 = self._free(), time.perf_counter()
         resumed = self.other.resume_bytes if resume_other else 0
         try:
             if resume_other:
@@ -500,16 +509,20 @@ class VLLMEngine(Engine):
         self._sleeping -= set(want)
         if "weights" in want and self._level == 1:
             self._weights_valid = True
+        logger.debug("woke the engine's %s in %.3f s: %.3f s making room, %.3f s vLLM's wake-up%s",
+                     " and ".join(want), time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1,
+                     " on lent pages" if lending else "")
         # Lent pages move no driver memory: what woke is what vLLM's records say it maps (and the pools resumed).
         mapped = sum(sizes) + resumed if lending else free0 - self._free()
         self.stats[f"woke_{'_'.join(want)}_bytes"] = mapped
         if self.cuda and len(want) == 1:
             self._pool[want[0]] = mapped
 
-    def _lend_for(self, want: list[str], sizes: list[int], needed: int, margin: int) -> tuple[int, Exception | None]:
+    def _lend_for(self, want: list[str], sizes: list[int], needed: int, margin: int) -> int:
         """Take torch's free cached pages for the allocations of `want` (`sizes`) and have torch hand back to the
-        driver what they do not cover, keeping the rest cached; returns the page bytes ready, and the error that
-        stopped it. It does not raise: every rank must reach the wake-up's check, which raises for all."""
+        driver what they do not cover, keeping the rest cached; returns the page bytes ready. It does not raise
+        (every rank must reach the wake-up's check): a failure gives back what it took, and the engine wakes on
+        memory of its own."""
         try:
             ready = self.lender.take(sizes)
             free = self._free()
@@ -519,20 +532,25 @@ class VLLMEngine(Engine):
                 logger.info("waking the engine's %s: %.2f GiB of torch's pages to lend, %.2f GiB more to map, %.2f "
                             "GiB free", " and ".join(want), gib(ready), gib(max(needed - ready, 0)),
                             gib(self._free()))
-            return ready, None
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("torch's memory at that wake-up: %s", self._census())
+            return ready
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             self.lender.give_back_unused()
-            exc.add_note("swaprl: taking torch's cached pages for the engine's wake-up failed; nothing was mapped and "
-                         "the engine stays asleep (build it with lend_pages=False to wake on memory of its own)")
-            return 0, exc
+            logger.warning("taking torch's cached pages for the engine's %s failed (%s); it wakes on memory of its "
+                           "own", " and ".join(want), exc)
+            return 0
 
-    def _log_census(self) -> None:
-        try:  # what the wake-up's error says matters more than this reading
-            census = {k: f"{gib(v):.2f} GiB" if k not in ("segments", "free_blocks", "lender_block_count") else v
-                      for k, v in self.lender.census().items()}
-            logger.warning("torch's memory when the wake-up fell short: %s", census)
+    def _census(self) -> dict | str:
+        """Where torch's memory stands (`PageLender.census`), in GiB, for a message."""
+        def shown(k, v):
+            if k in ("segments", "free_blocks", "lender_block_count"):
+                return v
+            return [f"{gib(n):.2f} GiB" for n in v] if isinstance(v, list) else f"{gib(v):.2f} GiB"
+        try:  # a message's reading: never the cause of an error of its own
+            return {k: shown(k, v) for k, v in self.lender.census().items()}
         except Exception as exc:  # noqa: BLE001
-            logger.warning("reading torch's memory for the wake-up that fell short failed: %s", exc)
+            return f"(reading torch's memory failed: {exc})"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if "weights" in self._sleeping:
