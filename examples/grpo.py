@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "release_other; default: wherever swaprl.kernels can)")
     ap.add_argument("--lend-pages", action=argparse.BooleanOptionalAction, default=None,
                     help="vLLM: wake on the pages under torch's free cached blocks instead of handing them back to "
-                         "the driver (VLLMEngine's lend_pages; off by default)")
+                         "the driver (VLLMEngine's lend_pages; on where it can be by default)")
     ap.add_argument("--warmup", type=int, default=2,
                     help="steps left out of the medians (first-time costs: kernel compilations, buffers not "
                          "prepared at attach)")

@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="release vLLM's CUDA graphs, buffers and workspaces while it sleeps (default: wherever "
                          "swaprl.kernels can; the plan counts what the engine will do)")
     ap.add_argument("--lend-pages", action=argparse.BooleanOptionalAction, default=None,
-                    help="wake vLLM on the pages under torch's free cached blocks (VLLMEngine's lend_pages; off "
-                         "by default)")
+                    help="wake vLLM on the pages under torch's free cached blocks (VLLMEngine's lend_pages; on "
+                         "where it can be by default)")
     ap.add_argument("--trace-step", type=int, default=None, metavar="N",
                     help="record step N with torch's profiler (examples/grpo.py --trace-step)")
     ap.add_argument("--memory-step", type=int, default=None, metavar="N",

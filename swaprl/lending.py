@@ -55,7 +55,13 @@ class PageLender:
         """Each segment of torch's pools on the device as (segment, first byte, page bytes), the page bytes 0 but
         for the default pool's large segments made of pages the driver can name (expandable segments, whose pages
         start at the segment's first byte; `cudaMalloc`'s memory has none)."""
-        for seg in torch.cuda.memory_snapshot(include_traces=False) if kernels.available() else ():
+        if not kernels.available():
+            return
+        # A block freed while another stream used it (`record_stream`: the states' reload) stays pending until torch
+        # sees that stream's event done, which it checks only when it allocates: allocate, so the snapshot shows
+        # such blocks free (and merged with their free neighbours) once their streams are done with them.
+        torch.cuda.caching_allocator_delete(torch.cuda.caching_allocator_alloc(1, self.device))
+        for seg in torch.cuda.memory_snapshot(include_traces=False):
             if seg.get("device") != self.device:
                 continue
             base = int(seg["address"])

@@ -397,16 +397,11 @@ def vllm(args) -> dict:
     used: dict = {}
 
     def on_event(e: dict) -> None:
-        # At the first cache release after the optimizer states left. With the offload overlapped, the engine's
-        # weights are mapped by then: they are the engine's, not the trainer's, and are not counted.
-        if not cuda or e["type"] != "step":
-            return
-        if e["step"] == "engine wake weights":
-            used["engine_weights"] = engine.stats.get("woke_weights_bytes", 0)
-        elif e["step"] in ("offload optimizer", "finish offload optimizer"):
-            used["optimizer_left"] = True
-        elif e["step"] == "release cached memory" and used.get("optimizer_left") and "offloaded" not in used:
-            used["offloaded"] = memory.device_used_bytes(device) - used.get("engine_weights", 0)
+        # Once the optimizer states left: what torch holds for live tensors, the engine's weights woken on torch's
+        # pages left out (`torch_counters`). Whether the freed blocks then go back to the driver or are lent to the
+        # engine's KV cache is the engine's choice (lend_pages).
+        if cuda and e["type"] == "step" and e["step"] in ("offload optimizer", "finish offload optimizer"):
+            used["offloaded"] = memory.torch_counters(device)[0]
 
     rt.add_listener(on_event)
     # Sequences of other lengths on each rank: a rank handed another rank's share would get other shapes back.
@@ -417,8 +412,7 @@ def vllm(args) -> dict:
         used.clear()
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            used["before"] = memory.device_used_bytes(device)
+            used["before"] = memory.torch_counters(device)[0]
         opt_bytes = sum(nbytes(local_tensor(t)) for t in optimizer_states(opt) if local_tensor(t).device == device)
         with rt.phase("generate"):
             completions = engine.generate(prompts, Sampling(max_tokens=16, n=N, seed=step))
@@ -440,7 +434,7 @@ def vllm(args) -> dict:
             "engine_probe": [e.tolist() for e in engine_probe],
             "trainer_probe": [t.tolist() for t in trainer_probe],
             "optimizer_bytes": opt_bytes,
-            "device_drop_entering_generate": used["before"] - used["offloaded"] if cuda else None,
+            "allocated_drop_entering_generate": used["before"] - used["offloaded"] if cuda else None,
             "loss": loss.item()})
     out["cycles"] = cycles
     for who in ("engine", "trainer"):  # before the first optimizer step, and after the second

@@ -159,7 +159,9 @@ def test_free_grads_holds_the_gradients_through_the_release_for_its_undo(tiny_ch
     with rt.phase("generate"):
         pass
     swaprl.detach()
-    assert alive == {"release cached memory": len(refs), "engine wake weights": len(refs)}, (alive, len(refs))
+    # (an engine that wakes on torch's cached pages releases nothing before it: the step is not there)
+    released = {} if vllm_engine.lender is not None else {"release cached memory": len(refs)}
+    assert alive == released | {"engine wake weights": len(refs)}, (alive, len(refs))
     gc.collect()
     assert not any(r() is not None for r in refs)  # gone once the switch stands
 

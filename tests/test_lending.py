@@ -100,6 +100,21 @@ def test_a_lent_range_is_torchs_own_pages_and_creates_memory_only_past_the_last_
 
 
 @gpu
+def test_a_block_freed_after_another_streams_use_is_lendable_once_that_stream_is_done(lender):
+    """The states' reload allocates them on the compute stream and copies on its own (`record_stream`): freed, their
+    block is pending until torch sees that stream's event done. The lender counts it as soon as it is."""
+    side = torch.cuda.Stream()
+    states = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    before = lender.lendable()
+    with torch.cuda.stream(side):
+        states.fill_(1)
+    states.record_stream(side)
+    side.synchronize()
+    del states  # pending in torch's allocator until an allocation finds the side stream's event done
+    assert lender.lendable() >= before + 2 * 2**30 - 2 * 20 * MiB
+
+
+@gpu
 def test_a_page_that_is_not_one_physical_allocation_is_refused_with_nothing_mapped(lender):
     lender.take([2**30])
     page = lender._pages[0][1]

@@ -70,18 +70,14 @@ def test_engine_logprobs_move_with_the_trainer(runs, tp):
 
 
 @pytest.mark.parametrize("tp", [2, 1])
-def test_entering_generate_gives_back_this_ranks_optimizer_states(runs, tp):
+def test_entering_generate_frees_this_ranks_optimizer_states(runs, tp):
     for r in runs[tp]:
         for i, c in enumerate(r["cycles"][1:], start=1):  # the first cycle has no optimizer state yet
-            states, drop = c["optimizer_bytes"], c["device_drop_entering_generate"]
+            states, drop = c["optimizer_bytes"], c["allocated_drop_entering_generate"]
             assert states > 500 * MiB
-            # Below: a caching-allocator segment shared with a live tensor cannot go back to the driver.
-            assert drop > 0.85 * states - 64 * MiB, (tp, r["rank"], i, drop, states)
-            if i >= 2:
-                # From the second offload on, the states live in the one allocation the reload made, so exactly
-                # they leave. The first time they sit in segments the optimizer's first step shared with its
-                # temporaries, which leave with them (2 x H200: 345-397 MiB more than the states, then 1.4 MiB).
-                assert drop < 1.05 * states + 64 * MiB, (tp, r["rank"], i, drop, states)
+            # What torch holds for live tensors drops by the states (and the temporaries the first step left with
+            # them), for the engine's KV cache to take: lent where it wakes on torch's pages, else handed back.
+            assert 0.95 * states - 64 * MiB < drop < 1.05 * states + 512 * MiB, (tp, r["rank"], i, drop, states)
 
 
 def test_memory_share_is_the_same_on_every_rank_and_tp_shards_the_weights(runs):

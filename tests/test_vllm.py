@@ -350,12 +350,8 @@ def test_the_engine_wakes_on_torchs_cached_pages_and_generates_as_on_memory_of_i
     from swaprl import kernels
     from swaprl.lending import PageLender
 
-    assert engine.lender is None, "lending is off by default"
-    engine.lender = PageLender(torch.cuda.current_device())  # as VLLMEngine(lend_pages=True) builds it
-    try:
-        _wake_on_lent_pages(tiny_checkpoint, engine, kernels)
-    finally:
-        engine.lender = None
+    assert isinstance(engine.lender, PageLender), "lending is on by default on a GPU with the native library"
+    _wake_on_lent_pages(tiny_checkpoint, engine, kernels)
 
 
 def _wake_on_lent_pages(tiny_checkpoint, engine, kernels):

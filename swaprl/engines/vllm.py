@@ -136,10 +136,11 @@ class VLLMEngine(Engine):
     before swaprl could route it, so it cannot have it.
     lend_pages: wake up on the physical pages under torch's free cached blocks, mapped at the engine's addresses,
     instead of torch handing them back to the driver and vLLM creating new ones (`swaprl.lending`, docs/kernels.md);
-    the engine's sleep unmaps them and torch finds them still mapped. It needs swaprl's native library
-    (`swaprl.kernels`) and lends only what torch's expandable segments hold. Off by default: it cuts the engine's
-    page-table work at a switch, but at 72B-20L on 2 x H200 the third switch's KV cache found less room than
-    without it (benchmarks/results/lend_h200x2_72b20l/).
+    the engine's sleep unmaps them and torch finds them still mapped, and the trainer's swapped states come back in
+    torch's pages for the next wake-up to borrow. It needs swaprl's native library (`swaprl.kernels`) and lends
+    only what torch's expandable segments hold; a wake-up whose pages fall short wakes on memory of its own. None
+    (the default): on wherever it can be (a CUDA GPU, the native library, expandable segments); True raises naming
+    what is missing; False wakes on memory of the engine's own, as vLLM does.
     The remaining keywords go to `vllm.LLM`.
 
     Environment: vLLM reads its start-up settings from environment variables. While `vllm.LLM` is built, the engine
@@ -155,7 +156,7 @@ class VLLMEngine(Engine):
                  gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
                  reserve_bytes: int | None = None, max_model_len: int | None = None, enforce_eager: bool = False,
                  seed: int = 0, tensor_parallel_size: int = 1, release_other: bool | None = None,
-                 lend_pages: bool = False, **llm_kwargs) -> None:
+                 lend_pages: bool | None = None, **llm_kwargs) -> None:
         if model is None and llm is None:
             raise ValueError("VLLMEngine needs a checkpoint directory (VLLMEngine('path/to/model')) or an LLM")
         vllm_compat.check_version()
@@ -215,6 +216,14 @@ class VLLMEngine(Engine):
                     self.other = None
                 raise
         self.lender = None  # swaprl.lending.PageLender, when the engine wakes on torch's cached pages
+        if lend_pages is None and self.cuda:
+            from .. import kernels
+
+            why = kernels.unavailable() or (None if torch_compat.expandable_segments() else
+                                            "torch's expandable segments are off")
+            lend_pages = why is None
+            if why is not None:
+                logger.info("the engine wakes on memory of its own, not on torch's cached pages: %s", why)
         if lend_pages:
             from .. import kernels
 
@@ -224,7 +233,7 @@ class VLLMEngine(Engine):
             from ..lending import PageLender
 
             self.lender = PageLender(torch.cuda.current_device())
-            if "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
+            if not torch_compat.expandable_segments():
                 logger.warning("lend_pages=True lends only the pages of torch's expandable segments: set "
                                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before torch allocates, or the "
                                "engine wakes on memory of its own")
