@@ -22,11 +22,12 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool = True,
                       leak_per_cycle: int = 0, free_cached: int = GiB, private_free: int = 0,
-                      alloc_conf: str | None = None, peak_held: int | None = None) -> Path:
+                      alloc_conf: str | None = None, peak_held: int | None = None, cache_per_cycle: int = 0) -> Path:
     """A CUDA profile as the recorder writes it: 8 GiB params, 16 GiB optimizer states offloaded in 1 s; torch's
     allocator holds `free_cached` bytes of free blocks at every sample, `private_free` of them in private pools.
     `peak_held`: the records carry torch's peak counters of each span, reserved `peak_held` above allocated (a
-    profile from before the recorder took them has none)."""
+    profile from before the recorder took them has none). `cache_per_cycle`: torch caches that many more free bytes
+    at each cycle (pages kept mapped for an engine that wakes on them)."""
     t0 = 1_700_000_000.0
     bw = {"h2d_GBps": 25.0, "d2h_GBps": 20.0, "bytes": 256 * MiB}
     header = {"schema": "swaprl.profile", "version": 1, "type": "header", "rank": rank, "world_size": 2, "pid": 1,
@@ -49,7 +50,8 @@ def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool 
                   {"location": "device", "bytes": 40 * GiB, "weights_bytes": 8 * GiB, "kv_cache_bytes": 31 * GiB,
                    "other_bytes": GiB})
         params, opt = 8 * GiB, (16 * GiB if train and cycle >= 2 else 0)
-        reserved = params + opt + GiB + free_cached + leak
+        cached = free_cached + cache_per_cycle * cycle
+        reserved = params + opt + GiB + cached + leak
         used = reserved + engine["bytes"] + context
         return {"phase": phase, "device": "cuda:0", "params": {"location": "device", "bytes": params, "host_bytes": 0},
                 "grads": {"location": "host", "bytes": 0, "host_bytes": 0},
@@ -58,7 +60,7 @@ def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool 
                     {"name": "optimizer", "bytes": 16 * GiB, "locked_bytes": 16 * GiB, "lock_seconds": 0.9,
                      "lock_span": [t0 + 0.1, t0 + 1.0], "background": True, "waited_seconds": 0.0,
                      "attach_waited_seconds": 0.25}]},
-                "device_memory": {"used": used, "total": 80 * GiB, "torch_allocated": reserved - free_cached,
+                "device_memory": {"used": used, "total": 80 * GiB, "torch_allocated": reserved - cached,
                                   "torch_reserved": reserved}}
 
     def boundary(phase, src, cycle, seconds, moved):
@@ -246,6 +248,13 @@ def test_residual_growth_is_flagged(tmp_path, capsys):
     rc, _, _ = report(capsys, synthetic_profile(tmp_path / "ok.jsonl", cycles=5), "-o", tmp_path / "ok")
     md = (tmp_path / "ok" / "report.md").read_text()
     assert "GROWS" not in md and "| ok |" in md
+    # free blocks torch keeps cached (pages an engine wakes on) are no leak; a leak beside them still is
+    cached = synthetic_profile(tmp_path / "cached.jsonl", cycles=5, cache_per_cycle=2 * GiB)
+    rc, _, _ = report(capsys, cached, "-o", tmp_path / "cached")
+    assert "GROWS" not in (tmp_path / "cached" / "report.md").read_text()
+    both = synthetic_profile(tmp_path / "both.jsonl", cycles=5, cache_per_cycle=2 * GiB, leak_per_cycle=100 * MiB)
+    rc, _, _ = report(capsys, both, "-o", tmp_path / "both")
+    assert "grew by 300.00 MiB from cycle 2 to cycle 5" in (tmp_path / "both" / "report.md").read_text()
 
 
 def test_two_cycles_are_too_few_for_growth(tmp_path, capsys):
