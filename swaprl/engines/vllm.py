@@ -496,7 +496,6 @@ class VLLMEngine(Engine):
                     "params='offload'), delete tensors you hold, or build the engine with a smaller "
                     "kv_cache_memory_bytes / gpu_memory_utilization.", short_bytes=int(short))
         free0, t1 = self._free(), time.perf_counter()
-        resumed = self.other.resume_bytes if resume_other else 0
         try:
             if resume_other:
                 self.other.resume()
@@ -521,8 +520,9 @@ class VLLMEngine(Engine):
         logger.debug("woke the engine's %s in %.3f s: %.3f s making room, %.3f s vLLM's wake-up%s",
                      " and ".join(want), time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1,
                      " on lent pages" if lending else "")
-        # Lent pages move no driver memory: what woke is what vLLM's records say it maps (and the pools resumed).
-        mapped = sum(sizes) + resumed if lending else free0 - self._free()
+        # Lent pages move no driver memory: what woke is what vLLM's records say it maps. (Either way the pools
+        # resumed are left out: they are the engine's other memory, counted apart.)
+        mapped = sum(sizes) if lending else free0 - self._free()
         self.stats[f"woke_{'_'.join(want)}_bytes"] = mapped
         if self.cuda and len(want) == 1:
             self._pool[want[0]] = mapped
