@@ -59,8 +59,13 @@ class PageLender:
             return
         # A block freed while another stream used it (`record_stream`: the states' reload) stays pending until torch
         # sees that stream's event done, which it checks only when it allocates: allocate, so the snapshot shows
-        # such blocks free (and merged with their free neighbours) once their streams are done with them.
-        torch.cuda.caching_allocator_delete(torch.cuda.caching_allocator_alloc(1, self.device))
+        # such blocks free (and merged with their free neighbours) once their streams are done with them. (Not
+        # while a graph is captured, when torch checks no event; and never at the price of an error.)
+        if not torch.cuda.is_current_stream_capturing():
+            try:
+                torch.cuda.caching_allocator_delete(torch.cuda.caching_allocator_alloc(1, self.device))
+            except torch.OutOfMemoryError:
+                pass
         for seg in torch.cuda.memory_snapshot(include_traces=False):
             if seg.get("device") != self.device:
                 continue

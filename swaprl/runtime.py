@@ -209,10 +209,10 @@ class PhaseMachine:
         return moved
 
     def _steps(self, dst: Phase, *, overlap: bool = True) -> list[Step]:
-        """The steps into `dst`, in order. Into `generate`: the regions pause; torch's cache goes back to the driver;
-        the trainer's state starts leaving; the engine wakes its weights, is synced and checked (with room beside the
-        states, the offload's copies run under that); the trainer's state has left; the engine wakes its KV cache.
-        Into `train`: the engine sleeps, the trainer's state comes back, the regions resume, the probe is scored."""
+        """The steps into `dst`, in order. Into `generate`: the regions pause; torch's cache goes back to the driver
+        (unless the engine wakes on its pages); the trainer's state starts leaving; the engine wakes its weights, is
+        synced and checked (with room beside the states, the offload's copies run under that); the state has left;
+        the engine wakes its KV cache. Into `train`: the engine sleeps, the state comes back, the regions resume."""
         place, link = self._placement, self._link
         # Freed blocks go to the driver for vLLM to map, unless the engine wakes on their pages where torch holds them.
         release = [Step("release cached memory", place.release_cache, moves=False)] if not self.engine.lender else []

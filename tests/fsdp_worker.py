@@ -359,7 +359,7 @@ def vllm(args) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from swaprl import memory
+    from swaprl import kernels, memory
     from swaprl.checkpoints import write_random_checkpoint
     from swaprl.engines.vllm import VLLMEngine
 
@@ -415,6 +415,8 @@ def vllm(args) -> dict:
             used["before"] = memory.torch_counters(device)[0]
         opt_bytes = sum(nbytes(local_tensor(t)) for t in optimizer_states(opt) if local_tensor(t).device == device)
         with rt.phase("generate"):
+            # the engine's side: torch's pages it woke on (none without a lender)
+            used["lent"] = kernels.lent_bytes()[0] if getattr(engine, "lender", None) is not None else None
             completions = engine.generate(prompts, Sampling(max_tokens=16, n=N, seed=step))
             engine_probe = engine.logprobs(probe)
             trainer_probe = sequence_logprobs(model, probe)
@@ -435,6 +437,7 @@ def vllm(args) -> dict:
             "trainer_probe": [t.tolist() for t in trainer_probe],
             "optimizer_bytes": opt_bytes,
             "allocated_drop_entering_generate": used["before"] - used["offloaded"] if cuda else None,
+            "lent_while_generating": used.get("lent"),
             "loss": loss.item()})
     out["cycles"] = cycles
     for who in ("engine", "trainer"):  # before the first optimizer step, and after the second

@@ -111,6 +111,7 @@ def test_a_block_freed_after_another_streams_use_is_lendable_once_that_stream_is
     states.record_stream(side)
     side.synchronize()
     del states  # pending in torch's allocator until an allocation finds the side stream's event done
+    torch.cuda.synchronize()  # that event done too (synchronizing checks no event: the block stays pending)
     assert lender.lendable() >= before + 2 * 2**30 - 2 * 20 * MiB
 
 

@@ -22,12 +22,13 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool = True,
                       leak_per_cycle: int = 0, free_cached: int = GiB, private_free: int = 0,
-                      alloc_conf: str | None = None, peak_held: int | None = None, cache_per_cycle: int = 0) -> Path:
+                      alloc_conf: str | None = None, peak_held: int | None = None, cache_per_cycle: int = 0,
+                      lends: bool = False) -> Path:
     """A CUDA profile as the recorder writes it: 8 GiB params, 16 GiB optimizer states offloaded in 1 s; torch's
     allocator holds `free_cached` bytes of free blocks at every sample, `private_free` of them in private pools.
     `peak_held`: the records carry torch's peak counters of each span, reserved `peak_held` above allocated (a
     profile from before the recorder took them has none). `cache_per_cycle`: torch caches that many more free bytes
-    at each cycle (pages kept mapped for an engine that wakes on them)."""
+    at each cycle; `lends`: the engine wakes on torch's cached pages (which it keeps mapped there)."""
     t0 = 1_700_000_000.0
     bw = {"h2d_GBps": 25.0, "d2h_GBps": 20.0, "bytes": 256 * MiB}
     header = {"schema": "swaprl.profile", "version": 1, "type": "header", "rank": rank, "world_size": 2, "pid": 1,
@@ -35,7 +36,7 @@ def synthetic_profile(path: Path, *, rank: int = 0, cycles: int = 4, nvml: bool 
               "device_name": "NVIDIA H100 80GB HBM3", "device_total": 80 * GiB, "host": "node0",
               "host_total": 1024 * GiB, "python": "3.11", "torch": "2.11", "swaprl": swaprl.__version__,
               "nvml": nvml, "device_used_source": "nvml" if nvml else "cuda_driver", "copy_bandwidth": bw,
-              "interval_s": 0.05, "engine": "VLLMEngine", "config": {}, "t0": t0}
+              "interval_s": 0.05, "engine": "VLLMEngine", "config": {}, "t0": t0, "engine_lends": lends}
     if alloc_conf is not None:
         header["alloc_conf"] = alloc_conf
     recs: list[dict] = [header]
@@ -248,11 +249,16 @@ def test_residual_growth_is_flagged(tmp_path, capsys):
     rc, _, _ = report(capsys, synthetic_profile(tmp_path / "ok.jsonl", cycles=5), "-o", tmp_path / "ok")
     md = (tmp_path / "ok" / "report.md").read_text()
     assert "GROWS" not in md and "| ok |" in md
-    # free blocks torch keeps cached (pages an engine wakes on) are no leak; a leak beside them still is
-    cached = synthetic_profile(tmp_path / "cached.jsonl", cycles=5, cache_per_cycle=2 * GiB)
+    # free blocks torch keeps cached for an engine that wakes on them are no leak; a leak beside them still is, and
+    # so is a cache that grows where the runtime hands it back at every switch
+    cached = synthetic_profile(tmp_path / "cached.jsonl", cycles=5, cache_per_cycle=2 * GiB, lends=True)
     rc, _, _ = report(capsys, cached, "-o", tmp_path / "cached")
     assert "GROWS" not in (tmp_path / "cached" / "report.md").read_text()
-    both = synthetic_profile(tmp_path / "both.jsonl", cycles=5, cache_per_cycle=2 * GiB, leak_per_cycle=100 * MiB)
+    kept = synthetic_profile(tmp_path / "kept.jsonl", cycles=5, cache_per_cycle=2 * GiB)
+    rc, _, _ = report(capsys, kept, "-o", tmp_path / "kept")
+    assert "grew by 6.00 GiB from cycle 2 to cycle 5" in (tmp_path / "kept" / "report.md").read_text()
+    both = synthetic_profile(tmp_path / "both.jsonl", cycles=5, cache_per_cycle=2 * GiB, leak_per_cycle=100 * MiB,
+                             lends=True)
     rc, _, _ = report(capsys, both, "-o", tmp_path / "both")
     assert "grew by 300.00 MiB from cycle 2 to cycle 5" in (tmp_path / "both" / "report.md").read_text()
 

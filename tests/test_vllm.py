@@ -255,7 +255,8 @@ def test_mismatched_trainer_is_refused_and_rolled_back(tmp_path, engine):
 
 def test_the_cache_goes_back_before_the_offload_starts_and_the_copies_run_under_the_wake_up(tiny_checkpoint, engine):
     """Into generate with the states swapped: torch's cache is handed back first (with the copies in flight, the
-    release waited for them), then the copies start, and they finish after the engine is woken, synced and checked."""
+    release waited for them), then the copies start, and they finish after the engine is woken, synced and checked.
+    An engine that wakes on torch's cached pages has no release: it borrows them where torch holds them."""
     model, opt = trainer(tiny_checkpoint)
     train_step(model, opt)
     rt = swaprl.attach(model, opt, engine, config=swaprl.SwapConfig(optimizer_states="swap"))
@@ -267,7 +268,10 @@ def test_the_cache_goes_back_before_the_offload_starts_and_the_copies_run_under_
     starts = [i for i, name in enumerate(order) if name.startswith("start offload")]
     finishes = [i for i, name in enumerate(order) if name.startswith("finish offload")]
     assert starts and len(finishes) == len(starts), order
-    assert order.index("release cached memory") < min(starts), order
+    if engine.lender is None:
+        assert order.index("release cached memory") < min(starts), order
+    else:
+        assert "release cached memory" not in order, order
     assert max(starts) < order.index("engine wake weights") < order.index("verify weights") < min(finishes), order
     swaprl.detach()
 
@@ -350,6 +354,11 @@ def test_the_engine_wakes_on_torchs_cached_pages_and_generates_as_on_memory_of_i
     from swaprl import kernels
     from swaprl.lending import PageLender
 
+    from swaprl.compat import torch as torch_compat
+
+    if not torch_compat.expandable_segments():
+        pytest.skip("lending needs torch's expandable segments: run with "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     assert isinstance(engine.lender, PageLender), "lending is on by default on a GPU with the native library"
     _wake_on_lent_pages(tiny_checkpoint, engine, kernels)
 

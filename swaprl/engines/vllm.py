@@ -140,7 +140,8 @@ class VLLMEngine(Engine):
     torch's pages for the next wake-up to borrow. It needs swaprl's native library (`swaprl.kernels`) and lends
     only what torch's expandable segments hold; a wake-up whose pages fall short wakes on memory of its own. None
     (the default): on wherever it can be (a CUDA GPU, the native library, expandable segments); True raises naming
-    what is missing; False wakes on memory of the engine's own, as vLLM does.
+    what is missing without a GPU or the library, and warns without expandable segments (nothing is lendable then);
+    False wakes on memory of the engine's own, as vLLM does.
     The remaining keywords go to `vllm.LLM`.
 
     Environment: vLLM reads its start-up settings from environment variables. While `vllm.LLM` is built, the engine
@@ -503,9 +504,12 @@ class VLLMEngine(Engine):
                 free0 = self._free()
             with vllm_compat.lend_pages(self.lender) if lending else contextlib.nullcontext():
                 self.llm.wake_up(tags=want)
-        except BaseException:
+        except BaseException as exc:
             if lending:
-                vllm_compat.sleep_mapped(want)  # what this wake-up mapped, unmapped again
+                try:
+                    vllm_compat.sleep_mapped(want)  # what this wake-up mapped, unmapped again
+                except Exception as undo:  # noqa: BLE001 - the wake-up's own error is the one to raise
+                    exc.add_note(f"swaprl: unmapping what this wake-up mapped on lent pages failed too: {undo!r}")
                 if "weights" in want:
                     self._weights_valid = False  # vLLM let go of a level-1 sleep's host copy as it woke each part
             if resume_other and not self.other.paused:
@@ -544,7 +548,7 @@ class VLLMEngine(Engine):
                 if logger.isEnabledFor(logging.DEBUG):
                     logger.debug("torch's memory at that wake-up: %s", self._census())
             return ready
-        except (RuntimeError, torch.OutOfMemoryError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the other ranks wait in the check below
             self.lender.give_back_unused()
             logger.warning("taking torch's cached pages for the engine's %s failed (%s); it wakes on memory of its "
                            "own", " and ".join(want), exc)

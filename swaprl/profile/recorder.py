@@ -164,6 +164,8 @@ class Profiler:
                 "torch": torch.__version__, "swaprl": __version__, "nvml": self._nvml,
                 "device_used_source": self._source(), "copy_bandwidth": bandwidth, "interval_s": self.interval_s,
                 "engine": type(runtime.engine).__name__, "config": config,
+                # an engine that wakes on torch's cached pages keeps them in torch's cache from cycle to cycle
+                "engine_lends": getattr(runtime.engine, "lender", None) is not None,
                 # torch's allocator settings: expandable segments change how much cached memory a peak carries
                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))}
         if self._cuda:

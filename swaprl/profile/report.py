@@ -339,15 +339,18 @@ def copy_ceiling(run: Run) -> dict:
 
 
 def baselines(run: Run) -> tuple[str, list[tuple[int, int]]]:
-    """Train-phase baseline per cycle: device used at each generate->train boundary, less the free blocks torch's
-    allocator caches there (host RSS without a device). Cached blocks are no leak: an engine that wakes on torch's
-    pages keeps them mapped in torch's cache from one cycle to the next, for training and the next wake-up."""
-    basis = "device used less torch's cached free blocks" if run.has_device else "host RSS"
+    """Train-phase baseline per cycle: device used at each generate->train boundary (host RSS without a device).
+    With an engine that wakes on torch's cached pages, less the free blocks torch caches there: such an engine keeps
+    them mapped in torch's cache from one cycle to the next, for training and its next wake-up, which is no leak.
+    (Otherwise the runtime hands the cache back at every switch, and a cache that grows is worth a flag.)"""
+    lends = run.has_device and bool(run.header.get("engine_lends"))
+    basis = ("device used less torch's cached free blocks" if lends else "device used") if run.has_device \
+        else "host RSS"
     out = []
     for rec in sorted(run.phases, key=lambda r: r["t"]):
         if rec["phase"] == "train" and rec.get("from") == "generate" and rec.get("cycle") is not None:
             value = rec["attribution"]["total"] if run.has_device else rec.get("host_rss")
-            if value is not None and run.has_device:
+            if value is not None and lends:
                 dm = (rec.get("status") or {}).get("device_memory") or {}
                 value -= max(dm.get("torch_reserved", 0) - dm.get("torch_allocated", 0), 0)
             if value is not None:
