@@ -215,23 +215,23 @@ def test_a_tensor_parallel_engine_leaves_the_custom_all_reduce_off_under_expanda
     assert vllm_compat.parallel_arguments(2, cuda=True) == {}
 
 
-def test_pages_larger_than_vllms_load_split_are_refused_before_the_engine_starts():
-    """vLLM sets max_split_size_mb:20 while it loads the model; torch refuses it under larger pages (2 x H100).
-    The settings are torch's own, set through its parser as PYTORCH_CUDA_ALLOC_CONF would at start-up."""
-    pytest.importorskip("vllm")
+def test_vllms_load_split_is_raised_to_torchs_pages_and_left_alone_otherwise():
+    """vLLM sets max_split_size_mb:20 while it loads the model; torch refuses it under larger pages (2 x H100), so
+    the split asked is raised to the page size. The settings are torch's own, set through its parser as
+    PYTORCH_CUDA_ALLOC_CONF would at start-up; the engine starting under 256 MiB pages is tests/test_vllm.py's."""
     set_settings, get_settings = torch._C._accelerator_setAllocatorSettings, torch._C._accelerator_getAllocatorSettings
     start = get_settings()
     try:
-        for conf in ("expandable_segments:True, large_segment_size_mb:256",
-                     "large_segment_size_mb:20,large_segment_size_mb:40"):  # the last entry counts
+        for conf, split in (("expandable_segments:True, large_segment_size_mb:256", 256),
+                            ("large_segment_size_mb:20,large_segment_size_mb:40", 40),  # the last entry counts
+                            ("expandable_segments:True,large_segment_size_mb:20", 20),
+                            ("large_segment_size_mb:40,large_segment_size_mb:20", 20),
+                            ("backend:cudaMallocAsync,large_segment_size_mb:40", 20),  # no pages to be within
+                            ("expandable_segments:True", 20), ("", 20)):
             set_settings(conf)
-            with pytest.raises(ValueError, match=r"large_segment_size_mb:(256|40).*Drop large_segment_size_mb"):
-                vllm_compat.check_allocator_settings()
-        for conf in ("expandable_segments:True,large_segment_size_mb:20", "large_segment_size_mb:40,"
-                     "large_segment_size_mb:20", "backend:cudaMallocAsync,large_segment_size_mb:40",
-                     "expandable_segments:True", ""):
-            set_settings(conf)
-            vllm_compat.check_allocator_settings()
-        assert torch_compat.large_segment_mib() is None
+            assert vllm_compat.load_split_mib(20) == split, conf
+            assert vllm_compat.load_split_mib(512) == 512, conf  # a split above the pages stands
+        with vllm_compat.load_split_within_pages():  # settings without large pages: vLLM's worker untouched
+            pass
     finally:
         set_settings(start)

@@ -350,6 +350,29 @@ def test_a_recorded_step_leaves_a_memory_snapshot_split_by_stream(tmp_path, monk
     assert sum(r["allocated"] for r in result["streams"].values()) > 0, result
 
 
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the GPU machine")
+def test_the_script_starts_vllm_under_its_own_allocator_settings_and_lends_it_large_pages(tmp_path):
+    """Run as a script with no allocator settings of the caller's, grpo.py starts torch with 256 MiB pages: vLLM's
+    model loading asks torch for a 20 MiB split, which torch refuses under them unless swaprl raises it, and the
+    engine's wake-ups then map torch's 256 MiB pages."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "grpo.py"), "--engine", "vllm", "--steps", "3",
+                           "--enforce-eager", "--out", str(out), "--checkpoint-dir", str(tmp_path / "ck")],
+                          env=env, capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    header = json.loads((out / "profile.jsonl").open().readline())
+    assert header["alloc_conf"] == "expandable_segments:True,large_segment_size_mb:256", header["alloc_conf"]
+    assert header["engine_lends"] is True
+    lent = [line for line in proc.stderr.splitlines() if "of torch's pages to lend" in line]
+    assert lent, proc.stderr[-4000:]  # a wake-up mapped torch's pages
+    steps = json.loads((out / "metrics.json").read_text())["steps"]
+    assert len(steps) == 3 and all(s["sync_max_abs_diff"] == 0 for s in steps), steps
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--completions", "1"], "--completions 1: give at least 2 \\(a GRPO group needs two completions"),
     (["--tis-cap", "0"], "--tis-cap 0.0: give a truncation of 1 or more"),

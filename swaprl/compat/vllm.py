@@ -52,28 +52,41 @@ def check_version(version: str | None = None) -> None:
             "module (engine='hf').")
 
 
-LOAD_SPLIT_MIB = 20
-"""The `max_split_size_mb` vLLM's GPU worker sets while it loads the model (`Worker._scoped_allocator_max_split`)."""
-
-
-def check_allocator_settings() -> None:
-    """Refuse, before vLLM starts, torch allocator settings its model loading cannot run under.
-
-    While it loads the model vLLM sets `max_split_size_mb:20` for that block (torch's native allocator only), and
-    torch refuses a split size below its large segment size: with `large_segment_size_mb` above 20 the engine
-    would fail inside vLLM's worker with a message about a setting the user never made."""
+def load_split_mib(requested: int) -> int:
+    """The `max_split_size_mb` torch accepts for vLLM's model loading, which asks for `requested`: torch refuses a
+    split size below its large segment size (`large_segment_size_mb`, the page size of its expandable segments), so
+    under larger pages the split is the page size, the closest setting torch takes to what vLLM asked."""
     pages = torch_compat.large_segment_mib()
-    if pages is None or pages <= LOAD_SPLIT_MIB or torch_compat.allocator_setting("backend") not in (None, "native"):
+    if pages is None or torch_compat.allocator_setting("backend") not in (None, "native"):
+        return requested
+    return max(requested, pages)
+
+
+@contextlib.contextmanager
+def load_split_within_pages() -> Iterator[None]:
+    """While the engine starts: the `max_split_size_mb` vLLM's GPU worker sets while it loads the model
+    (`Worker._scoped_allocator_max_split`, 20 MiB in 0.26) raised to `load_split_mib`. torch refuses 20 MiB under
+    pages larger than that, and vLLM's worker would fail with a message about a setting the user never made;
+    larger pages are swaprl's lever against the driver's cost per mapping at every switch (docs/kernels.md)."""
+    if torch_compat.large_segment_mib() is None:
+        yield
         return
     from vllm.v1.worker import gpu_worker
 
-    if not hasattr(gpu_worker.Worker, "_scoped_allocator_max_split"):
+    scoped = getattr(gpu_worker.Worker, "_scoped_allocator_max_split", None)
+    if scoped is None:  # a vLLM that sets no split while loading
+        yield
         return
-    raise ValueError(
-        f"torch's allocator settings (PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF) set large_segment_size_mb:"
-        f"{pages}, which vLLM {installed_version()} cannot start under: it sets max_split_size_mb:{LOAD_SPLIT_MIB} "
-        "while it loads the model, and torch refuses a split size below the large segment size. Drop "
-        "large_segment_size_mb from them (expandable_segments:True alone is what swaprl's examples set).")
+
+    @functools.wraps(scoped)
+    def within_pages(self, max_split_size_mb: int):
+        return scoped(self, load_split_mib(max_split_size_mb))
+
+    gpu_worker.Worker._scoped_allocator_max_split = within_pages
+    try:
+        yield
+    finally:
+        gpu_worker.Worker._scoped_allocator_max_split = scoped
 
 
 @contextlib.contextmanager

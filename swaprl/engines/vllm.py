@@ -282,7 +282,6 @@ class VLLMEngine(Engine):
             env.update(_external_launcher_environment())
             args.update(distributed_executor_backend="external_launcher", seed=seed + self.tp_group.index)
         if self.cuda:
-            vllm_compat.check_allocator_settings()
             free, total = torch.cuda.mem_get_info()
             reserve = reserve_bytes if reserve_bytes is not None else default_reserve_bytes(total)
             if gpu_memory_utilization is None:
@@ -317,7 +316,8 @@ class VLLMEngine(Engine):
         cuda_rng = torch.cuda.get_rng_state_all() if self.cuda else None
         free0 = self._free(settled=True)
         start = time.perf_counter()
-        with vllm_compat.startup_environment(env), torch_compat.lazy_new_groups() as lazy, self._other("capturing"):
+        with vllm_compat.startup_environment(env), vllm_compat.load_split_within_pages(), \
+                torch_compat.lazy_new_groups() as lazy, self._other("capturing"):
             if lazy:
                 logger.info("the default process group has a bound device: vLLM's process groups are started "
                             "without it, so that those it never uses hold no NCCL memory")
