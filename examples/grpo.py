@@ -359,20 +359,22 @@ def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.op
                       tensor_parallel_size=args.tp, release_other=args.release_other, lend_pages=args.lend_pages)
 
 
-ALLOC_CONF = "expandable_segments:True,large_segment_size_mb:256"
-"""torch's allocator settings the scripts start with: segments that grow in place in pages of 256 MiB."""
+ALLOC_CONF = "expandable_segments:True,large_segment_size_mb:64"
+"""torch's allocator settings the scripts start with: segments that grow in place in pages of 64 MiB."""
 
 
 def expandable_segments() -> None:
-    """Have torch's CUDA allocator grow its segments in place, in pages of 256 MiB, and unmap what it frees, unless
+    """Have torch's CUDA allocator grow its segments in place, in pages of 64 MiB, and unmap what it frees, unless
     the caller chose its allocator settings (set PYTORCH_CUDA_ALLOC_CONF, even empty, to keep torch's default). The
     scripts call it when run, not `main()`, which leaves the environment of a process that imports it alone.
 
     Without expandable segments, torch keeps freed blocks of the sizes it first cut: at 72B-20L's train peak on
     2 x H200 it held 15.6-26.6 GiB per GPU reserved but unallocated. The page size sets what every switch pays the
     driver: the engine's wake-ups map torch's pages at its own addresses and its sleeps unmap them, one call per
-    page, so 256 MiB pages cost a tenth of torch's 20 MiB ones (benchmarks/results/). Must run before the first
-    CUDA allocation; swaprl's pausable pools and vLLM's sleep-mode pool bring their own allocators."""
+    page, so larger pages cost less per GiB than torch's 20 MiB ones; but only whole pages can back an allocation
+    of the engine's, and at 256 MiB a third of 72B's weights (each layer's attention matrices, under a page) woke
+    on new memory instead (benchmarks/results/). Must run before the first CUDA allocation; swaprl's pausable pools
+    and vLLM's sleep-mode pool bring their own allocators."""
     if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
 
