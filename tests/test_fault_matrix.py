@@ -28,8 +28,8 @@ def setup(checkpoint, engine, grads, states):
         model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = swaprl.SwapConfig(grads=grads, optimizer_states=states, verify_sync=True)
-    rt = swaprl.attach(model, opt, engine, config=config) if engine is not None else \
-        swaprl.attach(model, opt, config=config)
+    # None: the trainer's own module generates ("hf"; the default would build a vLLM engine where vLLM is installed)
+    rt = swaprl.attach(model, opt, engine if engine is not None else "hf", config=config)
     return model, opt, rt
 
 
