@@ -72,7 +72,7 @@ class PageLender:
             base = int(seg["address"])
             default = tuple(seg.get("segment_pool_id") or (0, 0)) == (0, 0)
             large = default and seg.get("segment_type") == "large"
-            yield seg, base, kernels.page_bytes(base, 2**30, self.device) if large else 0
+            yield seg, base, kernels.page_bytes(base, int(seg["total_size"]), self.device) if large else 0
 
     def _scan(self) -> tuple[list[_Free], dict[int, tuple[int, int]]]:
         """The default pool's free blocks holding whole pages, largest first, and its paged segments (first byte ->

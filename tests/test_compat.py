@@ -215,23 +215,53 @@ def test_a_tensor_parallel_engine_leaves_the_custom_all_reduce_off_under_expanda
     assert vllm_compat.parallel_arguments(2, cuda=True) == {}
 
 
-def test_vllms_load_split_is_raised_to_torchs_pages_and_left_alone_otherwise():
-    """vLLM sets max_split_size_mb:20 while it loads the model; torch refuses it under larger pages (2 x H100), so
-    the split asked is raised to the page size. The settings are torch's own, set through its parser as
-    PYTORCH_CUDA_ALLOC_CONF would at start-up; the engine starting under 256 MiB pages is tests/test_vllm.py's."""
+def test_vllms_load_split_is_raised_to_torchs_pages_and_left_alone_otherwise(monkeypatch):
+    """vLLM sets max_split_size_mb:20 while it loads the model; torch refuses it under larger pages, whatever its
+    backend, so the split asked is raised to the page size. The settings are torch's own, set through its parser as
+    PYTORCH_CUDA_ALLOC_CONF would at start-up; the engine starting under 64 MiB pages is tests/test_examples.py's."""
     set_settings, get_settings = torch._C._accelerator_setAllocatorSettings, torch._C._accelerator_getAllocatorSettings
     start = get_settings()
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
     try:
-        for conf, split in (("expandable_segments:True, large_segment_size_mb:256", 256),
+        for conf, pages in (("expandable_segments:True, large_segment_size_mb:256", 256),
                             ("large_segment_size_mb:20,large_segment_size_mb:40", 40),  # the last entry counts
                             ("expandable_segments:True,large_segment_size_mb:20", 20),
                             ("large_segment_size_mb:40,large_segment_size_mb:20", 20),
-                            ("backend:cudaMallocAsync,large_segment_size_mb:40", 20),  # no pages to be within
-                            ("expandable_segments:True", 20), ("", 20)):
+                            ("backend:cudaMallocAsync,large_segment_size_mb:40", 40),
+                            ("expandable_segments:True", None), ("", None)):
             set_settings(conf)
-            assert vllm_compat.load_split_mib(20) == split, conf
-            assert vllm_compat.load_split_mib(512) == 512, conf  # a split above the pages stands
-        with vllm_compat.load_split_within_pages():  # settings without large pages: vLLM's worker untouched
-            pass
+            assert torch_compat.large_segment_mib() == pages, conf
+            assert vllm_compat.load_split_mib(20, pages) == max(20, pages or 0), conf
+            assert vllm_compat.load_split_mib(512, pages) == 512, conf  # a split above the pages stands
+            if pages and pages > 20:  # what the split is raised for: torch refuses the 20 vLLM asks
+                with pytest.raises(ValueError, match="max_split_size_mb too small"):
+                    set_settings(f"max_split_size_mb:{vllm_compat.load_split_mib(20, pages) - 2}")
+                set_settings(f"max_split_size_mb:{vllm_compat.load_split_mib(20, pages)}")
+                set_settings(f"max_split_size_mb:{(2**64 - 1) // 2**20}")  # unlimited again, as vLLM leaves it
+        # vLLM's partial strings drop the page size from the one torch reports; the environment still has it
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,large_segment_size_mb:64")
+        set_settings("expandable_segments:False")
+        assert torch_compat.large_segment_mib() == 64
     finally:
+        set_settings("large_segment_size_mb:20")  # torch keeps a value until a string names it again
+        set_settings(f"max_split_size_mb:{(2**64 - 1) // 2**20}")
         set_settings(start)
+
+
+def test_the_load_split_patch_comes_off_when_the_engine_fails_to_start(monkeypatch):
+    """The raised split applies while swaprl starts an engine only: vLLM's worker has its own method back after the
+    start, also after a failed one."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker import gpu_worker
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,large_segment_size_mb:64")
+    own = vars(gpu_worker.Worker)["_scoped_allocator_max_split"]
+    with pytest.raises(RuntimeError, match="engine start failed"):
+        with vllm_compat.load_split_within_pages():
+            assert vars(gpu_worker.Worker)["_scoped_allocator_max_split"] is not own
+            raise RuntimeError("engine start failed")
+    assert vars(gpu_worker.Worker)["_scoped_allocator_max_split"] is own
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with vllm_compat.load_split_within_pages():  # no large pages: vLLM's worker untouched
+        assert vars(gpu_worker.Worker)["_scoped_allocator_max_split"] is own

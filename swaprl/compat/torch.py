@@ -147,18 +147,29 @@ def allocator_setting(key: str) -> str | None:
 
 def large_segment_mib() -> int | None:
     """The page size torch's expandable segments map large blocks in (`large_segment_size_mb`), or None where the
-    settings leave torch's own (20 MiB)."""
-    value = allocator_setting("large_segment_size_mb")
-    try:
-        return int(value) if value is not None else None
-    except ValueError:  # torch refused it when it parsed the settings
-        return None
+    settings leave torch's own (20 MiB). torch keeps a setting until another string names it, but the string it
+    reports is only the last one set, and vLLM sets partial ones while it starts (`expandable_segments:False`
+    around its pool, `max_split_size_mb:N` around its model's loading): the environment torch started from is read
+    too, and the larger value counts."""
+    found = []
+    for conf in (_alloc_conf(), getattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "")()):
+        value = None
+        for part in conf.split(","):
+            name, _, setting = part.strip().partition(":")
+            if name.strip() == "large_segment_size_mb":
+                value = setting.strip()  # the last entry for a key counts, as in torch's parser
+        try:
+            found += [int(value)] if value is not None else []
+        except ValueError:  # torch refused it when it parsed the settings
+            pass
+    return max(found) if found else None
 
 
 @contextlib.contextmanager
 def whole_segments(device: torch.device) -> Iterator[None]:
     """New device memory the block asks for comes in one segment of the size asked (one `cudaMalloc`), where
-    expandable segments are on: they map every request in 2 and 20 MiB pages, each its own driver allocation, which
+    expandable segments are on: they map every request in pages (2 MiB, and 20 MiB or `large_segment_size_mb` for
+    large blocks), each its own driver allocation, which
     for a buffer of tens of GiB made and given back at every phase switch is the switch's largest cost after the
     engine's own. Meant for buffers used whole and freed whole, which leave no free pieces behind.
 

@@ -52,14 +52,11 @@ def check_version(version: str | None = None) -> None:
             "module (engine='hf').")
 
 
-def load_split_mib(requested: int) -> int:
-    """The `max_split_size_mb` torch accepts for vLLM's model loading, which asks for `requested`: torch refuses a
-    split size below its large segment size (`large_segment_size_mb`, the page size of its expandable segments), so
-    under larger pages the split is the page size, the closest setting torch takes to what vLLM asked."""
-    pages = torch_compat.large_segment_mib()
-    if pages is None or torch_compat.allocator_setting("backend") not in (None, "native"):
-        return requested
-    return max(requested, pages)
+def load_split_mib(requested: int, pages: int | None) -> int:
+    """The `max_split_size_mb` torch accepts for vLLM's model loading, which asks for `requested`, under pages of
+    `pages` MiB (`torch_compat.large_segment_mib`): torch refuses a split size below its large segment size, whatever
+    its backend, so under larger pages the split is the page size, the closest setting torch takes to the one asked."""
+    return requested if pages is None else max(requested, pages)
 
 
 @contextlib.contextmanager
@@ -67,26 +64,33 @@ def load_split_within_pages() -> Iterator[None]:
     """While the engine starts: the `max_split_size_mb` vLLM's GPU worker sets while it loads the model
     (`Worker._scoped_allocator_max_split`, 20 MiB in 0.26) raised to `load_split_mib`. torch refuses 20 MiB under
     pages larger than that, and vLLM's worker would fail with a message about a setting the user never made;
-    larger pages are swaprl's lever against the driver's cost per mapping at every switch (docs/kernels.md)."""
-    if torch_compat.large_segment_mib() is None:
+    larger pages are swaprl's lever against the driver's cost per mapping at every switch (docs/kernels.md). The
+    page size is read here, before vLLM sets settings strings of its own."""
+    pages = torch_compat.large_segment_mib()
+    if pages is None:
         yield
         return
     from vllm.v1.worker import gpu_worker
 
-    scoped = getattr(gpu_worker.Worker, "_scoped_allocator_max_split", None)
+    worker = gpu_worker.Worker
+    scoped = getattr(worker, "_scoped_allocator_max_split", None)
     if scoped is None:  # a vLLM that sets no split while loading
         yield
         return
+    own = "_scoped_allocator_max_split" in vars(worker)
 
     @functools.wraps(scoped)
-    def within_pages(self, max_split_size_mb: int):
-        return scoped(self, load_split_mib(max_split_size_mb))
+    def within_pages(self, max_split_size_mb: int, *args, **kwargs):
+        return scoped(self, load_split_mib(max_split_size_mb, pages), *args, **kwargs)
 
-    gpu_worker.Worker._scoped_allocator_max_split = within_pages
+    worker._scoped_allocator_max_split = within_pages
     try:
         yield
     finally:
-        gpu_worker.Worker._scoped_allocator_max_split = scoped
+        if own:
+            worker._scoped_allocator_max_split = scoped
+        else:  # inherited: the class's own attribute goes again
+            del worker._scoped_allocator_max_split
 
 
 @contextlib.contextmanager
