@@ -132,17 +132,23 @@ def expandable_segments() -> bool:
     return "expandable_segments:true" in _alloc_conf().replace(" ", "").lower()
 
 
-def allocator_setting(key: str) -> str | None:
-    """The value torch's allocator settings give `key` now, or None where they leave it out. Read from torch itself
-    where it says (what it parsed from PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, and any change made since, as
-    vLLM reads them), else from the environment; the last entry for a key counts, as in torch's parser."""
-    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+def _setting(conf: str, key: str) -> str | None:
+    """`key`'s value in an allocator settings string, or None; the last entry for a key counts, as in torch's
+    parser."""
     value = None
-    for part in (get() if get is not None else _alloc_conf()).split(","):
+    for part in conf.split(","):
         name, _, setting = part.strip().partition(":")
         if name.strip() == key:
             value = setting.strip()
     return value
+
+
+def allocator_setting(key: str) -> str | None:
+    """The value torch's allocator settings give `key` now, or None where they leave it out. Read from torch itself
+    where it says (what it parsed from PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, and any change made since, as
+    vLLM reads them), else from the environment."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return _setting(get() if get is not None else _alloc_conf(), key)
 
 
 def large_segment_mib() -> int | None:
@@ -152,12 +158,7 @@ def large_segment_mib() -> int | None:
     around its pool, `max_split_size_mb:N` around its model's loading): the environment torch started from is read
     too, and the larger value counts."""
     found = []
-    for conf in (_alloc_conf(), getattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "")()):
-        value = None
-        for part in conf.split(","):
-            name, _, setting = part.strip().partition(":")
-            if name.strip() == "large_segment_size_mb":
-                value = setting.strip()  # the last entry for a key counts, as in torch's parser
+    for value in (_setting(_alloc_conf(), "large_segment_size_mb"), allocator_setting("large_segment_size_mb")):
         try:
             found += [int(value)] if value is not None else []
         except ValueError:  # torch refused it when it parsed the settings
