@@ -154,8 +154,9 @@ class PageLender:
             whole = self._whole(block.address, block.size, block.base, page)
             if block.page != page or 2 * whole < block.size:
                 continue
-            # Two pages more than needed: a block cut from the front of a free one starts anywhere in a page.
-            ask = block.size if whole <= want - ready else min(block.size, want - ready + 2 * page)
+            # torch cuts a block from the front of the free one, which may start inside a page: ask for that head too.
+            head = -(block.address - block.base) % page
+            ask = block.size if whole <= want - ready else min(block.size, head + want - ready)
             ptr = torch.cuda.caching_allocator_alloc(ask, self.device, stream=block.stream)
             # Best fit may have cut it from another free block than this one, which the scan no longer describes,
             # or torch may have mapped new memory for it: then stop, and read again at the next wake-up.
