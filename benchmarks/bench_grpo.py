@@ -60,6 +60,7 @@ prompts and of the token ids it sampled, so two ways that should sample alike ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -263,6 +264,7 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     import swaprl
+    from swaprl.integrations.trl import large_pages
 
     cuda, use_vllm = torch.cuda.is_available(), not spec["smoke"]
     floor = SwitchFloor() if spec["way"] == "b" else None
@@ -290,8 +292,11 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         vllm_gpu_memory_utilization=engine_share(spec["util"] or 0.3, spec),
         vllm_max_model_length=max_model_len(spec),
         vllm_importance_sampling_correction=False, **spread)
-    trainer = GRPOTrainer(model=str(checkpoint_dir(spec)), reward_funcs=even_tokens, args=args,
-                          train_dataset=dataset)
+    # Way b builds TRL's engine as docs/trl.md says, under torch's larger pages where they are set; plain TRL (way a)
+    # has no such help.
+    with large_pages() if spec["way"] == "b" else contextlib.nullcontext():
+        trainer = GRPOTrainer(model=str(checkpoint_dir(spec)), reward_funcs=even_tokens, args=args,
+                              train_dataset=dataset)
 
     acc = {"generate": 0.0, "switch": 0.0, "depth": 0}
 
@@ -389,7 +394,8 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
     # since attach (or the start) even where a profile resets torch's peaks at each phase
     peak_reserved = swaprl.memory.torch_peaks(torch.device("cuda")).reserved_since_start() if cuda else None
     extra = {"torch_max_reserved_bytes": peak_reserved, "wrap_s": wrap_s, "rollouts": rollouts,
-             "world_size": world, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+             "world_size": world, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     if floor is not None:
         floor.fill(steps)
         extra["floor_GBps"] = floor.gbps

