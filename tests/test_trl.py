@@ -296,12 +296,15 @@ def test_large_pages_raises_vllms_loading_split_to_the_page_size_inside_only(mon
     pytest.importorskip("vllm")
     from vllm.v1.worker import gpu_worker
 
+    from swaprl.compat import torch as torch_compat
     from swaprl.integrations.trl import large_pages
 
     asked = []
     monkeypatch.setattr(gpu_worker.Worker, "_scoped_allocator_max_split", lambda self, mib: asked.append(mib))
     own = vars(gpu_worker.Worker)["_scoped_allocator_max_split"]
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,large_segment_size_mb:64")
+    # torch's page size as read from its settings (tests/test_compat.py reads it from the environment and torch; set
+    # here, torch would keep the 64 MiB it parsed for the rest of this process)
+    monkeypatch.setattr(torch_compat, "large_segment_mib", lambda: 64)
     with large_pages():
         gpu_worker.Worker._scoped_allocator_max_split(None, 20)
     gpu_worker.Worker._scoped_allocator_max_split(None, 20)
