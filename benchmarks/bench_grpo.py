@@ -264,6 +264,7 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     import swaprl
+    from swaprl.compat import torch as torch_compat
     from swaprl.integrations.trl import large_pages
 
     cuda, use_vllm = torch.cuda.is_available(), not spec["smoke"]
@@ -395,7 +396,8 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
     peak_reserved = swaprl.memory.torch_peaks(torch.device("cuda")).reserved_since_start() if cuda else None
     extra = {"torch_max_reserved_bytes": peak_reserved, "wrap_s": wrap_s, "rollouts": rollouts,
              "world_size": world, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
+             "page_mib": torch_compat.large_segment_mib()}
     if floor is not None:
         floor.fill(steps)
         extra["floor_GBps"] = floor.gbps

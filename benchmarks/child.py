@@ -37,10 +37,11 @@ _HELD: list = []  # the driver allocations that hold_beyond made: kept for the l
 
 
 def hold_beyond(total_bytes: int) -> int:
-    """Make this process's GPU offer `total_bytes` as CUDA counts them (`cudaMemGetInfo`'s total), so that a larger
-    card runs what a smaller one would hold: a driver allocation that torch and vLLM do not see (`cuMemAlloc`) takes
-    the rest for the life of the process. Returns its size; NVML's device figure includes it, so a caller subtracts
-    it from what it reads there."""
+    """Leave this process's GPU only the memory of a card of `total_bytes` (as CUDA counts a card's total), so that a
+    larger card runs what a smaller one would hold: a driver allocation that torch and vLLM do not see (`cuMemAlloc`)
+    takes the rest for the life of the process. `cudaMemGetInfo` still reports the larger card's total: a reader of
+    the total is told apart (bench_grpo's `engine_share`, as_gpu.py). Returns the held size; NVML's device figure
+    includes it, so a caller subtracts it from what it reads there."""
     import ctypes
 
     import torch
