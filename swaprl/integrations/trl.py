@@ -1,7 +1,8 @@
 """Run an existing TRL `GRPOTrainer` under swaprl: its generation in `phase("generate")`, the rest in `"train"`.
 
-    from swaprl.integrations.trl import wrap
-    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
+    from swaprl.integrations.trl import large_pages, wrap
+    with large_pages():                     # only matters under torch's larger pages (see `large_pages`)
+        trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
     rt = wrap(trainer)                      # or wrap(trainer, config=swaprl.SwapConfig(...))
     trainer.train()
     rt.detach()                             # optional: puts the trainer back as it was
