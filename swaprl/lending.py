@@ -25,6 +25,18 @@ import torch
 from . import kernels, memory
 
 
+_ALIGN = 512  # torch's blocks start and end on multiples of this
+
+
+def _ask(size: int, whole: int, need: int, page: int) -> int:
+    """The bytes to allocate from a free block of `size` bytes, `whole` of them in whole pages, for `need` bytes of
+    pages (a multiple of `page`): the whole block where its pages do not exceed the need, else the need and less than
+    a page more. torch's best fit may cut the allocation from another free block than this one, starting anywhere in
+    a page (on a 512-byte boundary), and `need + page - 512` bytes hold `need` bytes of whole pages wherever they
+    start."""
+    return size if whole <= need else min(size, need + page - _ALIGN)
+
+
 @dataclass
 class _Free:
     """A free block of torch's default pool that holds at least one whole page."""
@@ -147,20 +159,18 @@ class PageLender:
             return ready
         page = blocks[0].page
         want = sum(n // page * page for n in sizes)
-        streams = set()
-        for block in blocks:
-            if ready >= want:
-                break
+        streams, free = set(), list(blocks)
+        while free and ready < want:
+            block = free.pop(0)
             whole = self._whole(block.address, block.size, block.base, page)
             if block.page != page or 2 * whole < block.size:
                 continue
-            # torch cuts a block from the front of the free one, which may start inside a page: ask for that head too.
-            head = -(block.address - block.base) % page
-            ask = block.size if whole <= want - ready else min(block.size, head + want - ready)
+            ask = _ask(block.size, whole, want - ready, page)
             ptr = torch.cuda.caching_allocator_alloc(ask, self.device, stream=block.stream)
-            # Best fit may have cut it from another free block than this one, which the scan no longer describes,
-            # or torch may have mapped new memory for it: then stop, and read again at the next wake-up.
-            if not any(b.address <= ptr and ptr + ask <= b.address + b.size for b in blocks):
+            # Best fit may have cut it from another free block the scan describes (`_ask` covers where it starts), or
+            # from one it no longer describes, or torch may have mapped new memory: then stop, and read again at the
+            # next wake-up.
+            if not any(b.address <= ptr and ptr + ask <= b.address + b.size for b in (block, *free)):
                 torch.cuda.caching_allocator_delete(ptr)
                 break
             self._blocks[ptr] = ask
@@ -171,7 +181,7 @@ class PageLender:
             for at in range(first, base + (ptr + ask - base) // page * page, page):
                 self._pages.append((at, page, ptr))
                 ready += page
-            blocks = [b for b in blocks if not (b.address <= ptr < b.address + b.size)]  # what is still free
+            free = [b for b in (block, *free) if not (b.address <= ptr < b.address + b.size)]  # what is still free
         # torch hands a block to the stream it was freed on, ordered after that stream's work; the engine writes
         # it from its own streams: wait for the owners' queued work first.
         for stream in streams:

@@ -102,6 +102,20 @@ def test_a_lent_range_is_torchs_own_pages_and_creates_memory_only_past_the_last_
 
 
 @gpu
+def test_a_free_block_starting_inside_a_page_still_gives_every_page_wanted(lender):
+    """The fixture's free 3 GiB block with its first 6 MiB taken again: what is free starts 6 MiB into a page, and
+    `take` still gets the pages wanted, holding less than a page of torch's beyond them."""
+    front = torch.empty(6 * MiB, dtype=torch.uint8, device="cuda")
+    size = 2**30
+    ready = lender.take([size])
+    page = lender._pages[0][1]
+    taken = sum(lender._blocks.values())
+    assert ready == size // page * page and taken - ready < page, (ready, taken, page)
+    lender.give_back_unused()
+    del front
+
+
+@gpu
 def test_a_block_freed_after_another_streams_use_is_lendable_once_that_stream_is_done(lender):
     """The states' reload allocates them on the compute stream and copies on its own (`record_stream`): freed, their
     block is pending until torch sees that stream's event done. The lender counts it as soon as it is."""
@@ -139,3 +153,20 @@ def test_lend_pages_without_a_gpu_names_the_fix(tiny_checkpoint, monkeypatch):
 
     with pytest.raises(RuntimeError, match="lend_pages=True needs a CUDA GPU.*lend_pages=False"):
         VLLMEngine(tiny_checkpoint, lend_pages=True)
+
+
+def test_what_a_block_is_asked_for_holds_the_pages_wanted_wherever_torch_cuts_it():
+    """`take` asks a free block for the pages still wanted and less than a page more: torch's best fit may cut the
+    allocation from another free block, starting anywhere in a page, and the pages must be there all the same."""
+    from swaprl.lending import _ask
+
+    for page in (20 * MiB, 64 * MiB):
+        for need in (page, 3 * page, 40 * page):
+            size = need + 5 * page  # a block with more whole pages than wanted: it is cut, not taken whole
+            ask = _ask(size, need + 4 * page, need, page)
+            assert need <= ask < need + page, (page, need, ask)
+            for head in (0, 512, 2 * MiB, page // 2, page - 512):  # where in a page the cut starts
+                assert PageLender._whole(head, ask, 0, page) == need, (page, need, head)
+        # a block with no more whole pages than wanted is taken whole
+        assert _ask(3 * page + MiB, 3 * page, 4 * page, page) == 3 * page + MiB
+        assert _ask(3 * page + MiB, 3 * page, 3 * page, page) == 3 * page + MiB
