@@ -265,3 +265,36 @@ def test_the_load_split_patch_comes_off_when_the_engine_fails_to_start(monkeypat
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with vllm_compat.load_split_within_pages():  # no large pages: vLLM's worker untouched
         assert vars(gpu_worker.Worker)["_scoped_allocator_max_split"] is own
+
+
+def test_engine_starts_on_two_threads_leave_vllms_worker_as_it_was(monkeypatch):
+    """The raised split is a patch on vLLM's class: a second start while the first is under way waits for it, so
+    each puts back what it found and the class ends with its own method."""
+    pytest.importorskip("vllm")
+    import threading
+    import time
+
+    from vllm.v1.worker import gpu_worker
+
+    monkeypatch.setattr(torch_compat, "large_segment_mib", lambda: 64)
+    own = vars(gpu_worker.Worker)["_scoped_allocator_max_split"]
+    inside, second_started = threading.Event(), threading.Event()
+
+    def first():
+        with vllm_compat.load_split_within_pages():
+            inside.set()
+            second_started.wait(10)
+            time.sleep(0.1)  # the second start is under way meanwhile, and ends after this one
+
+    def second():
+        inside.wait(10)
+        second_started.set()
+        with vllm_compat.load_split_within_pages():
+            time.sleep(0.3)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert vars(gpu_worker.Worker)["_scoped_allocator_max_split"] is own

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,24 +74,28 @@ def load_split_within_pages() -> Iterator[None]:
     from vllm.v1.worker import gpu_worker
 
     worker = gpu_worker.Worker
-    scoped = getattr(worker, "_scoped_allocator_max_split", None)
-    if scoped is None:  # a vLLM that sets no split while loading
-        yield
-        return
-    own = "_scoped_allocator_max_split" in vars(worker)
+    with _LOAD_SPLIT_LOCK:  # the patch is on vLLM's class: one engine start at a time, so that each restores it
+        scoped = getattr(worker, "_scoped_allocator_max_split", None)
+        if scoped is None:  # a vLLM that sets no split while loading
+            yield
+            return
+        own = "_scoped_allocator_max_split" in vars(worker)
 
-    @functools.wraps(scoped)
-    def within_pages(self, max_split_size_mb: int, *args, **kwargs):
-        return scoped(self, load_split_mib(max_split_size_mb, pages), *args, **kwargs)
+        @functools.wraps(scoped)
+        def within_pages(self, max_split_size_mb: int, *args, **kwargs):
+            return scoped(self, load_split_mib(max_split_size_mb, pages), *args, **kwargs)
 
-    worker._scoped_allocator_max_split = within_pages
-    try:
-        yield
-    finally:
-        if own:
-            worker._scoped_allocator_max_split = scoped
-        else:  # inherited: the class's own attribute goes again
-            del worker._scoped_allocator_max_split
+        worker._scoped_allocator_max_split = within_pages
+        try:
+            yield
+        finally:
+            if own:
+                worker._scoped_allocator_max_split = scoped
+            else:  # inherited: the class's own attribute goes again
+                del worker._scoped_allocator_max_split
+
+
+_LOAD_SPLIT_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
