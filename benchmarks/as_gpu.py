@@ -9,8 +9,9 @@ engine's share and the KV cache are then the smaller card's. Speeds (compute, me
 tables) stay the card's own, so the result is the smaller card's memory plan at the larger card's speeds. NVML's
 device figures include the held bytes (logged at the start).
 
-Allocator settings are read when torch first allocates, which here is before the script runs: set
-PYTORCH_CUDA_ALLOC_CONF in the environment of this command rather than relying on the script's own default.
+Allocator settings are read when torch first allocates, which here is before the script runs: PYTORCH_CUDA_ALLOC_CONF
+must be set in the environment of this command (the script's own default would come too late), and is refused
+otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from pathlib import Path
 
 import torch
 
@@ -32,6 +34,12 @@ def main() -> None:
     name, script = sys.argv[1], sys.argv[2]
     if name not in GPUS:
         raise SystemExit(f"as_gpu.py {name}: unknown GPU; choose among {', '.join(GPUS)}")
+    if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+        # torch reads its settings at the first allocation, here, before the script can set its own; the script
+        # would then believe settings torch never took (swaprl reads the page size from the environment too)
+        raise SystemExit("as_gpu.py: set PYTORCH_CUDA_ALLOC_CONF in this command's environment (e.g. "
+                         "expandable_segments:True,large_segment_size_mb:64): torch takes its settings before the "
+                         "script runs")
     total = GPUS[name].memory_bytes
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # this rank's GPU, before anything allocates
     held = hold_beyond(total)
@@ -48,6 +56,7 @@ def main() -> None:
     print(f"as an {name}: {held / 2**30:.2f} GiB held, {total / 2**30:.2f} GiB reported as the total; "
           f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}", flush=True)
     sys.argv = sys.argv[2:]
+    sys.path.insert(0, str(Path(script).resolve().parent))  # as `python SCRIPT` would
     runpy.run_path(script, run_name="__main__")
 
 
