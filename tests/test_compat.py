@@ -298,3 +298,20 @@ def test_engine_starts_on_two_threads_leave_vllms_worker_as_it_was(monkeypatch):
     for t in threads:
         t.join(20)
     assert vars(gpu_worker.Worker)["_scoped_allocator_max_split"] is own
+
+
+def test_a_vllm_without_the_gpu_worker_is_named_with_the_fix(monkeypatch):
+    """Under larger pages with a vLLM that lacks the worker whose split is raised, the error says which vLLM and
+    what to do, not only that a module is missing."""
+    pytest.importorskip("vllm")
+    import sys
+
+    monkeypatch.setattr(torch_compat, "large_segment_mib", lambda: 64)
+    import vllm.v1.worker
+
+    # what an import of a missing module meets: no attribute on the package, and no module to load
+    monkeypatch.delattr(vllm.v1.worker, "gpu_worker", raising=False)
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_worker", None)
+    with pytest.raises(ImportError, match=r"64 MiB pages.*Install a supported vLLM.*large_segment_size_mb"):
+        with vllm_compat.load_split_within_pages():
+            pass

@@ -71,8 +71,13 @@ def load_split_within_pages() -> Iterator[None]:
     if pages is None:
         yield
         return
-    from vllm.v1.worker import gpu_worker
-
+    try:
+        from vllm.v1.worker import gpu_worker
+    except ImportError as exc:
+        raise ImportError(f"torch runs with {pages} MiB pages, and the split vLLM sets while it loads a model "
+                          f"cannot be raised to them: vLLM {installed_version()} has no vllm.v1.worker.gpu_worker "
+                          f"({exc}). Install a supported vLLM (vllm{SUPPORTED}), or leave large_segment_size_mb out "
+                          "of PYTORCH_CUDA_ALLOC_CONF") from exc
     worker = gpu_worker.Worker
     with _LOAD_SPLIT_LOCK:  # the patch is on vLLM's class: one engine start at a time, so that each restores it
         scoped = getattr(worker, "_scoped_allocator_max_split", None)
