@@ -29,12 +29,13 @@ from child import hold_beyond
 def main() -> None:
     if len(sys.argv) < 3:
         raise SystemExit("usage: as_gpu.py GPU SCRIPT [ARGS...]  (GPU: a name from swaprl.plan.hardware.GPUS)")
+    from swaprl.compat import torch as torch_compat
     from swaprl.plan.hardware import GPUS
 
     name, script = sys.argv[1], sys.argv[2]
     if name not in GPUS:
         raise SystemExit(f"as_gpu.py {name}: unknown GPU; choose among {', '.join(GPUS)}")
-    if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+    if not torch_compat.alloc_conf():
         # torch reads its settings at the first allocation, here, before the script can set its own; the script
         # would then believe settings torch never took (swaprl reads the page size from the environment too)
         raise SystemExit("as_gpu.py: set PYTORCH_CUDA_ALLOC_CONF in this command's environment (e.g. "
@@ -54,7 +55,7 @@ def main() -> None:
     torch.cuda.mem_get_info = torch.cuda.memory.mem_get_info = mem_get_info
     torch.accelerator.get_memory_info = get_memory_info
     print(f"as an {name}: {held / 2**30:.2f} GiB held, {total / 2**30:.2f} GiB reported as the total; "
-          f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}", flush=True)
+          f"allocator settings {torch_compat.alloc_conf()}", flush=True)
     sys.argv = sys.argv[2:]
     sys.path.insert(0, str(Path(script).resolve().parent))  # as `python SCRIPT` would
     runpy.run_path(script, run_name="__main__")

@@ -396,7 +396,7 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
     peak_reserved = swaprl.memory.torch_peaks(torch.device("cuda")).reserved_since_start() if cuda else None
     extra = {"torch_max_reserved_bytes": peak_reserved, "wrap_s": wrap_s, "rollouts": rollouts,
              "world_size": world, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
+             "alloc_conf": torch_compat.alloc_conf(),
              "page_mib": torch_compat.large_segment_mib()}
     if floor is not None:
         floor.fill(steps)

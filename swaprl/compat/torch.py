@@ -122,14 +122,14 @@ def lazy_new_groups() -> Iterator[bool]:
         group.bound_device_id = bound
 
 
-def _alloc_conf() -> str:
-    """The allocator settings torch was started with (read where torch reads them: the environment)."""
+def alloc_conf() -> str:
+    """The allocator settings torch was started with (read where torch reads them: the environment), "" if none."""
     return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
 
 
 def expandable_segments() -> bool:
     """Whether torch's CUDA allocator was told to use expandable segments."""
-    return "expandable_segments:true" in _alloc_conf().replace(" ", "").lower()
+    return "expandable_segments:true" in alloc_conf().replace(" ", "").lower()
 
 
 def _setting(conf: str, key: str) -> str | None:
@@ -148,7 +148,7 @@ def allocator_setting(key: str) -> str | None:
     where it says (what it parsed from PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, and any change made since, as
     vLLM reads them), else from the environment."""
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    return _setting(get() if get is not None else _alloc_conf(), key)
+    return _setting(get() if get is not None else alloc_conf(), key)
 
 
 def large_segment_mib() -> int | None:
@@ -158,7 +158,7 @@ def large_segment_mib() -> int | None:
     around its pool, `max_split_size_mb:N` around its model's loading): the environment torch started from is read
     too, and the larger value counts."""
     found = []
-    for value in (_setting(_alloc_conf(), "large_segment_size_mb"), allocator_setting("large_segment_size_mb")):
+    for value in (_setting(alloc_conf(), "large_segment_size_mb"), allocator_setting("large_segment_size_mb")):
         try:
             found += [int(value)] if value is not None else []
         except ValueError:  # torch refused it when it parsed the settings
@@ -177,7 +177,7 @@ def whole_segments(device: torch.device) -> Iterator[None]:
     The setting is the process's: torch reads it whenever it makes a segment (vLLM's sleep-mode pool turns it off the
     same way). Setting it parses the whole settings string again, resetting what the string leaves out, so the
     block sets the string torch started with, expandable segments off, and puts that string back after."""
-    conf = _alloc_conf()
+    conf = alloc_conf()
     if device.type != "cuda" or not expandable_segments():
         yield
         return

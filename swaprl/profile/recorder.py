@@ -64,6 +64,7 @@ import psutil
 import torch
 
 from .. import memory
+from ..compat import torch as torch_compat
 from .._version import __version__
 from . import SCHEMA, VERSION
 from .attribution import attribute
@@ -167,7 +168,7 @@ class Profiler:
                 # an engine that wakes on torch's cached pages keeps them in torch's cache from cycle to cycle
                 "engine_lends": getattr(runtime.engine, "lender", None) is not None,
                 # torch's allocator settings: expandable segments change how much cached memory a peak carries
-                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))}
+                "alloc_conf": torch_compat.alloc_conf()}
         if self._cuda:
             props = torch.cuda.get_device_properties(self._device)
             head["device_name"] = props.name
