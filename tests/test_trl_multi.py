@@ -82,6 +82,19 @@ def assert_bitwise_equal(plain_out: Path, wrapped_out: Path, ranks: list[dict]) 
         assert r["wrapped"]["grad_norms"] == r["plain"]["grad_norms"] and len(r["plain"]["grad_norms"]) == STEPS
 
 
+def assert_streamed_run_bitwise_equal(out: Path, ranks: list[dict]) -> None:
+    """The "wrapped_host" run (every state in host memory, streamed through each step in chunks) trained bit for
+    bit like the plain one."""
+    for r in ranks:
+        plain, host = rank_params(out, r["rank"], "plain"), rank_params(out, r["rank"], "wrapped_host")
+        for name in plain:
+            torch.testing.assert_close(host[name], plain[name], rtol=0, atol=0, msg=f"rank {r['rank']}: {name}")
+        h = r["wrapped_host"]
+        assert h["grad_norms"] == r["plain"]["grad_norms"]
+        assert len(h["streamed"]) == STEPS and all(chunks >= 2 for chunks in h["streamed"]), h["streamed"]
+        assert all(s["optimizer"]["location"] == "host" and s["optimizer"]["bytes"] == 0 for s in h["steps"])
+
+
 def assert_states_on_the_host_while_generating(r: dict, state_bytes: float) -> None:
     """Each generation with this rank's optimizer states in host memory, each step with them back; `state_bytes`:
     what this rank's AdamW states should weigh (all of them under DDP, its shard's under FSDP2)."""
@@ -143,14 +156,7 @@ def test_under_fsdp2_host_resident_states_stream_through_each_step_and_train_bit
     """SwapConfig(optimizer_states="host"): each rank's shards' states never reach the device; TRL's step (through
     accelerate's wrapper and the LR scheduler train() built before swaprl attached) streams them in chunks."""
     out, ranks = hf_runs["fsdp2"]
-    for r in ranks:
-        plain, host = rank_params(out, r["rank"], "plain"), rank_params(out, r["rank"], "wrapped_host")
-        for name in plain:
-            torch.testing.assert_close(host[name], plain[name], rtol=0, atol=0, msg=f"rank {r['rank']}: {name}")
-        h = r["wrapped_host"]
-        assert h["grad_norms"] == r["plain"]["grad_norms"]
-        assert len(h["streamed"]) == STEPS and all(chunks >= 2 for chunks in h["streamed"]), h["streamed"]
-        assert all(s["optimizer"]["location"] == "host" and s["optimizer"]["bytes"] == 0 for s in h["steps"])
+    assert_streamed_run_bitwise_equal(out, ranks)
 
 
 @cpu_only
@@ -212,9 +218,13 @@ def test_a_tensor_parallel_engine_holds_a_shard_on_each_rank(vllm_runs):
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or not vllm_available(), reason="needs 2 CUDA GPUs and vllm")
 def test_on_two_gpus_fsdp2_and_ddp_with_vllm_sleeping_in_train(tiny_checkpoint, tmp_path):
     """One GPU per rank, NCCL, vLLM with sleep mode: the engine released in 'train', this rank's optimizer states
-    in host memory while generating, every sync proved exact on every rank; FSDP2 attaches at train()."""
-    hf = launch(tmp_path / "fsdp2", tiny_checkpoint, "--device", "cuda", "--layout", "fsdp2",
-                "--runs", "wrapped,twice,detached")
+    in host memory while generating, every sync proved exact on every rank; FSDP2 attaches at train(). Under
+    torch's deterministic algorithms the wrapped runs, states swapped or streamed through each step from host
+    memory, train bit for bit like plain TRL on the GPUs too."""
+    hf = launch(tmp_path / "fsdp2", tiny_checkpoint, "--device", "cuda", "--layout", "fsdp2", "--deterministic",
+                "--runs", "plain,wrapped,wrapped_host,twice,detached")
+    assert_bitwise_equal(tmp_path / "fsdp2", tmp_path / "fsdp2", hf)
+    assert_streamed_run_bitwise_equal(tmp_path / "fsdp2", hf)
     for r in hf:
         assert r["wrapped"]["sharded"] and "FSDP2" in r["wrapped"]["status_before_train"]
         assert_states_on_the_host_while_generating(r, r["wrapped"]["full_param_bytes"])  # half of 2 x params

@@ -9,7 +9,8 @@ GRPOConfig(fsdp=True, fsdp_config={"version": 2})). `--vllm-tp N`: TRL's vLLM co
 vllm_tensor_parallel_size=N (0: generation with transformers). `--runs`: plain TRL, swaprl's wrap, or both one after
 the other (TRL's vLLM starts once per process, so a vLLM layout gets one launch per run); "twice" and "detached"
 are the wrapper's other paths (see their functions), "wrapped_host" the wrapped run with
-SwapConfig(optimizer_states="host"). `--device cuda`: one GPU per rank, NCCL. Each rank writes
+SwapConfig(optimizer_states="host"). `--device cuda`: one GPU per rank, NCCL (with `--deterministic`, runs that can
+be compared bit for bit). Each rank writes
 DIR/rank{N}.json with what it saw (and the traceback if it failed) and DIR/rank{N}_{run}.pt with its final
 parameters (its shards under FSDP2), so the test can assert on every rank.
 
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", default="plain,wrapped", help=f"comma-separated, of {sorted(RUNS)}")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch's deterministic algorithms, so that two runs on GPUs can be compared bit for bit "
+                         "(attention's backward and cuBLAS otherwise sum in an order that varies from run to run)")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -221,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {"rank": rank}
     if args.vllm_tp and args.device == "cpu":
         keep_vllm_cpu_weights_as_loaded()
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any CUDA work
+        torch.use_deterministic_algorithms(True)
     try:
         for run in args.runs.split(","):
             result[run] = RUNS[run](args, run)
@@ -229,6 +236,11 @@ def main(argv: list[str] | None = None) -> None:
         raise
     finally:
         (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+    if dist.is_initialized():
+        # Torn down here, not by the interpreter's exit: a gloo group left to it once aborted a CPU rank ("terminate
+        # called without an active exception") after its report was written (benchmarks/bench_grpo.py does the same).
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
