@@ -51,7 +51,9 @@ across nodes.
 
 Also per way: the peak memory while the engine holds its memory (from its wake-up to its sleep: TRL's in way a,
 swaprl's in way b) and while it does not, and each step's loss as TRL logs it, so a wrapped run can be compared
-with the plain one step by step; `--spread` runs way a a second time, for the run-to-run spread of TRL's own losses.
+with the plain one step by step; `--spread` runs way a a second time, for the run-to-run spread of TRL's own losses,
+and `--deterministic` runs ways a and b under torch's deterministic algorithms, so that training sums alike in every
+run (attention's backward does not otherwise) and weights, not only losses, can be compared across runs.
 With vLLM, every call of the engine's `generate` is recorded (`extra.rollouts`, `record_rollouts`): digests of
 numpy's global state before and after it (vLLM 0.26's V2 runner seeds each unseeded request from it), of its
 prompts and of the token ids it sampled, so two ways that should sample alike can be compared call by call.
@@ -122,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spread", action="store_true",
                     help="run way a once more at its utilization: the run-to-run spread of TRL's own losses, "
                          "against which the other ways' losses are read")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="ways a and b under torch's deterministic algorithms (and cuBLAS's fixed workspace), so "
+                         "that training sums in the same order in every run: for comparing losses and weights "
+                         "across runs, not for speed")
     ap.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
                     help="ways b and c: bounds on the measured mismatch (SwapConfig.verify_tolerance); default: none")
@@ -519,6 +525,12 @@ def child(spec_path: str) -> None:
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before the sampler and the floor pick a device
     held = hold_beyond(spec["as_gpu_bytes"]) if spec.get("as_gpu_bytes") else 0
+    if spec.get("deterministic") and spec["way"] in ("a", "b"):
+        import torch
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any product
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # its fill changes no result, only the time
     if spec["way"] in ("a", "b"):
         # Imported here, before any trainer exists: TRL's trainer imports vLLM, which keeps an import error it met (an
         # optional audio dependency missing) with its traceback, and so every frame that was on the stack then.
@@ -539,6 +551,9 @@ def child(spec_path: str) -> None:
     result = run_loop(spec) if spec["way"] == "c" else run_trl(spec, sampler)
     peak = sampler.stop()
     result["trainers_left"] = trainers_left()
+    import torch
+
+    result["deterministic"] = torch.are_deterministic_algorithms_enabled()
     if result["trainers_left"]:
         log.warning("%d trainer(s) still alive after the run: their process group outlives destroy_process_group",
                     result["trainers_left"])
@@ -691,12 +706,13 @@ def phases_and_losses(result: dict) -> list[str]:
             same = sum(d == 0 for d in diffs)
             out.append(f"\nLosses of {label} against a: {same} of {len(diffs)} steps equal, largest difference "
                        f"{max(diffs):.3g}.")
-    for way, w in ways.items():
-        calls = w["extra"].get("rollouts") or []
-        size = max((c["requests"] for c in calls), default=0)
-        rollouts = [c for c in calls if c["requests"] == size]  # TRL's own: the engine's other calls are smaller
+    records = [(f"Way {way}'s", w["extra"].get("rollouts")) for way, w in ways.items()]
+    records += [("Way a's run again", (a.get("again") or {}).get("rollouts"))]
+    for label, calls in records:
+        size = max((c["requests"] for c in calls or []), default=0)
+        rollouts = [c for c in calls or [] if c["requests"] == size]  # TRL's own: the engine's other calls are smaller
         if rollouts:
-            out.append(f"\nWay {way}'s rollouts (numpy's state before, the engine's weights, prompts, completions), "
+            out.append(f"\n{label} rollouts (numpy's state before, the engine's weights, prompts, completions), "
                        "step by step: " + "; ".join(
                            f"{c['numpy_before'][:8]} {c.get('weights', '-')[:8]} {c['prompts'][:8]} "
                            f"{c['completions'][:8]}" for c in rollouts) + ".")
@@ -719,6 +735,9 @@ def markdown(result: dict, lines: list[str]) -> str:
                f"{s['warmup']} warm-up steps. Peak memory: whole device, NVML (or cudaMemGetInfo), sampled every "
                "20 ms. TRL runs with bf16=True on a GPU (autocast; with float32 parameters the loop computes in "
                "float32).")
+    if s.get("deterministic"):
+        setting += (" Ways a and b ran under torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8): "
+                    "their losses and weights compare across runs, their times are not the speed of a plain run.")
     if s.get("nproc"):
         nodes = s.get("nnodes", 1)
         world = s["nproc"] * nodes
@@ -768,7 +787,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "lr": args.lr, "optimizer_states": args.optimizer_states, "swap_config": args.swap_config,
                 "profile": args.profile, "verify_tolerance": args.verify_tolerance,
                 "warmup": 1 if args.smoke else args.warmup, "steps": 1 if args.smoke else args.steps,
-                "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir,
+                "seed": args.seed, "smoke": args.smoke, "workdir": args.workdir, "deterministic": args.deterministic,
                 "nproc": args.nproc, "nnodes": args.nnodes, "layout": args.layout, "vllm_tp": args.vllm_tp,
                 "as_gpu": args.as_gpu, "as_gpu_bytes": as_gpu_bytes(args)}
     if args.nnodes != 1 and (args.nproc is None or args.nnodes < 1):
@@ -808,14 +827,16 @@ def main(argv: list[str] | None = None) -> dict:
                                              "wall_s", "floor_GBps", "wrap_s", "optimizer_states",
                                              "peak_device_bytes_by_phase", "peak_device_bytes_per_rank", "world_size",
                                              "local_world_size", "trainers_left",
-                                             "optimizer_homes", "demotes", "weights", "rollouts")})
+                                             "optimizer_homes", "demotes", "weights", "rollouts",
+                                             "deterministic")})
     base_a = ways.get("a", {})
     if args.spread and base_a.get("ok"):
         log.info("way a again, for the run-to-run spread of its losses")
         (run_dir / "again").mkdir(exist_ok=True)  # its files beside the first run's, not over them
         again = launch({**settings, "preset": base_a["preset"], "way": "a", "util": base_a["util"]},
                        run_dir / "again", args.timeout)
-        base_a["again"] = {"ok": again["ok"], "steps": again.get("steps"), "error": again.get("error")}
+        base_a["again"] = {"ok": again["ok"], "steps": again.get("steps"), "error": again.get("error"),
+                           "rollouts": again.get("rollouts")}
     for w in ways.values():
         if w["ok"] and base_a.get("ok") and w["preset"] == base_a["preset"]:
             w["step_ratio_to_trl"] = w["median"]["step_s"] / base_a["median"]["step_s"]

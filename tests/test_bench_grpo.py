@@ -35,6 +35,7 @@ def test_smoke_runs_the_three_ways_and_reports(tmp_path, monkeypatch, capsys):
         assert len(w["steps"]) == 2  # one warm-up step, one timed
         if way in "ab":  # TRL's runs record each call of the engine; the record is kept in the merged result
             assert isinstance(w["extra"]["rollouts"], list), (way, w["extra"])
+            assert w["extra"]["deterministic"] is False
     assert result["ways"]["a"]["step_ratio_to_trl"] == 1.0
     assert result["ways"]["b"]["median"]["switch_s"] > 0  # swaprl's phase events were counted
     assert result["ways"]["c"]["extra"]["engine"] == "HFEngine"
@@ -86,16 +87,18 @@ def test_smoke_on_two_ranks_runs_ways_a_and_b_under_torchrun(tmp_path, monkeypat
     import bench_grpo
 
     out = tmp_path / "grpo.json"
-    result = bench_grpo.main(["--smoke", "--ways", "a,b", "--nproc", "2", "--spread", "--out", str(out),
-                              "--workdir", str(tmp_path / "ck")])
+    result = bench_grpo.main(["--smoke", "--ways", "a,b", "--nproc", "2", "--spread", "--deterministic",
+                              "--out", str(out), "--workdir", str(tmp_path / "ck")])
     for way, w in result["ways"].items():
         assert w["ok"], (way, w["attempts"])
-        assert w["extra"]["world_size"] == 2
+        assert w["extra"]["world_size"] == 2 and w["extra"]["deterministic"] is True
         assert all(isinstance(s["loss"], float) for s in w["steps"]) and len(w["steps"]) == 2
         assert w["extra"]["trainers_left"] == 0  # no rank's trainer, model or process group outlives its run
-    assert result["ways"]["a"]["again"]["ok"] and len(result["ways"]["a"]["again"]["steps"]) == 2
+    again = result["ways"]["a"]["again"]  # its record of the engine's calls kept, as the first run's is
+    assert again["ok"] and len(again["steps"]) == 2 and isinstance(again["rollouts"], list), again
     md = out.with_suffix(".md").read_text()
     assert "ran as 2 ranks under torchrun" in md and "Losses of b against a" in md
+    assert "deterministic algorithms" in md
     assert "Losses of a run again (the spread) against a" in md
 
     with pytest.raises(SystemExit, match="--ways a,b"):  # swaprl's own loop is not a torchrun way here
