@@ -828,7 +828,7 @@ def main(argv: list[str] | None = None) -> dict:
                                              "peak_device_bytes_by_phase", "peak_device_bytes_per_rank", "world_size",
                                              "local_world_size", "trainers_left",
                                              "optimizer_homes", "demotes", "weights", "rollouts",
-                                             "deterministic")})
+                                             "deterministic", "alloc_conf", "page_mib")})
     base_a = ways.get("a", {})
     if args.spread and base_a.get("ok"):
         log.info("way a again, for the run-to-run spread of its losses")

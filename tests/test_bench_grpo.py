@@ -36,6 +36,7 @@ def test_smoke_runs_the_three_ways_and_reports(tmp_path, monkeypatch, capsys):
         if way in "ab":  # TRL's runs record each call of the engine; the record is kept in the merged result
             assert isinstance(w["extra"]["rollouts"], list), (way, w["extra"])
             assert w["extra"]["deterministic"] is False
+            assert "alloc_conf" in w["extra"] and "page_mib" in w["extra"]  # the allocator settings it ran under
     assert result["ways"]["a"]["step_ratio_to_trl"] == 1.0
     assert result["ways"]["b"]["median"]["switch_s"] > 0  # swaprl's phase events were counted
     assert result["ways"]["c"]["extra"]["engine"] == "HFEngine"
