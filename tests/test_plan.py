@@ -178,25 +178,34 @@ def test_72b_on_8xh200_fits_with_bf16_optimizer_states():
     assert close(train["grads"], n * 2 / 8)
     assert close(train["optimizer"], n * 2 * 2 / 8)  # exp_avg + exp_avg_sq in bf16
     assert close(gen["engine_weights"], n * 2 / 4)  # TP 4
-    assert gen["optimizer"] == 0 and train["engine_weights"] == train["kv_cache"] == 0
+    # every state stays on the device: beside them the KV cache still holds a full wave of the rollout
+    assert gen["optimizer"] == train["optimizer"] and train["engine_weights"] == train["kv_cache"] == 0
     assert train["unattributed"] == gen["unattributed"] == 0
     # train stays within the 92% cap; in generate the KV cache fills the GPU up to the engine's reserve, as a
     # VLLMEngine sizing itself does (3% of an H200 is more than 2 GiB)
     gpu = sp.CLUSTERS["8xH200"].gpu_memory_bytes
     assert sum(train.values()) <= p.gpu_budget_bytes["train"] == int(gpu * 0.92)
     assert sum(gen.values()) == p.gpu_budget_bytes["generate"] == gpu - int(0.03 * gpu)
-    assert 40 * GiB < p.kv_cache_bytes < 100 * GiB
     # K and V, 80 layers, 8 KV heads / TP 4, head dim 128, bf16
     assert p.kv_bytes_per_token == 2 * 80 * 2 * 128 * 2
+    wave = 256 * p.kv_bytes_per_token * 1536  # the engine's 256 sequences at once, each at full length
+    assert p.kv_cache_bytes >= 1.25 * wave
     assert p.concurrent_sequences == p.kv_cache_bytes // (p.kv_bytes_per_token * 1536)
     assert p.sequences_per_engine == 512 // 2 and p.waves == 1
-    # the optimizer states of the 8 GPUs are pinned on the node in generate
-    assert p.host["generate"]["optimizer"] == 8 * train["optimizer"] == p.host_pinned_bytes
-    assert p.settings == sp.Settings(grads="free", params="keep", sleep_level=2, activation_checkpointing=True)
-    assert p.settings.optimizer_states == {"device": 0.0, "swap": 1.0, "host": 0.0}
-    assert p.swap_config() == {"optimizer_states": "swap", "grads": "free", "params": "keep", "sleep_level": 2}
-    assert assert_split_fits(p) == {"device": 0, "swap": train["optimizer"], "host": 0}
-    assert p.moved_bytes == 2 * train["optimizer"] and p.copy_seconds == pytest.approx(p.moved_bytes / 36e9)
+    # nothing is pinned on the node, nothing crosses PCIe
+    assert p.host["generate"]["optimizer"] == 0 == p.host_pinned_bytes
+    assert p.settings == sp.Settings(grads="free", params="keep", sleep_level=2, activation_checkpointing=True,
+                                     optimizer_states={"device": 1.0, "swap": 0.0, "host": 0.0})
+    assert p.swap_config() == {"optimizer_states": {"device": 1.0, "swap": 0.0, "host": 0.0}, "grads": "free",
+                               "params": "keep", "sleep_level": 2}
+    assert assert_split_fits(p) == {"device": train["optimizer"], "swap": 0, "host": 0}
+    assert p.moved_bytes == 0 and p.copy_seconds == 0
+    # swapping every state would give the engine a KV cache twice as large, for the same one wave, at the cost of
+    # the states' copies out and back at every step
+    swapped = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, optimizer_dtype="bfloat16", rollout=ROLLOUT,
+                      settings={"optimizer_states": "swap"})
+    assert swapped.ok and swapped.waves == p.waves == 1 and swapped.kv_cache_bytes > 1.7 * p.kv_cache_bytes
+    assert swapped.moved_bytes == 2 * train["optimizer"]
     assert p.verdict.startswith("fits") and "checkpointing=on" in p.verdict
     # the search: the candidates that stream nothing first, each group from the least moving up; checkpointing off
     # leaves too little of train for all the states, so those candidates stream and come last
@@ -209,33 +218,34 @@ def test_72b_on_8xh200_fits_with_bf16_optimizer_states():
     assert all(c.settings.optimizer_states["host"] > 0 for c in p.candidates if not c.settings.activation_checkpointing)
 
 
-def test_72b_with_fp32_states_fits_one_8xh200_node_with_a_sixth_of_the_states_on_the_device():
+def test_72b_with_fp32_states_fits_one_8xh200_node_keeping_on_the_device_what_a_full_wave_leaves():
     """8 bytes of AdamW states per parameter are 542 GiB on the node, over its 456 GiB budget for pinned memory: each
-    GPU keeps the least share on the device that lets the host hold the rest, and swaps the rest."""
+    GPU keeps on the device what the host cannot hold and, more than that here, what generate holds beside a full
+    wave of the rollout's KV cache, and swaps the rest."""
     p = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT)
     homes = assert_split_fits(p)
     states = sum(homes.values())
     assert close(states, 72.7e9 * 8 / 8)
     assert p.host_budget_bytes == 560 * GiB - (56 * GiB + 8 * 6 * GiB)  # the margin: 10% + 6 GiB per GPU
     assert close(8 * states - p.host_budget_bytes, 85.7 * GiB)  # what the node cannot pin
-    # the device keeps what the host cannot hold, within two percent of the states: not more
-    assert homes["host"] == 0 and 0 < p.host_budget_bytes - p.host_pinned_bytes < 8 * 0.02 * states
-    assert 10.7 * GiB < homes["device"] < 0.2 * states
-    assert p.settings.optimizer_states == {"device": 0.17, "swap": 0.83, "host": 0.0}
+    # the host alone would keep 17% on the device; a full wave of the rollout's KV cache leaves room for 62%
+    assert homes["host"] == 0 and p.host_pinned_bytes < 0.5 * p.host_budget_bytes
+    assert p.settings.optimizer_states == {"device": 0.62, "swap": 0.38, "host": 0.0}
     config = p.swap_config()
-    assert config["optimizer_states"] == {"device": 0.17, "swap": 0.83, "host": 0.0}
+    assert config["optimizer_states"] == {"device": 0.62, "swap": 0.38, "host": 0.0}
     assert SwapConfig(**config).state_split() == config["optimizer_states"]
-    # the KV cache gives up the device share, and still holds the rollout in one wave
+    # the KV cache gives up the device share, and still holds the rollout in one wave, with a quarter to spare
     bf16 = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, settings={"optimizer_states": "swap"},
                    optimizer_dtype="bfloat16")
     assert p.kv_cache_bytes == bf16.kv_cache_bytes - homes["device"] and p.waves == 1
+    assert p.kv_cache_bytes >= 1.25 * 256 * p.kv_bytes_per_token * 1536
     assert p.moved_bytes == 2 * homes["swap"]
     # it says so: the split, the KV cache and the bytes per step
-    assert p.verdict.startswith("fits with optimizer states split") and "device=0.17,swap=0.83" in p.verdict
+    assert p.verdict.startswith("fits with optimizer states split") and "device=0.62,swap=0.38" in p.verdict
     assert f"{p.kv_cache_bytes / GiB:.2f} GiB of KV cache per GPU" in p.verdict
     assert f"{p.moved_bytes / GiB:.2f} GiB per GPU over PCIe per step" in p.verdict
     table = p.table()
-    assert "states    per GPU device 11.51 GiB (0.17), swap 56.20 GiB (0.83), host 0.00 GiB (0.00)" in table
+    assert "states    per GPU device 41.98 GiB (0.62), swap 25.73 GiB (0.38), host 0.00 GiB (0.00)" in table
     assert f"copies    {p.moved_bytes / GiB:.2f} GiB per GPU per step" in table and "DOES NOT FIT" not in table
     assert sp.Plan.from_json(p.to_json()) == p
 
@@ -262,15 +272,15 @@ def test_72b_on_one_h100_does_not_fit_and_says_why():
     assert "none fits" in table and "NO" in table
 
 
-def test_1_5b_on_one_h100_fits_with_most_of_the_gpu_for_kv():
+def test_1_5b_on_one_h100_fits_with_its_states_on_the_device_and_most_of_the_gpu_for_kv():
     p = sp.plan("qwen2.5-1.5b", cluster="1xH100", rollout=ROLLOUT)
     assert p.ok
     gpu = sp.CLUSTERS["1xH100"].gpu_memory_bytes
-    assert p.kv_cache_bytes > 0.7 * gpu
+    assert p.kv_cache_bytes > 0.6 * gpu
     assert p.waves == 1 and p.concurrent_sequences >= 512
-    # one GPU: nothing sharded, no FSDP buffers, optimizer states offloaded to host
+    # one GPU: nothing sharded, no FSDP buffers; the states stay on the device beside a full wave of KV cache
     assert close(p.gpu["train"]["params"], transformers_parameters("qwen2.5-1.5b") * 2, 1e-9)
-    assert p.host["generate"]["optimizer"] == p.gpu["train"]["optimizer"]
+    assert p.gpu["generate"]["optimizer"] == p.gpu["train"]["optimizer"] > 0 and p.host_pinned_bytes == 0
 
 
 def test_generate_matches_a_measured_self_sized_vllm_engine():
@@ -278,15 +288,17 @@ def test_generate_matches_a_measured_self_sized_vllm_engine():
     # sizing): NVML showed 82,876,104,704 B used while generating, 480 MiB of it the driver's own, and vLLM
     # allocated a 70,150,520,832 B KV cache
     p = sp.plan("qwen2.5-1.5b", cluster="1xH100", param_dtype="float32", optimizer_dtype="float32",
-                compute_dtype="float32", micro_batch_tokens=4608, settings={"activation_checkpointing": True},
+                compute_dtype="float32", micro_batch_tokens=4608,
+                settings={"activation_checkpointing": True, "optimizer_states": "swap"},  # as that run did
                 rollout=sp.Rollout(prompts=8, completions_per_prompt=8, prompt_tokens=64, completion_tokens=512))
     gpu = sp.CLUSTERS["1xH100"].gpu_memory_bytes
     assert p.gpu_budget_bytes["generate"] == gpu - int(0.03 * gpu)
     assert close(p.total("generate"), 82_876_104_704 - 480 * 2**20)
     assert close(p.kv_cache_bytes, 70_150_520_832)
     # a smaller reserve leaves the KV cache what it gives up
-    p2 = sp.plan("qwen2.5-1.5b", cluster="1xH100", engine_reserve_bytes=2 * GiB, rollout=ROLLOUT)
-    p3 = sp.plan("qwen2.5-1.5b", cluster="1xH100", rollout=ROLLOUT)
+    swap = {"optimizer_states": "swap"}
+    p2 = sp.plan("qwen2.5-1.5b", cluster="1xH100", engine_reserve_bytes=2 * GiB, rollout=ROLLOUT, settings=swap)
+    p3 = sp.plan("qwen2.5-1.5b", cluster="1xH100", rollout=ROLLOUT, settings=swap)
     assert p2.kv_cache_bytes - p3.kv_cache_bytes == int(0.03 * gpu) - 2 * GiB
     assert p2.inputs["engine_reserve_bytes"] == 2 * GiB
 
@@ -345,19 +357,20 @@ def test_14b_on_one_h100_fits_only_with_most_optimizer_states_in_host_memory():
     homes = assert_split_fits(p)
     m = get_preset("qwen2.5-14b")
     states = m.num_parameters() * 2 * 2
-    assert sum(homes.values()) == states and homes["device"] == 0 and 0 < homes["swap"] < 0.2 * states
-    assert p.settings.optimizer_states["host"] >= 0.8
+    # of what train holds, generate keeps beside a full wave of KV cache about half, and swaps the rest
+    assert sum(homes.values()) == states and 0 < homes["device"] and 0 < homes["swap"] < 0.2 * states
+    assert p.settings.optimizer_states["host"] >= 0.8 and p.waves == 1
     train = p.gpu["train"]
     # two staging chunks of 1 GiB: the embedding's states (152064 x 5120 x 2 states x 2 bytes) go in pieces
-    assert train["optimizer"] == homes["swap"] + 2 * GiB
+    assert train["optimizer"] == homes["device"] + homes["swap"] + 2 * GiB
     # the swapped share takes what train has left beside them, to the percent
     assert p.gpu_budget_bytes["train"] - p.total("train") < 0.01 * states + m.vocab_size * m.hidden_size * 2
     assert p.host["train"]["optimizer"] == homes["host"]
-    assert p.host["generate"]["optimizer"] == states == p.host_pinned_bytes
-    # no candidate fits without streaming, and every one moves the states out and back once per step
+    assert p.host["generate"]["optimizer"] == states - homes["device"] == p.host_pinned_bytes
+    # no candidate fits without streaming, and every one moves the states off the device out and back once per step
     assert len(p.candidates) == 24 and all(c.settings.optimizer_states["host"] > 0 for c in p.candidates)
-    assert p.candidates[0].moved_bytes == p.moved_bytes == 2 * states
-    assert "fits with optimizer states split" in p.verdict and "optimizer_states=swap=0." in p.table()
+    assert p.candidates[0].moved_bytes == p.moved_bytes == 2 * (states - homes["device"])
+    assert "fits with optimizer states split" in p.verdict and "optimizer_states=device=0." in p.table()
     assert sp.Plan.from_json(p.to_json()) == p
     # all of them streamed, pinned: as before the split, two staging chunks on the GPU
     host = sp.plan("qwen2.5-14b", cluster="1xH100", optimizer_dtype="bfloat16", rollout=rollout,
@@ -404,7 +417,7 @@ def test_less_host_memory_keeps_more_states_on_the_device_until_none_fits(capsys
         return rc, json.loads(capsys.readouterr().out)
 
     shares, kv = [], []
-    for host in (560, 300, 100):
+    for host in (560, 200, 100):  # 560: a full wave of KV cache sets the device share; less host memory raises it
         rc, data = planned(host)
         p = sp.Plan.from_dict(data)
         assert rc == 0 and p.inputs["cluster"]["host_memory_bytes"] == host * GiB
@@ -486,11 +499,21 @@ def test_a_share_of_a_node_uses_all_three_homes_and_every_candidate_is_a_swapcon
         assert config.state_split() == c.settings.optimizer_states
 
 
-def test_small_models_still_swap_all_their_states():
+def test_small_models_keep_their_states_on_the_device_unless_the_rollout_needs_the_room():
+    """Beside a full wave of the rollout's KV cache (and a quarter more) generate holds all or most of a small
+    model's states: they stay on the device and cross PCIe no more. A rollout whose wave takes the GPU swaps them
+    all, as every such model planned before."""
+    long = sp.Rollout(prompts=512, completions_per_prompt=8, prompt_tokens=1024, completion_tokens=8192)
     for model, cluster, tp in (("qwen2.5-0.5b", "1xH100", 1), ("qwen2.5-1.5b", "1xH100", 1),
                                ("qwen2.5-3b", "1xH100", 1), ("qwen2.5-7b", "1xH200", 1),
                                ("qwen2.5-7b", "8xH100", 2), ("qwen2.5-32b", "8xH200", 4)):
         p = sp.plan(model, cluster=cluster, tp=tp, rollout=ROLLOUT)
+        homes = assert_split_fits(p)
+        assert homes["host"] == 0 and homes["device"] > 3 * homes["swap"], (model, cluster, p.settings)
+        wave = min(p.sequences_per_engine, p.inputs["engine_max_seqs"]) * p.kv_bytes_per_token * 1536
+        assert p.waves == 1 and p.kv_cache_bytes >= 1.25 * wave, (model, cluster)
+        assert p.moved_bytes == 2 * homes["swap"]
+        p = sp.plan(model, cluster=cluster, tp=tp, rollout=long)
         homes = assert_split_fits(p)
         assert p.swap_config()["optimizer_states"] == "swap", (model, cluster, p.settings)
         assert homes["device"] == homes["host"] == 0 and p.gpu["generate"]["optimizer"] == 0, model

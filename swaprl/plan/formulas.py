@@ -28,6 +28,7 @@ _SAMPLER_FP32_COPIES = 1.5  # live [max_num_seqs, vocab] fp32 tensors at the sam
 _LOGITS_FP32_COPIES = 3  # fp32 logits, log-softmax and its gradient alive at the loss's backward
 _VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
 _KV_BLOCK_TOKENS = 16  # vLLM's KV block size: a sequence holds whole blocks
+_KV_WAVE_HEADROOM = 1.25  # the KV cache a split leaves beyond one full wave of the rollout (§Split)
 
 
 def kv_heads_per_rank(m: Preset, tp: int) -> int:
@@ -211,11 +212,19 @@ def pinned_bytes(phases: dict[str, dict[str, int]]) -> int:
     return sum(max(phases["host_train"][c], phases["host_generate"][c]) for c in HOST_CATEGORIES)
 
 
+def wave_kv_bytes(s: Spec) -> int:
+    """§Split: the KV cache of one full wave of the rollout on one engine (every sequence it runs at once, at full
+    length), with `_KV_WAVE_HEADROOM`: what a larger KV cache leaves unused."""
+    per_engine = -(-s.rollout.sequences // (s.cluster.gpus // s.tp))
+    return int(min(per_engine, s.engine_max_seqs) * budgets(s)["one_sequence"] * _KV_WAVE_HEADROOM)
+
+
 def choose_split(s: Spec, st: Settings) -> dict[str, float]:
-    """§Split: on the device the least share that leaves the host part within the host's room, swapped as much of
-    the rest as `train` holds, the remainder streamed ("host"); whole percents, rounded towards fitting. Where a
-    home's edge falls inside the states, half the largest parameter's states are kept free on both sides of it:
-    the runtime gives each parameter one home, whichever its middle byte falls in (`placement.assign_homes`)."""
+    """§Split: on the device what the host cannot hold and what `generate` holds beside one full wave of the
+    rollout's KV cache, swapped as much of the rest as `train` holds, the remainder streamed ("host"); whole
+    percents, rounded towards fitting. Where a home's edge falls inside the states, half the largest parameter's
+    states are kept free on both sides of it: the runtime gives each parameter one home, whichever its middle byte
+    falls in (`placement.assign_homes`)."""
     phases, budget = phase_bytes(s, st), budgets(s)
     total = trainer_state(s)["optimizer"]
     edge = -(-largest_state_bytes(s) // 2)
@@ -227,10 +236,12 @@ def choose_split(s: Spec, st: Settings) -> dict[str, float]:
     # train holds the device and swap homes, and two staging chunks whenever any state streams
     train_room = budget["train"] - sum(phases["train"].values())
     resident = 100 if total <= train_room else percent_within(train_room - staging_bytes(s, total))
-    generate_room = budget["generate"] - sum(phases["generate"].values()) - budget["one_sequence"]
+    generate_free = budget["generate"] - sum(phases["generate"].values())
     device = 0 if total <= host_room else -(-(total - host_room + edge) * 100 // total)
+    # a swapped byte crosses the link twice a step; KV cache beyond a full wave carries no sequence
+    device = max(device, percent_within(generate_free - wave_kv_bytes(s)))
     # more than the GPU holds in either phase stays over the host's budget, where the verdict reports it
-    device = min(device, resident, percent_within(generate_room))
+    device = min(device, resident, percent_within(generate_free - budget["one_sequence"]))
     swap = resident - device
     return {"device": device / 100, "swap": swap / 100, "host": (100 - resident) / 100}
 
