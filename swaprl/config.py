@@ -43,7 +43,7 @@ def default_reserve_bytes(total: int) -> int:
 class SwapConfig:
     """How the runtime moves memory between the `train` and `generate` phases.
 
-    The optimizer states always leave the GPU during `generate`: that is what makes room for the engine. With
+    The optimizer states the engine needs the room of leave the GPU during `generate`. With
     `optimizer_states="host"` they never come back: they stay in host memory and only pass through the GPU, a
     chunk at a time, inside `optimizer.step()`.
     """
@@ -71,7 +71,8 @@ class SwapConfig:
     ones "device", then "swap", then "host", each home taking whole parameters until it holds its fraction of the
     bytes. A "swap" or "host" byte crosses PCIe twice per step ("swap": out for `generate` and back; "host": in and
     out of the step), a "device" byte never, but it takes room from the KV cache: `swaprl plan` keeps on the device
-    only what the host cannot hold, swaps what `train` has room for, and streams the rest (docs/plan.md §Split).
+    what the host cannot hold and what `generate` holds beside a full wave of the rollout's KV cache, swaps what
+    `train` has room for of the rest, and streams the remainder (docs/plan.md §Split).
     `state_split()` gives the fractions in every case."""
 
     master_weights: bool = False

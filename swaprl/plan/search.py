@@ -224,8 +224,8 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
         raise ValueError(f"unknown settings {sorted(unknown)}; pin any of optimizer_states, grads, params, "
                          "sleep_level, activation_checkpointing")
     if settings.pop("optimizer", "offload") != "offload":
-        raise ValueError("settings['optimizer'] can only be 'offload': the optimizer states always leave the GPU "
-                         "in generate")
+        raise ValueError("settings['optimizer'] can only be 'offload'; pin where the optimizer states live with "
+                         "settings['optimizer_states'] ('swap', 'host' or a split with 'device')")
     pinned = Settings(**settings)  # validates the pinned values
     if "optimizer_states" in settings:
         settings["optimizer_states"] = pinned.optimizer_states  # the fractions of every home
