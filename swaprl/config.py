@@ -43,7 +43,7 @@ def default_reserve_bytes(total: int) -> int:
 class SwapConfig:
     """How the runtime moves memory between the `train` and `generate` phases.
 
-    The optimizer states the engine needs the room of leave the GPU during `generate`. With
+    During `generate` the optimizer states whose room the engine needs leave the GPU. With
     `optimizer_states="host"` they never come back: they stay in host memory and only pass through the GPU, a
     chunk at a time, inside `optimizer.step()`.
     """
