@@ -246,6 +246,7 @@ def test_72b_with_fp32_states_fits_one_8xh200_node_keeping_on_the_device_what_a_
     assert f"{p.moved_bytes / GiB:.2f} GiB per GPU over PCIe per step" in p.verdict
     table = p.table()
     assert "states    per GPU device 41.98 GiB (0.62), swap 25.73 GiB (0.38), host 0.00 GiB (0.00)" in table
+    assert "fewer than the model's context" not in table  # 500k tokens: any max_model_len fits
     assert f"copies    {p.moved_bytes / GiB:.2f} GiB per GPU per step" in table and "DOES NOT FIT" not in table
     assert sp.Plan.from_json(p.to_json()) == p
 
@@ -518,6 +519,17 @@ def test_small_models_keep_their_states_on_the_device_unless_the_rollout_needs_t
         assert p.swap_config()["optimizer_states"] == "swap", (model, cluster, p.settings)
         assert homes["device"] == homes["host"] == 0 and p.gpu["generate"]["optimizer"] == 0, model
         assert "optimizer_states" not in p.settings.describe() and p.verdict.startswith("fits with optimizer offload")
+
+
+def test_a_kv_cache_shorter_than_the_models_context_says_which_max_model_len_the_engine_can_take():
+    """A KV cache sized to a short rollout may not hold one sequence of the model's whole context, which vLLM's
+    default max_model_len asks for: the table says so, with the tokens it holds."""
+    p = sp.plan("qwen2.5-32b", cluster="8xH100", tp=2,
+                rollout=sp.Rollout(prompts=16, completions_per_prompt=8, prompt_tokens=128, completion_tokens=512))
+    held = p.kv_cache_bytes // p.kv_bytes_per_token
+    assert p.ok and p.waves == 1 and 640 < held < get_preset("qwen2.5-32b").max_position_embeddings
+    assert f"it holds {held} tokens, fewer than the model's context: start the engine with max_model_len" in p.table()
+    assert sp.Plan.from_json(p.to_json()).table() == p.table()
 
 
 def test_every_searched_setting_is_a_swapconfig_and_the_search_covers_its_values():

@@ -162,10 +162,15 @@ class Plan:
         waves = "no sequence fits" if self.waves is None else (
             "one wave" if self.waves == 1 else f"{self.waves} waves")
         streamed = 2 * self.state_bytes["host"]
+        held = self.kv_cache_bytes // max(self.kv_bytes_per_token, 1)  # tokens
+        short_context = [f"          it holds {held} tokens, fewer than the model's context: start the engine with "
+                         "max_model_len no longer (vLLM refuses one its KV cache cannot hold)"] \
+            if 0 < held < i.get("max_position_embeddings", 0) else []
         lines += ["", (f"KV cache  {gib(self.kv_cache_bytes)} GiB per GPU, {self.kv_bytes_per_token / 1024:.1f} "
                        f"KiB per token: {self.concurrent_sequences} sequences of "
                        f"{r['prompt_tokens'] + r['completion_tokens']} tokens at once per engine; "
                        f"{self.sequences_per_engine} per engine -> {waves}"),
+                  *short_context,
                   (f"copies    {gib(self.moved_bytes)} GiB per GPU per step, both ways ({gib(streamed)} of it "
                    f"streamed by the optimizer step): {self.copy_seconds:.2f} s at "
                    f"{c['copy_bytes_per_s'] / 1e9:.0f} GB/s"), ""]

@@ -336,6 +336,7 @@ def _build(s: Spec, *, suggest: bool = True) -> Plan:
     m = s.model
     inputs = {
         "cluster": dataclasses.asdict(s.cluster), "rollout": dataclasses.asdict(s.rollout),
+        "max_position_embeddings": m.max_position_embeddings,
         "shard_degree": s.shard_degree, "fsdp_units": s.fsdp_units, "tp": s.tp, "engines": engines,
         "param_dtype": s.param_dtype,
         "grad_dtype": s.grad_dtype, "optimizer_dtype": s.optimizer_dtype, "master_weights": s.master_weights,
