@@ -52,8 +52,9 @@ across nodes.
 Also per way: the peak memory while the engine holds its memory (from its wake-up to its sleep: TRL's in way a,
 swaprl's in way b) and while it does not, and each step's loss as TRL logs it, so a wrapped run can be compared
 with the plain one step by step; `--spread` runs way a a second time, for the run-to-run spread of TRL's own losses,
-and `--deterministic` runs ways a and b under torch's deterministic algorithms, so that training sums alike in every
-run (attention's backward does not otherwise) and weights, not only losses, can be compared across runs.
+and `--deterministic` runs the trainer's backward of ways a and b under torch's deterministic algorithms, so that
+training sums alike in every run (attention's backward does not otherwise) and weights, not only losses, can be
+compared across runs.
 With vLLM, every call of the engine's `generate` is recorded (`extra.rollouts`, `record_rollouts`): digests of
 numpy's global state before and after it (vLLM 0.26's V2 runner seeds each unseeded request from it), of its
 prompts and of the token ids it sampled, so two ways that should sample alike can be compared call by call.
@@ -79,6 +80,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from child import hold_beyond, rank_result_path, run_child, start
@@ -125,9 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run way a once more at its utilization: the run-to-run spread of TRL's own losses, "
                          "against which the other ways' losses are read")
     ap.add_argument("--deterministic", action="store_true",
-                    help="ways a and b under torch's deterministic algorithms (and cuBLAS's fixed workspace), so "
-                         "that training sums in the same order in every run: for comparing losses and weights "
-                         "across runs, not for speed")
+                    help="ways a and b: the trainer's backward under torch's deterministic algorithms (and cuBLAS's "
+                         "fixed workspace), so that training sums in the same order in every run: for comparing "
+                         "losses and weights across runs, not for speed")
     ap.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--verify-tolerance", default=None, metavar="MAX,MEAN",
                     help="ways b and c: bounds on the measured mismatch (SwapConfig.verify_tolerance); default: none")
@@ -342,6 +344,9 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
             return out
         return labelled
 
+    deterministic = {"backwards": 0}
+    if spec.get("deterministic"):
+        trainer.accelerator.backward = deterministic_backward(trainer.accelerator.backward, deterministic)
     rollouts: list[dict] = []
     if use_vllm:
         vg = trainer.vllm_generation
@@ -401,6 +406,7 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
     # since attach (or the start) even where a profile resets torch's peaks at each phase
     peak_reserved = swaprl.memory.torch_peaks(torch.device("cuda")).reserved_since_start() if cuda else None
     extra = {"torch_max_reserved_bytes": peak_reserved, "wrap_s": wrap_s, "rollouts": rollouts,
+             "deterministic_backwards": deterministic["backwards"],
              "world_size": world, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
              "alloc_conf": torch_compat.alloc_conf(),
              "page_mib": torch_compat.large_segment_mib()}
@@ -431,6 +437,26 @@ def numpy_state_digest() -> str:
 
     _, keys, pos, *_ = np.random.get_state()
     return _digest(keys.tobytes() + str(pos).encode())
+
+
+def deterministic_backward(backward: Callable, count: dict) -> Callable:
+    """The trainer's backward under torch's deterministic algorithms: where training's sums vary from run to run
+    (attention's backward accumulates in a varying order). Only there: the engine's kernels and swaprl's switches
+    run as they do in a plain run, and an operation torch has no deterministic version of would fail the run."""
+    import torch
+
+    @functools.wraps(backward)
+    def run(*args, **kwargs):
+        torch.use_deterministic_algorithms(True)
+        fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False  # its fill changes no result, only the time
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            torch.use_deterministic_algorithms(False)
+            torch.utils.deterministic.fill_uninitialized_memory = fill
+            count["backwards"] += 1
+    return run
 
 
 def record_rollouts(llm, into: list) -> None:
@@ -526,11 +552,7 @@ def child(spec_path: str) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before the sampler and the floor pick a device
     held = hold_beyond(spec["as_gpu_bytes"]) if spec.get("as_gpu_bytes") else 0
     if spec.get("deterministic") and spec["way"] in ("a", "b"):
-        import torch
-
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any product
-        torch.use_deterministic_algorithms(True)
-        torch.utils.deterministic.fill_uninitialized_memory = False  # its fill changes no result, only the time
     if spec["way"] in ("a", "b"):
         # Imported here, before any trainer exists: TRL's trainer imports vLLM, which keeps an import error it met (an
         # optional audio dependency missing) with its traceback, and so every frame that was on the stack then.
@@ -551,9 +573,6 @@ def child(spec_path: str) -> None:
     result = run_loop(spec) if spec["way"] == "c" else run_trl(spec, sampler)
     peak = sampler.stop()
     result["trainers_left"] = trainers_left()
-    import torch
-
-    result["deterministic"] = torch.are_deterministic_algorithms_enabled()
     if result["trainers_left"]:
         log.warning("%d trainer(s) still alive after the run: their process group outlives destroy_process_group",
                     result["trainers_left"])
@@ -736,8 +755,9 @@ def markdown(result: dict, lines: list[str]) -> str:
                "20 ms. TRL runs with bf16=True on a GPU (autocast; with float32 parameters the loop computes in "
                "float32).")
     if s.get("deterministic"):
-        setting += (" Ways a and b ran under torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8): "
-                    "their losses and weights compare across runs, their times are not the speed of a plain run.")
+        setting += (" The trainer's backward in ways a and b ran under torch's deterministic algorithms "
+                    "(CUBLAS_WORKSPACE_CONFIG=:4096:8): their losses and weights compare across runs, their times "
+                    "are not the speed of a plain run.")
     if s.get("nproc"):
         nodes = s.get("nnodes", 1)
         world = s["nproc"] * nodes
@@ -828,7 +848,7 @@ def main(argv: list[str] | None = None) -> dict:
                                              "peak_device_bytes_by_phase", "peak_device_bytes_per_rank", "world_size",
                                              "local_world_size", "trainers_left",
                                              "optimizer_homes", "demotes", "weights", "rollouts",
-                                             "deterministic", "alloc_conf", "page_mib")})
+                                             "deterministic_backwards", "alloc_conf", "page_mib")})
     base_a = ways.get("a", {})
     if args.spread and base_a.get("ok"):
         log.info("way a again, for the run-to-run spread of its losses")
