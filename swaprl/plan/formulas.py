@@ -212,11 +212,15 @@ def pinned_bytes(phases: dict[str, dict[str, int]]) -> int:
     return sum(max(phases["host_train"][c], phases["host_generate"][c]) for c in HOST_CATEGORIES)
 
 
-def wave_kv_bytes(s: Spec) -> int:
+def sequences_per_engine(s: Spec) -> int:
+    """§KV cache: each of the `gpus / tp` engines gets an equal share of the step's rollout, rounded up."""
+    return -(-s.rollout.sequences // (s.cluster.gpus // s.tp))
+
+
+def wave_kv_bytes(s: Spec, one_sequence: int) -> int:
     """§Split: the KV cache of one full wave of the rollout on one engine (every sequence it runs at once, at full
     length), with `_KV_WAVE_HEADROOM`: what a larger KV cache leaves unused."""
-    per_engine = -(-s.rollout.sequences // (s.cluster.gpus // s.tp))
-    return int(min(per_engine, s.engine_max_seqs) * budgets(s)["one_sequence"] * _KV_WAVE_HEADROOM)
+    return int(min(sequences_per_engine(s), s.engine_max_seqs) * one_sequence * _KV_WAVE_HEADROOM)
 
 
 def choose_split(s: Spec, st: Settings) -> dict[str, float]:
@@ -239,7 +243,7 @@ def choose_split(s: Spec, st: Settings) -> dict[str, float]:
     generate_free = budget["generate"] - sum(phases["generate"].values())
     device = 0 if total <= host_room else -(-(total - host_room + edge) * 100 // total)
     # a swapped byte crosses the link twice a step; KV cache beyond a full wave carries no sequence
-    device = max(device, percent_within(generate_free - wave_kv_bytes(s)))
+    device = max(device, percent_within(generate_free - wave_kv_bytes(s, budget["one_sequence"])))
     # more than the GPU holds in either phase stays over the host's budget, where the verdict reports it
     device = min(device, resident, percent_within(generate_free - budget["one_sequence"]))
     swap = resident - device

@@ -17,6 +17,7 @@ from .formulas import (
     kv_bytes_per_token,
     phase_bytes,
     pinned_bytes,
+    sequences_per_engine,
     staging_bytes,
     state_bytes_per_param,
 )
@@ -292,7 +293,7 @@ def _auto_tp(fields: dict) -> Plan:
 def _waves(s: Spec, concurrent: int) -> tuple[int, int | None]:
     """§KV cache: sequences per engine at once (vLLM's max_num_seqs caps them), and the rounds of generation one
     engine needs for its share of the rollout (None when no sequence fits)."""
-    per_engine = -(-s.rollout.sequences // (s.cluster.gpus // s.tp))
+    per_engine = sequences_per_engine(s)
     per_wave = min(concurrent, s.engine_max_seqs)
     return per_wave, (-(-per_engine // per_wave) if per_wave else None)
 
@@ -325,7 +326,7 @@ def _full_precision(s: Spec) -> str | None:
 def _build(s: Spec, *, suggest: bool = True) -> Plan:
     chosen, shown, ev, candidates = _search(s)
     engines = s.cluster.gpus // s.tp
-    per_engine = -(-s.rollout.sequences // engines)
+    per_engine = sequences_per_engine(s)
     waves = _waves(s, ev["concurrent"])[1]
     if chosen is not None:
         verdict = _fit_summary(s, chosen, ev)
