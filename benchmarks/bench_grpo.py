@@ -67,6 +67,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -725,20 +726,47 @@ def phases_and_losses(result: dict) -> list[str]:
             same = sum(d == 0 for d in diffs)
             out.append(f"\nLosses of {label} against a: {same} of {len(diffs)} steps equal, largest difference "
                        f"{max(diffs):.3g}.")
-    records = [(f"Way {way}'s", w["extra"].get("rollouts")) for way, w in ways.items()]
-    records += [("Way a's run again", (a.get("again") or {}).get("rollouts"))]
+    records = [(f"way {way}", w["extra"].get("rollouts")) for way, w in ways.items()]
+    records += [("way a again", (a.get("again") or {}).get("rollouts"))]
+    kept = []
     for label, calls in records:
         size = max((c["requests"] for c in calls or []), default=0)
         rollouts = [c for c in calls or [] if c["requests"] == size]  # TRL's own: the engine's other calls are smaller
         if rollouts:
-            out.append(f"\n{label} rollouts (numpy's state before, the engine's weights, prompts, completions), "
-                       "step by step: " + "; ".join(
+            kept.append((label, rollouts))
+            out.append(f"\n{label.capitalize()}'s rollouts (numpy's state before, the engine's weights, prompts, "
+                       "completions), step by step: " + "; ".join(
                            f"{c['numpy_before'][:8]} {c.get('weights', '-')[:8]} {c['prompts'][:8]} "
                            f"{c['completions'][:8]}" for c in rollouts) + ".")
+    out += shared_rollouts(kept)
     head = ("Peak device memory per phase (\"setup\": loading the model, starting the engine and, in way b, "
             "attaching; then \"generate\" from the engine's wake-up to its sleep, TRL's in way a, swaprl's in way "
             "b, whose offload runs under the wake-up, and \"train\" the rest) and the losses TRL logged:")
     return [head, "", *out, ""]
+
+
+def shared_rollouts(kept: list[tuple[str, list[dict]]]) -> list[str]:
+    """For each two runs that sampled the same first rollout: the step where they part, and how.
+
+    Two runs with the same first rollout train on the same data; whether they then hold the same engine weights is
+    a question about the trainer's computation, not about sampling (vLLM's tokens may differ from one process to
+    the next, so runs that did not share a first rollout tell nothing of it)."""
+    out = []
+    for (one, a), (two, b) in itertools.combinations(kept, 2):
+        if a[0]["completions"] != b[0]["completions"]:
+            continue
+        steps = min(len(a), len(b))
+        part = next((i for i in range(steps) if (a[i].get("weights"), a[i]["completions"]) !=
+                     (b[i].get("weights"), b[i]["completions"])), None)
+        if part is None:
+            out.append(f"\n{one.capitalize()} and {two} sampled the same rollouts from the same engine weights at "
+                       f"every one of {steps} steps.")
+        else:
+            how = ("other engine weights" if a[part].get("weights") != b[part].get("weights") else
+                   "the same engine weights, other completions")
+            out.append(f"\n{one.capitalize()} and {two} sampled the same first rollout and part at step "
+                       f"{part + 1}: {how}.")
+    return out
 
 
 def markdown(result: dict, lines: list[str]) -> str:

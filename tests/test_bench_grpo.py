@@ -150,3 +150,27 @@ def test_smoke_as_two_nodes_of_one_rank_each(tmp_path, monkeypatch):
         records = [json.loads(line) for line in p.read_text().splitlines()]
         assert records[0]["schema"] == "swaprl.profile" and any(r["type"] == "phase" for r in records)
 
+
+
+def test_runs_that_sampled_the_same_first_rollout_are_told_where_they_part(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_grpo
+
+    def calls(*steps):
+        return [{"numpy_before": "n", "prompts": "p", "weights": w, "completions": c, "requests": 128}
+                for w, c in steps]
+
+    a = calls(("w0", "x"), ("w1", "y"))
+    again = calls(("w0", "z"), ("w2", "v"))
+    b = calls(("w0", "z"), ("w3", "u"))
+    b_same = calls(("w0", "z"), ("w2", "v"))
+    b_sampled = calls(("w0", "z"), ("w2", "t"))
+    # a's first rollout is nobody else's: only a again and b are compared, and they part at step 2's weights.
+    assert bench_grpo.shared_rollouts([("way a", a), ("way b", b), ("way a again", again)]) == [
+        "\nWay b and way a again sampled the same first rollout and part at step 2: other engine weights."]
+    assert bench_grpo.shared_rollouts([("way a again", again), ("way b", b_same)]) == [
+        "\nWay a again and way b sampled the same rollouts from the same engine weights at every one of 2 steps."]
+    assert bench_grpo.shared_rollouts([("way a again", again), ("way b", b_sampled)]) == [
+        "\nWay a again and way b sampled the same first rollout and part at step 2: the same engine weights, "
+        "other completions."]
+    assert bench_grpo.shared_rollouts([("way a", a), ("way b", b)]) == []
