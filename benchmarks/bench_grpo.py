@@ -474,7 +474,10 @@ def record_rollouts(llm, into: list) -> None:
         sampled = [[list(c.token_ids) for c in o.outputs] for o in outputs]
         into.append({"numpy_before": before, "numpy_after": numpy_state_digest(), "requests": len(outputs),
                      "weights": weights, "prompts": _digest(repr(prompts).encode()),
-                     "completions": _digest(repr(sampled).encode())})
+                     "completions": _digest(repr(sampled).encode()),
+                     # Per request, to count how many two runs sampled apart; the shortest set this workload's loss.
+                     "each": [_digest(repr(o).encode())[:8] for o in sampled],
+                     "shortest": sorted(len(c) for o in sampled for c in o)[:4]})
         return outputs
 
     llm.generate = recorded
@@ -754,6 +757,11 @@ def shared_rollouts(kept: list[tuple[str, list[dict]]]) -> list[str]:
     out = []
     for (one, a), (two, b) in itertools.combinations(kept, 2):
         if a[0]["completions"] != b[0]["completions"]:
+            if a[0].get("each") and (a[0]["prompts"], a[0].get("weights")) == (b[0]["prompts"], b[0].get("weights")):
+                apart = sum(x != y for x, y in zip(a[0]["each"], b[0]["each"]))
+                out.append(f"\n{one.capitalize()} and {two} sampled apart from the same weights and prompts at step 1:"
+                           f" {apart} of {len(a[0]['each'])} requests' completions differ (shortest: "
+                           f"{a[0].get('shortest')} against {b[0].get('shortest')}).")
             continue
         steps = min(len(a), len(b))
         part = next((i for i in range(steps) if (a[i].get("weights"), a[i]["completions"]) !=

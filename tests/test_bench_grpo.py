@@ -174,3 +174,9 @@ def test_runs_that_sampled_the_same_first_rollout_are_told_where_they_part(monke
         "\nWay a again and way b sampled the same first rollout and part at step 2: the same engine weights, "
         "other completions."]
     assert bench_grpo.shared_rollouts([("way a", a), ("way b", b)]) == []
+    # Records with each request's digest: runs that sampled apart from the same inputs say by how many requests.
+    a[0].update(each=["1", "2", "3"], shortest=[56, 900])
+    b[0].update(each=["1", "2", "4"], shortest=[56, 1024])
+    assert bench_grpo.shared_rollouts([("way a", a), ("way b", b)]) == [
+        "\nWay a and way b sampled apart from the same weights and prompts at step 1: 1 of 3 requests' completions "
+        "differ (shortest: [56, 900] against [56, 1024])."]

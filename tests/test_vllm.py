@@ -78,6 +78,8 @@ def test_the_rollout_record_tells_seeds_from_samples_on_a_real_engine(tiny_check
     ours = calls[-3:]  # the switch's own calls (the probe) came before
     assert ours[0]["prompts"] == ours[1]["prompts"] != ours[2]["prompts"]
     assert ours[0]["completions"] == ours[1]["completions"] != ours[2]["completions"]
+    assert ours[0]["each"] == ours[1]["each"] and len(ours[0]["each"]) == 2  # a digest per request
+    assert ours[0]["shortest"] == sorted(len(c) for c in first)[:4]
     assert [c["requests"] for c in ours] == [2, 2, 1]  # one per prompt, each with its n completions
     assert ours[1]["numpy_before"] != ours[0]["numpy_after"]  # the draw between them
     assert ours[2]["numpy_after"] == now
