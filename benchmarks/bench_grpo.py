@@ -729,10 +729,11 @@ def phases_and_losses(result: dict) -> list[str]:
             same = sum(d == 0 for d in diffs)
             out.append(f"\nLosses of {label} against a: {same} of {len(diffs)} steps equal, largest difference "
                        f"{max(diffs):.3g}.")
-    records = [(f"way {way}", w["extra"].get("rollouts")) for way, w in ways.items()]
-    records += [("way a again", (a.get("again") or {}).get("rollouts"))]
-    kept = []
-    for label, calls in records:
+    records = [(f"way {way}", w["extra"].get("rollouts"), w["steps"]) for way, w in ways.items()]
+    records += [("way a again", (a.get("again") or {}).get("rollouts"), (a.get("again") or {}).get("steps"))]
+    kept, losses = [], {}
+    for label, calls, steps in records:
+        losses[label] = [st.get("loss") for st in steps or []]
         size = max((c["requests"] for c in calls or []), default=0)
         rollouts = [c for c in calls or [] if c["requests"] == size]  # TRL's own: the engine's other calls are smaller
         if rollouts:
@@ -741,15 +742,16 @@ def phases_and_losses(result: dict) -> list[str]:
                        "completions), step by step: " + "; ".join(
                            f"{c['numpy_before'][:8]} {c.get('weights', '-')[:8]} {c['prompts'][:8]} "
                            f"{c['completions'][:8]}" for c in rollouts) + ".")
-    out += shared_rollouts(kept)
+    out += shared_rollouts(kept, losses)
     head = ("Peak device memory per phase (\"setup\": loading the model, starting the engine and, in way b, "
             "attaching; then \"generate\" from the engine's wake-up to its sleep, TRL's in way a, swaprl's in way "
             "b, whose offload runs under the wake-up, and \"train\" the rest) and the losses TRL logged:")
     return [head, "", *out, ""]
 
 
-def shared_rollouts(kept: list[tuple[str, list[dict]]]) -> list[str]:
-    """For each two runs that sampled the same first rollout: the step where they part, and how.
+def shared_rollouts(kept: list[tuple[str, list[dict]]], losses: dict[str, list] | None = None) -> list[str]:
+    """For each two runs that sampled the same first rollout: the step where they part, and how, and (`losses`: each
+    run's logged losses by its label) at how many steps their losses are equal to the last bit.
 
     Two runs with the same first rollout train on the same data; whether they then hold the same engine weights is
     a question about the trainer's computation, not about sampling (vLLM's tokens may differ from one process to
@@ -774,6 +776,12 @@ def shared_rollouts(kept: list[tuple[str, list[dict]]]) -> list[str]:
                    "the same engine weights, other completions")
             out.append(f"\n{one.capitalize()} and {two} sampled the same first rollout and part at step "
                        f"{part + 1}: {how}.")
+        pairs = [(x, y) for x, y in zip((losses or {}).get(one, []), (losses or {}).get(two, []))
+                 if x is not None and y is not None]
+        if pairs:
+            same = sum(x == y for x, y in pairs)
+            rest = "" if same == len(pairs) else f", largest difference {max(abs(x - y) for x, y in pairs):.3g}"
+            out[-1] += f" Their losses: {same} of {len(pairs)} steps equal to the last bit{rest}."
     return out
 
 

@@ -174,6 +174,17 @@ def test_runs_that_sampled_the_same_first_rollout_are_told_where_they_part(monke
         "\nWay a again and way b sampled the same first rollout and part at step 2: the same engine weights, "
         "other completions."]
     assert bench_grpo.shared_rollouts([("way a", a), ("way b", b)]) == []
+    # With the losses each run logged: equal to the last bit, or how far apart; a run without losses adds nothing.
+    losses = {"way a again": [-3.7e-09, -0.0016819254960864782], "way b": [-3.7e-09, -0.0016819254960864782]}
+    assert bench_grpo.shared_rollouts([("way a again", again), ("way b", b_same)], losses) == [
+        "\nWay a again and way b sampled the same rollouts from the same engine weights at every one of 2 steps. "
+        "Their losses: 2 of 2 steps equal to the last bit."]
+    losses["way b"] = [-3.7e-09, -0.0026819254960864782, None]
+    assert bench_grpo.shared_rollouts([("way a again", again), ("way b", b)], losses) == [
+        "\nWay a again and way b sampled the same first rollout and part at step 2: other engine weights. "
+        "Their losses: 1 of 2 steps equal to the last bit, largest difference 0.001."]
+    assert bench_grpo.shared_rollouts([("way a again", again), ("way b", b)], {"way b": losses["way b"]}) == [
+        "\nWay a again and way b sampled the same first rollout and part at step 2: other engine weights."]
     # Records with each request's digest: runs that sampled apart from the same inputs say by how many requests.
     a[0].update(each=["1", "2", "3"], shortest=[56, 900])
     b[0].update(each=["1", "2", "4"], shortest=[56, 1024])
