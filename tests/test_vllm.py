@@ -53,6 +53,46 @@ def test_generate_returns_n_completions_per_prompt(tiny_checkpoint, engine):
     assert all(1 <= len(c) <= 5 for c in out)
     assert all(0 <= t < model.config.vocab_size for c in out for t in c)
 
+def test_the_engine_knows_how_much_of_its_kv_cache_it_can_fill_at_once(engine):
+    """max_num_seqs sequences of max_model_len tokens, in whole blocks, read from the running engine's config."""
+    from swaprl.compat import vllm as vllm_compat
+
+    facts = vllm_compat.engine_facts(engine.llm)
+    vcfg = engine.llm.llm_engine.vllm_config
+    block, seqs = vcfg.cache_config.block_size, vcfg.scheduler_config.max_num_seqs
+    assert facts.max_num_seqs == seqs > 0 and facts.max_model_len == 512
+    per_block = engine.kv_cache_bytes // vcfg.cache_config.num_gpu_blocks
+    assert per_block > 0 and engine.kv_cache_reach_bytes == facts.kv_reach_bytes
+    assert facts.kv_reach_bytes == min(vcfg.cache_config.num_gpu_blocks, seqs * -(-512 // block)) * per_block
+    assert 0 < facts.kv_reach_bytes <= engine.kv_cache_bytes
+    assert facts.gpu_memory_utilization is None  # the fixture gives a KV-cache size, not a share
+
+
+def test_a_kv_cache_beyond_what_the_engine_can_fill_is_named_with_the_share_that_fits():
+    from swaprl.compat.vllm import EngineFacts
+    from swaprl.engines.vllm import unfillable_kv_notice
+
+    GiB = 2**30
+
+    def facts(kv, reach, share):
+        return EngineFacts(Path("m"), torch.bfloat16, 1, kv, 1088, reach, 64, share)
+
+    # TRL's 7B engine at 0.7 of an 80 GiB card: 39 GiB of KV for a rollout that fills 3.72 GiB.
+    notice = unfillable_kv_notice(facts(39 * GiB, int(3.72 * GiB), 0.7), 80 * GiB)
+    assert "39.00 GiB" in notice and "3.72 GiB" in notice and "64 sequences of up to 1088 tokens" in notice
+    unused = 39 * GiB - int(int(3.72 * GiB) * 1.25)
+    share = 0.7 - unused / (80 * GiB)
+    assert f"vllm_gpu_memory_utilization={share:.2f}" in notice and f"gpu_memory_utilization={share:.2f}" in notice
+    assert f"kv_cache_memory_bytes={int(int(3.72 * GiB) * 1.25)}" in notice
+    # A size given instead of a share: only the size is named.
+    sized = unfillable_kv_notice(facts(39 * GiB, int(3.72 * GiB), None), 80 * GiB)
+    assert "kv_cache_memory_bytes=" in sized and "utilization" not in sized
+    # Nothing to say within the headroom, under 1 GiB unused, or under half the cache unused.
+    assert unfillable_kv_notice(facts(4 * GiB, int(3.3 * GiB), 0.7), 80 * GiB) is None
+    assert unfillable_kv_notice(facts(int(1.5 * GiB), GiB // 2, 0.7), 80 * GiB) is None
+    assert unfillable_kv_notice(facts(30 * GiB, 14 * GiB, 0.7), 80 * GiB) is None
+
+
 def test_the_rollout_record_tells_seeds_from_samples_on_a_real_engine(tiny_checkpoint, engine, monkeypatch):
     """`record_rollouts` (benchmarks/bench_grpo.py) on vLLM: the same seeded request twice is the same prompts and
     samples; other prompts differ; a draw from numpy between two calls shows in the state recorded before the

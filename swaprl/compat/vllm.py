@@ -149,6 +149,12 @@ class EngineFacts:
     kv_cache_bytes: int
     """This rank's KV cache: blocks x block size x bytes per token (KV heads split over the TP ranks)."""
     max_model_len: int
+    kv_reach_bytes: int
+    """The most of `kv_cache_bytes` the engine can fill at once, however the requests come: `max_num_seqs`
+    sequences of `max_model_len` tokens, each in whole blocks."""
+    max_num_seqs: int
+    gpu_memory_utilization: float | None
+    """The share of the GPU the engine was started with; None where a KV-cache size was given instead."""
 
 
 def engine_facts(llm) -> EngineFacts:
@@ -165,8 +171,13 @@ def engine_facts(llm) -> EngineFacts:
     dtype = model.dtype if cache.cache_dtype in ("auto", None) else getattr(torch, str(cache.cache_dtype), model.dtype)
     per_token = 2 * hf.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
     tp = vcfg.parallel_config.tensor_parallel_size
-    kv = blocks * cache.block_size * per_token // max(tp if heads >= tp else 1, 1)
-    return EngineFacts(Path(model.model), model.dtype, tp, kv, model.max_model_len)
+    split = max(tp if heads >= tp else 1, 1)
+    kv = blocks * cache.block_size * per_token // split
+    seqs = vcfg.scheduler_config.max_num_seqs
+    reach_blocks = min(blocks, seqs * -(-model.max_model_len // cache.block_size))
+    share = None if getattr(cache, "kv_cache_memory_bytes", None) else cache.gpu_memory_utilization
+    return EngineFacts(Path(model.model), model.dtype, tp, kv, model.max_model_len,
+                       reach_blocks * cache.block_size * per_token // split, seqs, share)
 
 
 def is_sleeping(llm) -> bool | None:

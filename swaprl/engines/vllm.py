@@ -102,6 +102,34 @@ def _read_checkpoint_index(path: Path) -> dict[str, tuple[tuple[int, ...], str]]
     return out
 
 
+KV_HEADROOM = 1.25
+"""The KV cache worth keeping beyond the most an engine can fill at once (as the planner's §Split keeps beyond one
+wave of the rollout); what lies further stays unused."""
+
+
+def unfillable_kv_notice(facts: vllm_compat.EngineFacts, device_total: int | None) -> str | None:
+    """What to say when much of the engine's KV cache can never be filled, or None.
+
+    vLLM runs at most `max_num_seqs` sequences at once, each at most `max_model_len` tokens long, so a KV cache
+    beyond that (TRL's colocated engine at its default share, a short rollout on a large GPU) holds memory no
+    rollout uses while the trainer's optimizer states leave the GPU at every switch for want of it. Said when what
+    lies beyond `KV_HEADROOM` times the reach is at least 1 GiB and half the cache; the fix names a size, and the
+    share it amounts to where the engine was started with one."""
+    keep = int(facts.kv_reach_bytes * KV_HEADROOM)
+    unused = facts.kv_cache_bytes - keep
+    if unused < max(2**30, facts.kv_cache_bytes // 2):
+        return None
+    fix = f"kv_cache_memory_bytes={keep}"
+    if facts.gpu_memory_utilization is not None and device_total:
+        share = facts.gpu_memory_utilization - unused / device_total
+        fix = (f"gpu_memory_utilization={share:.2f} instead of {facts.gpu_memory_utilization:.2f} (under TRL: "
+               f"GRPOConfig(vllm_gpu_memory_utilization={share:.2f})), or {fix}")
+    return (f"vLLM's KV cache holds {gib(facts.kv_cache_bytes):.2f} GiB, but it can fill at most "
+            f"{gib(facts.kv_reach_bytes):.2f} GiB at once ({facts.max_num_seqs} sequences of up to "
+            f"{facts.max_model_len} tokens): {gib(unused):.2f} GiB stay unused while generating, memory the "
+            f"optimizer states could keep instead of moving at every switch. Start the engine with {fix}")
+
+
 def pools_unavailable(*, built: bool = True, cuda: bool | None = None, tensor_parallel_size: int = 1) -> str | None:
     """Why an engine does not release its graphs and buffers while it sleeps by default (`VLLMEngine(release_other=
     None)`), or None when it does: an engine swaprl builds, on one CUDA GPU, with `swaprl.kernels` loadable and a
@@ -248,7 +276,14 @@ class VLLMEngine(Engine):
         self.weights_bytes = sum(vllm_compat.apply_model(
             self.llm, lambda m: sum(p.numel() * p.element_size() for p in m.parameters())))
         self.kv_cache_bytes = facts.kv_cache_bytes
+        self.kv_cache_reach_bytes = facts.kv_reach_bytes
         self.max_sequence_length = facts.max_model_len
+        notice = unfillable_kv_notice(facts, torch.cuda.mem_get_info()[1] if self.cuda else None)
+        if notice is not None:
+            # The caller's share (TRL's vllm_gpu_memory_utilization, or arguments given here) is the caller's to
+            # change; where swaprl chose it, its own rule (the rest of the GPU while generating) stands.
+            chosen = not built or gpu_memory_utilization is not None or kv_cache_memory_bytes is not None
+            logger.log(logging.WARNING if chosen else logging.INFO, notice)
         self.expected = {n: (shape, self.dtype) for n, (shape, _) in _read_checkpoint_index(self.path).items()}
         # A caller's LLM only when vLLM says it is awake: TRL puts its own to sleep when it starts, and swaprl's
         # wrapper wakes it before adopting it. Unwarmed, the first probe pays vLLM's compilation under TRL.
