@@ -54,21 +54,63 @@ def test_generate_returns_n_completions_per_prompt(tiny_checkpoint, engine):
     assert all(0 <= t < model.config.vocab_size for c in out for t in c)
 
 def test_the_engine_knows_how_much_of_its_kv_cache_it_can_fill_at_once(engine):
-    """max_num_seqs sequences of max_model_len tokens, in whole blocks, read from the running engine's config."""
+    """On the running engine: the facts read from its config, against vLLM's own figure where it reports one."""
     from swaprl.compat import vllm as vllm_compat
 
     facts = vllm_compat.engine_facts(engine.llm)
     vcfg = engine.llm.llm_engine.vllm_config
-    block, seqs = vcfg.cache_config.block_size, vcfg.scheduler_config.max_num_seqs
-    assert facts.max_num_seqs == seqs > 0 and facts.max_model_len == 512
-    per_block = engine.kv_cache_bytes // vcfg.cache_config.num_gpu_blocks
-    assert per_block > 0 and engine.kv_cache_reach_bytes == facts.kv_reach_bytes
-    assert facts.kv_reach_bytes == min(vcfg.cache_config.num_gpu_blocks, seqs * -(-512 // block)) * per_block
-    assert 0 < facts.kv_reach_bytes <= engine.kv_cache_bytes
+    assert facts.max_num_seqs == vcfg.scheduler_config.max_num_seqs > 0 and facts.max_model_len == 512
+    assert engine.kv_cache_reach_bytes == facts.kv_reach_bytes and 0 < facts.kv_reach_bytes <= engine.kv_cache_bytes
+    concurrency = getattr(vcfg.cache_config, "kv_cache_max_concurrency", None)
+    if concurrency:  # vLLM's count of max_model_len requests the cache holds, the same as the blocks' sum
+        blocks = vcfg.cache_config.num_gpu_blocks
+        assert concurrency == pytest.approx(blocks / -(-512 // vcfg.cache_config.block_size))
     assert facts.gpu_memory_utilization is None  # the fixture gives a KV-cache size, not a share
 
 
+def _llm(*, layers=4, heads=8, kv_heads=2, head_dim=64, tp=1, blocks=1000, block=16, seqs=3, max_len=1000,
+         cache_dtype="auto", kv_bytes=None, share=0.5, concurrency=None, **hf):
+    """An object with the config attributes `engine_facts` reads, as vLLM's `LLM` holds them."""
+    from types import SimpleNamespace as NS
+
+    hf_config = NS(num_key_value_heads=kv_heads, num_attention_heads=heads, head_dim=head_dim,
+                   num_hidden_layers=layers, hidden_size=heads * head_dim, **hf)
+    cache = NS(num_gpu_blocks=blocks, block_size=block, cache_dtype=cache_dtype, kv_cache_memory_bytes=kv_bytes,
+               gpu_memory_utilization=share, kv_cache_max_concurrency=concurrency)
+    vcfg = NS(cache_config=cache, scheduler_config=NS(max_num_seqs=seqs), parallel_config=NS(tensor_parallel_size=tp),
+              model_config=NS(hf_config=hf_config, dtype=torch.bfloat16, model="m", max_model_len=max_len))
+    return NS(llm_engine=NS(vllm_config=vcfg))
+
+
+def test_kv_facts_count_each_ranks_heads_whole_blocks_and_what_cannot_be_told():
+    from swaprl.compat.vllm import engine_facts
+
+    per_token = 2 * 4 * 2 * 64 * 2  # K and V, 4 layers, 2 KV heads, 64 dims, bf16
+    f = engine_facts(_llm())
+    assert f.kv_cache_bytes == 1000 * 16 * per_token
+    assert f.kv_reach_bytes == 3 * 63 * 16 * per_token  # 1000 tokens take 63 blocks of 16, not 62.5
+    assert (f.max_num_seqs, f.gpu_memory_utilization) == (3, 0.5)
+    # Fewer KV heads than ranks: each rank holds one (a replica), not all of them.
+    assert engine_facts(_llm(tp=4)).kv_cache_bytes == 1000 * 16 * per_token // 2
+    assert engine_facts(_llm(tp=2)).kv_cache_bytes == 1000 * 16 * per_token // 2
+    assert engine_facts(_llm(cache_dtype="fp8_e4m3")).kv_cache_bytes == 1000 * 16 * per_token // 2
+    # More sequences than the blocks hold: the whole cache, no more.
+    assert engine_facts(_llm(seqs=100)).kv_reach_bytes == 1000 * 16 * per_token
+    # vLLM's own figure where it gives one: 4 of 8 requests of max_model_len.
+    assert engine_facts(_llm(seqs=4, concurrency=8.0)).kv_reach_bytes == 1000 * 16 * per_token // 2
+    # Layouts the sum does not describe, without vLLM's figure: the whole cache (nothing claimed unused).
+    for layout in ({"sliding_window": 4096}, {"layer_types": ["sliding_attention", "full_attention"] * 2}):
+        assert engine_facts(_llm(**layout)).kv_reach_bytes == 1000 * 16 * per_token
+    # A window the model does not use (Qwen2's use_sliding_window=False) is no window.
+    assert engine_facts(_llm(sliding_window=4096, use_sliding_window=False)).kv_reach_bytes == 3 * 63 * 16 * per_token
+    # No blocks yet, and a size given instead of a share.
+    assert (engine_facts(_llm(blocks=None)).kv_cache_bytes, engine_facts(_llm(blocks=None)).kv_reach_bytes) == (0, 0)
+    assert engine_facts(_llm(kv_bytes=2**30)).gpu_memory_utilization is None
+
+
 def test_a_kv_cache_beyond_what_the_engine_can_fill_is_named_with_the_share_that_fits():
+    import math
+
     from swaprl.compat.vllm import EngineFacts
     from swaprl.engines.vllm import unfillable_kv_notice
 
@@ -78,19 +120,26 @@ def test_a_kv_cache_beyond_what_the_engine_can_fill_is_named_with_the_share_that
         return EngineFacts(Path("m"), torch.bfloat16, 1, kv, 1088, reach, 64, share)
 
     # TRL's 7B engine at 0.7 of an 80 GiB card: 39 GiB of KV for a rollout that fills 3.72 GiB.
-    notice = unfillable_kv_notice(facts(39 * GiB, int(3.72 * GiB), 0.7), 80 * GiB)
+    reach, total = int(3.72 * GiB), 80 * GiB
+    notice = unfillable_kv_notice(facts(39 * GiB, reach, 0.7), total, adopted=True)
     assert "39.00 GiB" in notice and "3.72 GiB" in notice and "64 sequences of up to 1088 tokens" in notice
-    unused = 39 * GiB - int(int(3.72 * GiB) * 1.25)
-    share = 0.7 - unused / (80 * GiB)
-    assert f"vllm_gpu_memory_utilization={share:.2f}" in notice and f"gpu_memory_utilization={share:.2f}" in notice
-    assert f"kv_cache_memory_bytes={int(int(3.72 * GiB) * 1.25)}" in notice
-    # A size given instead of a share: only the size is named.
-    sized = unfillable_kv_notice(facts(39 * GiB, int(3.72 * GiB), None), 80 * GiB)
-    assert "kv_cache_memory_bytes=" in sized and "utilization" not in sized
+    keep = int(reach * 1.25)
+    share = math.ceil((0.7 - (39 * GiB - keep) / total) * 1000) / 1000
+    assert f"gpu_memory_utilization={share:.3f} instead of 0.700" in notice
+    assert f"GRPOConfig(vllm_gpu_memory_utilization={share:.3f})" in notice
+    assert f"kv_cache_memory_bytes={keep}" in notice
+    # Followed, the share leaves the rest of the engine's budget as it was and at least `keep` of KV cache.
+    assert (share - 0.7) * total + 39 * GiB >= keep
+    # An engine swaprl built: no TRL setting named.
+    assert "GRPOConfig" not in unfillable_kv_notice(facts(39 * GiB, reach, 0.7), total)
+    # A size given instead of a share, or no device total: only the size is named.
+    for sized in (unfillable_kv_notice(facts(39 * GiB, reach, None), total),
+                  unfillable_kv_notice(facts(39 * GiB, reach, 0.7), None)):
+        assert "kv_cache_memory_bytes=" in sized and "utilization" not in sized
     # Nothing to say within the headroom, under 1 GiB unused, or under half the cache unused.
-    assert unfillable_kv_notice(facts(4 * GiB, int(3.3 * GiB), 0.7), 80 * GiB) is None
-    assert unfillable_kv_notice(facts(int(1.5 * GiB), GiB // 2, 0.7), 80 * GiB) is None
-    assert unfillable_kv_notice(facts(30 * GiB, 14 * GiB, 0.7), 80 * GiB) is None
+    assert unfillable_kv_notice(facts(4 * GiB, int(3.3 * GiB), 0.7), total) is None
+    assert unfillable_kv_notice(facts(int(1.5 * GiB), GiB // 2, 0.7), total) is None
+    assert unfillable_kv_notice(facts(30 * GiB, 14 * GiB, 0.7), total) is None
 
 
 def test_the_rollout_record_tells_seeds_from_samples_on_a_real_engine(tiny_checkpoint, engine, monkeypatch):

@@ -147,11 +147,14 @@ class EngineFacts:
     dtype: torch.dtype
     tensor_parallel_size: int
     kv_cache_bytes: int
-    """This rank's KV cache: blocks x block size x bytes per token (KV heads split over the TP ranks)."""
+    """This rank's KV cache: blocks x block size x bytes per token of this rank's KV heads (vLLM gives each rank
+    `max(1, heads // tp)` of them: replicas where there are fewer heads than ranks)."""
     max_model_len: int
     kv_reach_bytes: int
     """The most of `kv_cache_bytes` the engine can fill at once, however the requests come: `max_num_seqs`
-    sequences of `max_model_len` tokens, each in whole blocks."""
+    sequences of `max_model_len` tokens, each in whole blocks. Where neither vLLM's own figure nor this sum
+    describes the model's blocks (hybrid, sliding-window and MLA models on a vLLM that does not report it), the
+    whole cache: nothing is claimed unused."""
     max_num_seqs: int
     gpu_memory_utilization: float | None
     """The share of the GPU the engine was started with; None where a KV-cache size was given instead."""
@@ -168,16 +171,44 @@ def engine_facts(llm) -> EngineFacts:
     hf = model.hf_config
     heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    dtype = model.dtype if cache.cache_dtype in ("auto", None) else getattr(torch, str(cache.cache_dtype), model.dtype)
-    per_token = 2 * hf.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
     tp = vcfg.parallel_config.tensor_parallel_size
-    split = max(tp if heads >= tp else 1, 1)
-    kv = blocks * cache.block_size * per_token // split
+    per_token = 2 * hf.num_hidden_layers * max(1, heads // tp) * head_dim * _kv_element_size(cache, model)
+    kv = blocks * cache.block_size * per_token
     seqs = vcfg.scheduler_config.max_num_seqs
-    reach_blocks = min(blocks, seqs * -(-model.max_model_len // cache.block_size))
     share = None if getattr(cache, "kv_cache_memory_bytes", None) else cache.gpu_memory_utilization
     return EngineFacts(Path(model.model), model.dtype, tp, kv, model.max_model_len,
-                       reach_blocks * cache.block_size * per_token // split, seqs, share)
+                       _kv_reach(cache, model, seqs, blocks, per_token, kv), seqs, share)
+
+
+def _kv_reach(cache, model, seqs: int, blocks: int, per_token: int, kv: int) -> int:
+    """`EngineFacts.kv_reach_bytes`; the whole cache wherever it cannot be told (a fact, not a condition to start)."""
+    try:
+        concurrency = getattr(cache, "kv_cache_max_concurrency", None)  # vLLM's own, per layout (newer vLLM)
+        if concurrency:
+            return int(kv * min(1.0, seqs / concurrency))
+        if _full_attention_only(model):
+            return min(blocks, seqs * -(-model.max_model_len // cache.block_size)) * cache.block_size * per_token
+    except Exception as exc:  # a config object of another vLLM: say so, start anyway
+        logger.debug("the KV cache's reach cannot be told from this vLLM's config: %s", exc)
+    return kv
+
+
+def _kv_element_size(cache, model) -> int:
+    name = str(cache.cache_dtype or "auto")
+    if name.startswith("fp8"):  # fp8, fp8_e4m3, fp8_e5m2
+        return 1
+    dtype = model.dtype if name == "auto" else getattr(torch, name, model.dtype)
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _full_attention_only(model) -> bool:
+    """Whether every layer keeps a full-attention KV of every token (so a block holds all layers' KV for its
+    tokens): not hybrid (mamba, linear attention), not MLA, no sliding-window layers."""
+    hf = model.hf_config
+    kinds = set(getattr(hf, "layer_types", None) or ["full_attention"])
+    window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+    return (not getattr(model, "is_hybrid", False) and not getattr(model, "use_mla", False) and not window
+            and kinds == {"full_attention"})
 
 
 def is_sleeping(llm) -> bool | None:

@@ -39,6 +39,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import struct
 import time
@@ -107,23 +108,26 @@ KV_HEADROOM = 1.25
 wave of the rollout); what lies further stays unused."""
 
 
-def unfillable_kv_notice(facts: vllm_compat.EngineFacts, device_total: int | None) -> str | None:
+def unfillable_kv_notice(facts: vllm_compat.EngineFacts, device_total: int | None, *,
+                         adopted: bool = False) -> str | None:
     """What to say when much of the engine's KV cache can never be filled, or None.
 
     vLLM runs at most `max_num_seqs` sequences at once, each at most `max_model_len` tokens long, so a KV cache
-    beyond that (TRL's colocated engine at its default share, a short rollout on a large GPU) holds memory no
-    rollout uses while the trainer's optimizer states leave the GPU at every switch for want of it. Said when what
-    lies beyond `KV_HEADROOM` times the reach is at least 1 GiB and half the cache; the fix names a size, and the
-    share it amounts to where the engine was started with one."""
+    beyond that (TRL's colocated engine at a large share, a short rollout on a large GPU) holds memory no rollout
+    uses while the trainer's optimizer states leave the GPU at every switch for want of it. Said when what lies
+    beyond `KV_HEADROOM` times the reach is at least 1 GiB and half the cache. The fix names a size, and where the
+    engine was started with a share, the share that leaves the rest of its budget as it is and the KV cache at that
+    size, rounded up (`adopted`: a caller's LLM, so TRL's setting is named too)."""
     keep = int(facts.kv_reach_bytes * KV_HEADROOM)
     unused = facts.kv_cache_bytes - keep
     if unused < max(2**30, facts.kv_cache_bytes // 2):
         return None
     fix = f"kv_cache_memory_bytes={keep}"
     if facts.gpu_memory_utilization is not None and device_total:
-        share = facts.gpu_memory_utilization - unused / device_total
-        fix = (f"gpu_memory_utilization={share:.2f} instead of {facts.gpu_memory_utilization:.2f} (under TRL: "
-               f"GRPOConfig(vllm_gpu_memory_utilization={share:.2f})), or {fix}")
+        share = math.ceil((facts.gpu_memory_utilization - unused / device_total) * 1000) / 1000
+        if share > 0:
+            trl = f" (under TRL: GRPOConfig(vllm_gpu_memory_utilization={share:.3f}))" if adopted else ""
+            fix = f"gpu_memory_utilization={share:.3f} instead of {facts.gpu_memory_utilization:.3f}{trl}, or {fix}"
     return (f"vLLM's KV cache holds {gib(facts.kv_cache_bytes):.2f} GiB, but it can fill at most "
             f"{gib(facts.kv_reach_bytes):.2f} GiB at once ({facts.max_num_seqs} sequences of up to "
             f"{facts.max_model_len} tokens): {gib(unused):.2f} GiB stay unused while generating, memory the "
@@ -278,7 +282,7 @@ class VLLMEngine(Engine):
         self.kv_cache_bytes = facts.kv_cache_bytes
         self.kv_cache_reach_bytes = facts.kv_reach_bytes
         self.max_sequence_length = facts.max_model_len
-        notice = unfillable_kv_notice(facts, torch.cuda.mem_get_info()[1] if self.cuda else None)
+        notice = unfillable_kv_notice(facts, torch.cuda.mem_get_info()[1] if self.cuda else None, adopted=not built)
         if notice is not None:
             # The caller's share (TRL's vllm_gpu_memory_utilization, or arguments given here) is the caller's to
             # change; where swaprl chose it, its own rule (the rest of the GPU while generating) stands.
