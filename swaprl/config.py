@@ -32,6 +32,10 @@ STATES_PER_PARAMETER: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "lion":
 momentum and Lion: one), by its lower-case class name. The planner prices the states with it; the placement sizes
 ahead with it the states Adam and AdamW create at their first step."""
 
+KV_WAVE_HEADROOM = 1.25
+"""The KV cache worth keeping beyond the most an engine runs at once (one full wave of the rollout): the planner's
+§Split leaves no more to the engine, and `VLLMEngine` says so when a cache exceeds it by far."""
+
 
 def default_reserve_bytes(total: int) -> int:
     """What a self-sized engine leaves free on a GPU of `total` bytes for the trainer's transient needs: 2 GiB or

@@ -50,6 +50,7 @@ import torch
 
 from .. import distributed, fingerprint
 from ..checkpoints import checkpoint_dir_of
+from ..config import KV_WAVE_HEADROOM
 from ..compat import torch as torch_compat
 from ..compat import vllm as vllm_compat
 from ..fingerprint import WeightPrint, sum_over_group
@@ -103,11 +104,6 @@ def _read_checkpoint_index(path: Path) -> dict[str, tuple[tuple[int, ...], str]]
     return out
 
 
-KV_HEADROOM = 1.25
-"""The KV cache worth keeping beyond the most an engine can fill at once (as the planner's §Split keeps beyond one
-wave of the rollout); what lies further stays unused."""
-
-
 def unfillable_kv_notice(facts: vllm_compat.EngineFacts, device_total: int | None, *,
                          adopted: bool = False) -> str | None:
     """What to say when much of the engine's KV cache can never be filled, or None.
@@ -115,10 +111,10 @@ def unfillable_kv_notice(facts: vllm_compat.EngineFacts, device_total: int | Non
     vLLM runs at most `max_num_seqs` sequences at once, each at most `max_model_len` tokens long, so a KV cache
     beyond that (TRL's colocated engine at a large share, a short rollout on a large GPU) holds memory no rollout
     uses while the trainer's optimizer states leave the GPU at every switch for want of it. Said when what lies
-    beyond `KV_HEADROOM` times the reach is at least 1 GiB and half the cache. The fix names a size, and where the
-    engine was started with a share, the share that leaves the rest of its budget as it is and the KV cache at that
-    size, rounded up (`adopted`: a caller's LLM, so TRL's setting is named too)."""
-    keep = int(facts.kv_reach_bytes * KV_HEADROOM)
+    beyond `KV_WAVE_HEADROOM` times the reach is at least 1 GiB and half the cache. The fix names a size, and where
+    the engine was started with a share, the share that leaves the rest of its budget as it is and the KV cache at
+    that size, rounded up (`adopted`: a caller's LLM, so TRL's setting is named too)."""
+    keep = int(facts.kv_reach_bytes * KV_WAVE_HEADROOM)
     unused = facts.kv_cache_bytes - keep
     if unused < max(2**30, facts.kv_cache_bytes // 2):
         return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..config import MEMORY_CATEGORIES as CATEGORIES
-from ..config import STATES_PER_PARAMETER
+from ..config import KV_WAVE_HEADROOM, STATES_PER_PARAMETER
 from ..presets import Preset
 from .hardware import MiB
 from .inputs import STREAM_CHUNK_BYTES, Settings, Spec
@@ -28,7 +28,6 @@ _SAMPLER_FP32_COPIES = 1.5  # live [max_num_seqs, vocab] fp32 tensors at the sam
 _LOGITS_FP32_COPIES = 3  # fp32 logits, log-softmax and its gradient alive at the loss's backward
 _VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
 _KV_BLOCK_TOKENS = 16  # vLLM's KV block size: a sequence holds whole blocks
-_KV_WAVE_HEADROOM = 1.25  # the KV cache a split leaves beyond one full wave of the rollout (§Split)
 
 
 def kv_heads_per_rank(m: Preset, tp: int) -> int:
@@ -219,8 +218,8 @@ def sequences_per_engine(s: Spec) -> int:
 
 def wave_kv_bytes(s: Spec, one_sequence: int) -> int:
     """§Split: the KV cache of one full wave of the rollout on one engine (every sequence it runs at once, at full
-    length), with `_KV_WAVE_HEADROOM`: what a larger KV cache leaves unused."""
-    return int(min(sequences_per_engine(s), s.engine_max_seqs) * one_sequence * _KV_WAVE_HEADROOM)
+    length), with `KV_WAVE_HEADROOM`: what a larger KV cache leaves unused."""
+    return int(min(sequences_per_engine(s), s.engine_max_seqs) * one_sequence * KV_WAVE_HEADROOM)
 
 
 def choose_split(s: Spec, st: Settings) -> dict[str, float]:
