@@ -723,8 +723,7 @@ def phases_and_losses(result: dict) -> list[str]:
     others = [("a run again (the spread)", a["again"]["steps"])] if (a.get("again") or {}).get("ok") else []
     others += [(way, w["steps"]) for way, w in ways.items() if way != "a" and w["preset"] == a.get("preset")]
     for label, steps in others if a.get("ok") else []:
-        pairs = [(x.get("loss"), y.get("loss")) for x, y in zip(a["steps"], steps)]
-        diffs = [abs(x - y) for x, y in pairs if x is not None and y is not None]
+        diffs = loss_differences([st.get("loss") for st in a["steps"]], [st.get("loss") for st in steps])
         if diffs:
             same = sum(d == 0 for d in diffs)
             out.append(f"\nLosses of {label} against a: {same} of {len(diffs)} steps equal, largest difference "
@@ -776,13 +775,17 @@ def shared_rollouts(kept: list[tuple[str, list[dict]]], losses: dict[str, list] 
                    "the same engine weights, other completions")
             out.append(f"\n{one.capitalize()} and {two} sampled the same first rollout and part at step "
                        f"{part + 1}: {how}.")
-        pairs = [(x, y) for x, y in zip((losses or {}).get(one, []), (losses or {}).get(two, []))
-                 if x is not None and y is not None]
-        if pairs:
-            same = sum(x == y for x, y in pairs)
-            rest = "" if same == len(pairs) else f", largest difference {max(abs(x - y) for x, y in pairs):.3g}"
-            out[-1] += f" Their losses: {same} of {len(pairs)} steps equal to the last bit{rest}."
+        diffs = loss_differences((losses or {}).get(one, []), (losses or {}).get(two, []))
+        if diffs:
+            same = sum(d == 0 for d in diffs)
+            rest = "" if same == len(diffs) else f", largest difference {max(diffs):.3g}"
+            out[-1] += f" Their losses: {same} of {len(diffs)} steps equal to the last bit{rest}."
     return out
+
+
+def loss_differences(one: list, two: list) -> list[float]:
+    """Step by step, how far apart two runs' logged losses lie, over the steps both logged one."""
+    return [abs(x - y) for x, y in zip(one, two) if x is not None and y is not None]
 
 
 def markdown(result: dict, lines: list[str]) -> str:
