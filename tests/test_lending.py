@@ -146,6 +146,7 @@ def test_a_page_that_is_not_one_physical_allocation_is_refused_with_nothing_mapp
     lender.give_back_unused()
 
 
+@pytest.mark.vllm
 def test_lend_pages_without_a_gpu_names_the_fix(tiny_checkpoint, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("checks the machine without a GPU")

