@@ -180,8 +180,7 @@ def cold_child(warm: bool, repeats: int) -> dict:
     warm_s = 0.0
     if warm:
         t0 = time.perf_counter()
-        fingerprint.warm_up(device)
-        fingerprint._warm_ups[device].join()
+        fingerprint.warm_up(device).join()
         warm_s = time.perf_counter() - t0
     after_warm = _compiled(cache)
     t0 = time.perf_counter()

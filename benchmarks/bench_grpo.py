@@ -405,7 +405,8 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         s["loss"] = losses.get(s["step"])
         s["train_s"] = s["step_s"] - s["generate_s"] - s["switch_s"]
     # since attach (or the start) even where a profile resets torch's peaks at each phase
-    peak_reserved = swaprl.memory.torch_peaks(torch.device("cuda")).reserved_since_start() if cuda else None
+    peak_reserved = (rt.peaks.reserved_since_start() if rt is not None and rt.peaks is not None
+                     else torch.cuda.max_memory_reserved()) if cuda else None
     extra = {"torch_max_reserved_bytes": peak_reserved, "wrap_s": wrap_s, "rollouts": rollouts,
              "deterministic_backwards": deterministic["backwards"],
              "world_size": world, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),

@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.optim.Optimizer):
+def make_engine(args, path: Path, config: swaprl.SwapConfig, reserve_bytes: int | None):
     use_vllm = args.engine == "vllm" or (args.engine == "auto" and torch.cuda.is_available()
                                          and swaprl.engines.vllm_available())
     if not use_vllm:
@@ -350,12 +350,12 @@ def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.op
     from swaprl.engines.vllm import VLLMEngine
 
     max_len = args.max_model_len or (args.prompt_tokens + args.max_tokens + 8)
-    # The KV cache is sized now, from the free memory: leave room for the optimizer states that will stay on the
-    # device while generating (a split's "device" home), which the first optimizer step creates.
+    # The KV cache is sized now, from the free memory: `reserve_bytes` leaves room for the optimizer states that will
+    # stay on the device while generating (a split's "device" home), which the first optimizer step creates.
     return VLLMEngine(path, dtype="bfloat16", max_model_len=max_len, enforce_eager=args.enforce_eager,
                       gpu_memory_utilization=config.gpu_memory_utilization,
                       kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
-                      reserve_bytes=swaprl.placement.engine_reserve_bytes(optimizer, config), seed=args.seed,
+                      reserve_bytes=reserve_bytes, seed=args.seed,
                       tensor_parallel_size=args.tp, release_other=args.release_other, lend_pages=args.lend_pages)
 
 
@@ -541,7 +541,8 @@ def main(argv: list[str] | None = None) -> dict:
                                gpu_memory_utilization=args.gpu_memory_utilization)
     # Built by attach, once the host buffers have started page-locking in the background: the locking runs under the
     # engine's start rather than before the first step.
-    rt = swaprl.attach(model, optimizer, lambda: make_engine(args, path, config, optimizer), config=config)
+    rt = swaprl.attach(model, optimizer, lambda reserve_bytes: make_engine(args, path, config, reserve_bytes),
+                       config=config)
     # Closed before the report is written, whether or not the runtime is detached at the end.
     # A resumed run records beside the run it goes on from: that run's profile (one killed, perhaps) is kept.
     stem = "profile" if resumed_state is None else f"profile.resumed-{resumed_state['step']}"

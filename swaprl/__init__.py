@@ -17,11 +17,11 @@ import importlib.util
 
 from ._version import __version__ as __version__
 
-__all__ = ["attach", "phase", "detach", "current", "SwapConfig", "Runtime", "Sampling", "Engine", "SyncReport",
-           "PhaseError", "HostBufferError", "EngineStateError"]
+__all__ = ["attach", "attach_later", "phase", "detach", "current", "SwapConfig", "Runtime", "Sampling", "Engine",
+           "SyncReport", "PhaseError", "HostBufferError", "EngineStateError"]
 
-_WHERE = {"attach": "attachment", "phase": "attachment", "detach": "attachment", "current": "attachment",
-          "Runtime": "attachment",
+_WHERE = {"attach": "attachment", "attach_later": "attachment", "phase": "attachment", "detach": "attachment",
+          "current": "attachment", "Runtime": "attachment",
           "SwapConfig": "config", "Sampling": "engines.base", "Engine": "engines.base",
           "EngineStateError": "engines.base", "SyncReport": "verify", "PhaseError": "errors",
           "HostBufferError": "errors"}

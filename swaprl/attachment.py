@@ -1,33 +1,34 @@
 """Attaching: a `Runtime` wired to its trainer and engine, and the one attached runtime of the process.
 
 `attach` checks everything first (`swaprl.checks`), then wires the parts in the order that hides the slow ones:
-the placement (the optimizer-state policy resolved once, `swaprl.placement`), the host buffers page-locked in the
-background, the engine built meanwhile if `attach` builds it (`make_engine`), the engine's link (`swaprl.link`), the
-optimizer's hooks and streamed step, and the attach steps (the host-resident states to their buffer, the engine
-asleep). Each part records its undo: a failed attach leaves nothing behind, `detach()` reverts the rest.
+the fp32 masters if asked for (`swaprl.master`), the placement (the homes of the optimizer states decided from the
+room measured now, `swaprl.state_homes`), the host buffers page-locked in the background, the engine built
+meanwhile if `attach` builds it (`make_engine`), the engine's link (`swaprl.link`), the runtime's part of the
+optimizer's methods and hooks (`swaprl.optimizer_hooks`), and the attach steps (the host-resident states to their
+buffer, the engine asleep). Each part records its undo: a failed attach leaves nothing behind, `detach()` reverts
+the rest. `attach_later` registers a runtime that `Runtime.bind` wires when its trainer is ready.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 import torch
 
-from . import checks, fingerprint, master, regions
+from . import checks, fingerprint, master, memory, optimizer_hooks, regions
 from .checkpoints import checkpoint_dir_of
-from .compat.torch import LR_SCHEDULER_MARK
-from .config import SwapConfig
+from .config import SwapConfig, default_reserve_bytes
 from .engines import vllm_available
 from .engines.base import Engine
 from .errors import PhaseError
 from .link import link, unmeasurable
-from .placement import Placement, engine_reserve_bytes
+from .optimizer_hooks import masters_of
+from .placement import Placement
 from .runtime import Phase, PhaseMachine
-from .residency import savable
-from .streaming import install_step, override
 from .undo import Step, Undo
 
 logger = logging.getLogger(__name__)
@@ -52,23 +53,30 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
            engine: Engine | Callable[[], Engine] | str | None = None, *, config: SwapConfig | None = None) -> Runtime:
     """Register the default runtime for `model` trained by `optimizer`, generating with `engine`.
 
-    `engine`: an `Engine`; a function that builds one (`lambda: VLLMEngine(path, ...)`); "hf" (generate with the
-    trainer's own module); "vllm" (a colocated vLLM engine built from the model's checkpoint directory); or None:
-    vLLM when it is installed, a GPU is present and the model was loaded from a local checkpoint directory, else
-    "hf". A function, or a name, builds the engine once the host memory the optimizer states will need has started
-    to be page-locked in the background, so that the locking runs under the engine's start; if attach then fails,
-    it closes the engine it built. Validates everything before moving any memory or building an engine.
+    `engine`: an `Engine`; a function that builds one (`lambda: VLLMEngine(path, ...)`; one that takes a
+    `reserve_bytes` argument gets what an engine sized from the free memory must leave free for the optimizer states
+    that stay on the device, or None: `lambda reserve_bytes: VLLMEngine(path, reserve_bytes=reserve_bytes)`); "hf"
+    (generate with the trainer's own module); "vllm" (a colocated vLLM engine built from the model's checkpoint
+    directory); or None: vLLM when it is installed, a GPU is present and the model was loaded from a local
+    checkpoint directory, else "hf". A function, or a name, builds the engine once the host memory the optimizer
+    states will need has started to be page-locked in the background, so that the locking runs under the engine's
+    start; if attach then fails, it closes the engine it built. Validates everything before moving any memory or
+    building an engine.
     """
-    check_none_attached()
-    config = config if config is not None else SwapConfig()
-    if not isinstance(engine, Engine) and not callable(engine):
-        name = engine_name(engine, model)  # refused here, before anything is allocated
-        engine = functools.partial(make_engine, name, model, config, optimizer)
-    rt = Runtime(model, optimizer, engine, config)
-    if config.profile is not None:  # the profile package is imported only when used
-        from .profile import attach_configured
+    rt = Runtime(config)
+    rt.bind(model, optimizer, engine)
+    return rt
 
-        attach_configured(rt)
+
+def attach_later(*, config: SwapConfig | None = None, until: str) -> Runtime:
+    """Register a runtime now and bind it to its trainer later (`Runtime.bind`): for a trainer whose model and
+    optimizer only take their final form once its training loop has started (TRL under FSDP2, where `train()` shards
+    the model and points the optimizer at the shards). Until it is bound it holds nothing and stays in "train";
+    listeners and detach callbacks can be added, and what needs the trainer raises a `PhaseError` saying `until`
+    (when it will be bound)."""
+    rt = Runtime(config)
+    rt._unbound = until
+    rt._register()
     return rt
 
 
@@ -85,43 +93,35 @@ def detach() -> dict[str, int]:
 
 
 class Runtime(PhaseMachine):
-    """Owns the phase state of one trainer (model + optimizer) and one engine. `swaprl.attach` builds it (and
-    builds the engine); building it directly checks and registers it the same way."""
+    """Owns the phase state of one trainer (model + optimizer) and one engine, and what lives as long as one attach:
+    its placement, the engine's link, its peaks of device memory (`peaks`, shared by its first step's rule and its
+    profile). `swaprl.attach` builds and binds it; `swaprl.attach_later` registers it unbound."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 engine: Engine | Callable[[], Engine], config: SwapConfig) -> None:
+    def __init__(self, config: SwapConfig | None = None) -> None:
         check_none_attached()
-        super().__init__(config)
-        self._bind(model, optimizer, engine)
-
-    @classmethod
-    def _pending(cls, config: SwapConfig, *, until: str) -> Runtime:
-        """A runtime registered now and bound to its trainer later, with `_bind`: for a trainer whose model and
-        optimizer only take their final form once its training loop has started (TRL under FSDP2, where `train()`
-        shards the model and re-points the optimizer at the shards). Until then it holds nothing and stays in
-        "train"; listeners and detach callbacks can be added, and what needs the trainer raises a `PhaseError`
-        saying `until` (when it will be bound)."""
-        global _attached
-        check_none_attached()
+        config = config if config is not None else SwapConfig()
         if not isinstance(config, SwapConfig):
             raise TypeError(f"config must be a swaprl.SwapConfig, not {type(config).__name__}")
-        rt = cls.__new__(cls)
-        PhaseMachine.__init__(rt, config)
-        rt._unbound = until
-        _attached = rt
-        return rt
+        super().__init__(config)
+        self._unbound = "it is not bound to a trainer yet (Runtime.bind)"
+        self.peaks: memory.TorchPeaks | None = None
+        """torch's peak counters of the device since attach (CUDA only)."""
 
-    def _bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              engine: Engine | Callable[[], Engine]) -> None:
-        """Take charge of `model`, `optimizer` and `engine` (checked first; a callable builds it once the host
-        buffers are being locked); a failure leaves nothing behind."""
-        global _attached
+    def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             engine: Engine | Callable[[], Engine] | str | None = None) -> Runtime:
+        """Take charge of `model`, `optimizer` and `engine` (as `swaprl.attach` takes them; checked first, and a
+        function or a name builds the engine once the host buffers are being locked); registers this runtime as the
+        process's. A failure leaves nothing behind. Returns the runtime."""
         if _attached is not None and _attached is not self:
             check_none_attached()
         self._check_open()
+        if self.model is not None:
+            raise PhaseError("this runtime is bound to a trainer already; detach() it and attach a new one")
         checks.check_trainer(model, optimizer, self.config)
-        if isinstance(engine, Engine) or not callable(engine):
+        if isinstance(engine, Engine):
             checks.check_engine(engine, self.config)
+        elif not callable(engine):
+            engine_name(engine, model)  # refused here, before anything is allocated
         try:
             self._wire(model, optimizer, engine)
         except BaseException:
@@ -130,34 +130,53 @@ class Runtime(PhaseMachine):
             self._placement = self._link = None
             raise
         self._unbound = None
+        self._register()
+        if self.config.profile is not None:  # the profile package is imported only when used
+            from .profile import attach_configured
+
+            attach_configured(self)
+        return self
+
+    def _register(self) -> None:
+        global _attached
         _attached = self
 
     def _wire(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              engine: Engine | Callable[[], Engine]) -> None:
-        """The attach proper: host buffers, the engine (built now if `engine` builds it), the optimizer's hooks, the
-        engine asleep (undone on failure)."""
+              engine: Engine | Callable[[], Engine] | str | None) -> None:
+        """The attach proper: the masters, the placement, host buffers, the engine (built now if `engine` builds it),
+        the optimizer's hooks, the engine asleep (each undone on failure)."""
+        config = self.config
         self.model, self.optimizer = model, optimizer
-        self.device = checks.model_device(model)
+        self.device = device = checks.model_device(model)
+        cuda = device.type == "cuda"
         why = unmeasurable(engine) if isinstance(engine, Engine) else \
             "attach builds the engine, which takes the memory the states leave when they go"
-        installed = Undo("the fp32 master weights")  # undone last if attach fails (the step methods sit on theirs)
+        installed = Undo("the fp32 master weights")  # undone last if attach fails (the step method sits on them)
         with installed.on_error():
-            if self.config.master_weights:  # before the placement, which homes the masters with the states
-                installed.push(master.install(optimizer, override=_keep_installed)[1], "install")
+            masters = masters_of(optimizer)
+            if config.master_weights and masters is None:  # before the placement, which homes them with the states
+                masters, uninstall = master.install(optimizer)
+                installed.push(uninstall, "install")
+            self.peaks = memory.TorchPeaks(device) if cuda else None
             streamed = {"type": "step", "transition": "optimizer.step", "step": "stream optimizer states"}
-            self._placement = place = Placement(model, optimizer, self.device, self.config, unmeasurable=why,
+            room = memory.measure_room(device) if cuda and why is None else None
+            self._placement = place = Placement(model, optimizer, device, config, masters=masters, room=room,
+                                                unmeasurable=why, peaks=self.peaks,
                                                 on_streamed_step=lambda info: self._emit(streamed | info))
-        self.config = config = place.config  # "auto" resolved
+            place.masters_to_device()  # before an engine sized from the free memory is built
         built = Undo("the engine attach built")  # closed if attach then fails; kept (the caller's) once attached
         with installed.on_error(), self._restore.on_error(), built.on_error():
             self._restore.push(place.release)  # a failed attach leaves no host memory behind
             place.prepare_host()
+            warming = None
             if config.verify_sync and not (isinstance(engine, Engine) and engine.shares_trainer_weights):
-                fingerprint.warm_up(self.device)  # the first weight check's kernel, compiled under what follows
+                warming = fingerprint.warm_up(device)  # the first weight check's kernel, compiled under what follows
             if not isinstance(engine, Engine):
                 # Built while the host buffers are being locked: the locking (tens of seconds for tens of GiB where
                 # pages are faulted in slowly) runs under the engine's start instead of before the first step.
-                engine = engine()
+                reserve = engine_reserve_bytes(device, place.homes.device_growth())
+                engine = make_engine(engine, model, config, reserve_bytes=reserve) if not callable(engine) else \
+                    engine(reserve_bytes=reserve) if _takes_reserve(engine) else engine()
                 if isinstance(engine, Engine):
                     built.push(engine.close)
                 checks.check_engine(engine, config)
@@ -166,14 +185,11 @@ class Runtime(PhaseMachine):
             self._link = link(engine, model, config, kept_on_device=lambda: place.home_bytes()["device"],
                               emit=self._emit)
             engine.bind(model)
-            self._restore.push(optimizer.register_step_pre_hook(lambda *_: self._check_step()).remove)
-            self._restore.push(optimizer.register_state_dict_pre_hook(lambda opt: self.wait_reload()).remove)
-            # States carved out of one buffer or allocation: each its own storage, so torch.save takes any mix of
-            # dtypes and writes each tensor's bytes, not the buffer's.
-            self._restore.push(optimizer.register_state_dict_post_hook(lambda opt, sd: savable(sd)).remove)
+            self._restore.push(optimizer_hooks.attach_runtime(
+                optimizer, check_step=self._check_step, wait_reload=self.wait_reload, streamer=place.streamer,
+                before_streamed_step=place.home_new_states), "the optimizer's hooks")
             steps = []
             if place.streamer is not None:
-                self._restore.push(install_step(place.streamer, detached=lambda: self._closed))
                 steps.append(Step("optimizer states to host", place.states_to_host, place.states_to_device))
             self._run_steps("attach", steps + self._link.attach_steps())
             # What attach started in the background ends before it returns. Page-locking holds the CUDA driver's
@@ -181,7 +197,10 @@ class Runtime(PhaseMachine):
             # whose engine exists before attach, locking during the first step stalled its rollout. The first steps
             # call CUDA without pause, so waiting here costs less; an engine built in between (tens of seconds) has
             # hidden both already.
-            waited = place.finish_host() + fingerprint.finish_warm_up(self.device)
+            start = time.perf_counter()
+            if warming is not None:
+                warming.join()
+            waited = place.finish_host() + time.perf_counter() - start
             if waited > 0.1:
                 logger.info("attach waited %.2f s for host memory to be locked and the check's kernel compiled",
                             waited)
@@ -203,17 +222,11 @@ class Runtime(PhaseMachine):
             _attached = None
 
 
-def _keep_installed(opt: torch.optim.Optimizer, name: str, body: Callable) -> Callable[[], None]:
-    """An optimizer method that stays after detach (the master step: plain torch needs it as much)."""
-    return override(opt, name, body, lambda: False, marks=(LR_SCHEDULER_MARK,))
-
-
 # ---------------------------------------------------------------- the engine attach builds
-def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: SwapConfig,
-                optimizer: torch.optim.Optimizer | None = None) -> Engine:
-    """`engine` as given, or built from its name (`engine_name`). A vLLM engine sized from the free memory leaves
-    room for the optimizer states that will stay on the device while it generates (the "device" home of
-    `config.optimizer_states`)."""
+def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: SwapConfig, *,
+                reserve_bytes: int | None = None) -> Engine:
+    """`engine` as given, or built from its name (`engine_name`); a vLLM engine sized from the free memory leaves
+    `reserve_bytes` free (`engine_reserve_bytes`; None: its default reserve)."""
     if isinstance(engine, Engine):
         return engine
     if engine_name(engine, model) == "hf":
@@ -222,8 +235,24 @@ def make_engine(engine: Engine | str | None, model: torch.nn.Module, config: Swa
         return HFEngine()
     from .engines.vllm import VLLMEngine
 
-    reserve = engine_reserve_bytes(optimizer, config) if optimizer is not None else None
-    return VLLMEngine.for_model(model, config=config, reserve_bytes=reserve)
+    return VLLMEngine.for_model(model, config=config, reserve_bytes=reserve_bytes)
+
+
+def engine_reserve_bytes(device: torch.device, kept_bytes: int) -> int | None:
+    """What an engine sized now from the free memory must leave free: the default reserve and the `kept_bytes` of
+    optimizer states that stay on the device while it generates (the "device" home, made by the first optimizer
+    step). None when nothing is kept: the engine's own default."""
+    if not kept_bytes or device.type != "cuda":
+        return None
+    return default_reserve_bytes(torch.cuda.mem_get_info(device)[1]) + kept_bytes
+
+
+def _takes_reserve(build: Callable) -> bool:
+    """Whether an engine-building function takes `reserve_bytes` (see `attach`)."""
+    try:
+        return "reserve_bytes" in inspect.signature(build).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: called without it
+        return False
 
 
 def engine_name(engine: str | None, model: torch.nn.Module) -> str:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from . import master
 from .compat import torch as torch_compat
 from .compat.torch import local_tensor
 from .config import SwapConfig
 from .memory import default_reserve_bytes, gib
 from .distributed import is_fsdp2
 from .engines.base import Engine
+from .optimizer_hooks import masters_of
 
 
 def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SwapConfig) -> None:
@@ -23,7 +23,7 @@ def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, conf
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
     mine = {id(p) for p in model.parameters()}
-    masters = master.of(optimizer)  # installed by an earlier attach: each stands for its model parameter
+    masters = masters_of(optimizer)  # installed by an earlier attach: each stands for its model parameter
     foreign = [(gi, pi, tuple(p.shape)) for gi, g in enumerate(optimizer.param_groups)
                for pi, p in enumerate(g["params"])
                if id(masters.model_param(p) if masters is not None and masters.is_master(p) else p) not in mine]
@@ -41,7 +41,8 @@ def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, conf
                          "shards live in buffers FSDP2 owns, which swaprl cannot move. Use params='keep' (the "
                          "shards are 1/world of the model), or have FSDP2 keep them in host memory for good: "
                          "fully_shard(module, offload_policy=CPUOffloadPolicy())")
-    if config.state_split()["host"] > 0 and isinstance(optimizer, torch.optim.LBFGS):
+    if config.optimizer_states != "auto" and config.state_split()["host"] > 0 and \
+            isinstance(optimizer, torch.optim.LBFGS):
         raise TypeError(f"SwapConfig(optimizer_states={config.optimizer_states!r}) with LBFGS: its state (the search "
                         "directions) spans all parameters together, so it cannot be stepped a chunk of parameters at "
                         "a time from host memory. Use optimizer_states='swap'")

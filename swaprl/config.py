@@ -8,17 +8,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from .homes import HOMES
+
 GradPolicy = Literal["free", "offload", "keep"]
 ParamPolicy = Literal["keep", "offload"]
 SleepLevel = Literal[1, 2, "auto"]
 OptimizerStates = Literal["swap", "host"]
-StateHome = Literal["device", "swap", "host"]
 
 GRAD_POLICIES: tuple[str, ...] = get_args(GradPolicy)
 PARAM_POLICIES: tuple[str, ...] = get_args(ParamPolicy)
 SLEEP_LEVELS: tuple[int | str, ...] = get_args(SleepLevel)
 OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerStates)  # "swap" first: the planner tries it first
-STATE_HOMES: tuple[str, ...] = get_args(StateHome)  # the order a split assigns parameters in
+STATE_HOMES: tuple[str, ...] = HOMES  # the order a split assigns parameters in (`swaprl.homes`)
 
 # Who holds device memory, in the order tables list them: the categories the profiler splits a measured device figure
 # into (swaprl.profile.attribution) and the planner predicts (swaprl.plan). "unattributed" is what the measured
@@ -53,40 +54,38 @@ class SwapConfig:
     """
 
     optimizer_states: Literal["auto"] | OptimizerStates | Mapping[str, float] = "auto"
-    """Where the optimizer states live: each parameter's states have one home.
-    "auto" (the default): as many as fit stay on the GPU in both phases ("device"), the rest are swapped. What fits
-    is measured at attach, with the engine awake and holding all it holds while generating: the free device memory
-    less `swaprl.memory.default_reserve_bytes` and, with grads="keep", the gradients to come. Only an engine that
-    exists before attach, with weights of its own and awake, can be measured (TRL's, or one built by the caller);
-    one that attach builds is sized to take what the states leave when they go, so for it, for an engine that
-    generates with the trainer's weights, for states of unknown size (optimizers other than Adam and AdamW, before
-    their first step) and without CUDA, "auto" is "swap". Moving no more than the engine needs is what keeps a
-    wrapped trainer from being slower than one that never moves its states. Two measures follow on CUDA: at the
-    first `optimizer.step()` (Adam, AdamW), once training has run beside all it holds, the states that would not
-    fit on the GPU beside training's peak (measured since attach) and the step's temporaries get the "host" home;
-    and a wake-up of the engine that lacks room
-    swaps the states of as many more parameters as it lacks, and the switch goes again.
-    "swap": in host memory during `generate`, on the GPU during `train`.
-    "host": in host memory in both phases; `optimizer.step()` copies them to the GPU `stream_chunk_bytes` at a
-    time, updates that chunk's parameters and copies the states back, the copies overlapping the update. Saves
-    their whole size on the GPU in `train`: use it when parameters, gradients and states together do not fit.
-    A split, e.g. {"device": 0.2, "swap": 0.5, "host": 0.3}: fractions of the states' bytes (per rank) by home,
-    "device" meaning on the GPU in both phases. Parameters take their homes in the optimizer's order, the first
-    ones "device", then "swap", then "host", each home taking whole parameters until it holds its fraction of the
-    bytes. A "swap" or "host" byte crosses PCIe twice per step ("swap": out for `generate` and back; "host": in and
-    out of the step), a "device" byte never, but it takes room from the KV cache: `swaprl plan` keeps on the device
-    what the host cannot hold and what `generate` holds beside a full wave of the rollout's KV cache, swaps what
-    `train` has room for of the rest, and streams the remainder (docs/plan.md §Split).
-    `state_split()` gives the fractions in every case."""
+    """Where the optimizer states (and fp32 masters) live: each parameter's states have one home, "device" (on the
+    GPU in both phases), "swap" (on the GPU in `train`, in host memory in `generate`) or "host" (in host memory in
+    both phases, brought through the GPU `stream_chunk_bytes` at a time by `optimizer.step()`). `swaprl.homes` says
+    how each home costs.
+    "auto" (the default): homes decided by the room the run shows (`swaprl.homes.decide`): on the GPU in both
+    phases what fits there beside the engine awake, swapped what fits beside training, streamed the rest; so
+    nothing moves where everything fits. The room is measured at attach with the engine awake and holding all it
+    holds while generating (less `default_reserve_bytes` and, with grads="keep", the gradients to come): only an
+    engine that exists before attach, with weights of its own and awake, can be measured (TRL's, or one built by
+    the caller). One that attach builds is sized to take what the states leave when they go, so for it, for an
+    engine that generates with the trainer's weights, for states of unknown size (optimizers other than Adam and
+    AdamW, before their first step) and without CUDA, "auto" swaps every state. Two measures follow on CUDA: at the
+    first `optimizer.step()` of Adam or AdamW, once training has run beside all it holds, the states that would not
+    fit beside training's peak and the step's temporaries are streamed ("host"); and a wake-up of the engine that
+    lacks room swaps the states of as many more parameters as it lacks, and the switch goes again.
+    `runtime.status()["optimizer_homes"]` says where they are.
+    "swap": every state in host memory during `generate`, on the GPU during `train`.
+    "host": every state in host memory in both phases: saves their whole size on the GPU in `train`; use it when
+    parameters, gradients and states together do not fit.
+    A split, e.g. {"device": 0.2, "swap": 0.5, "host": 0.3}: fractions of the states' bytes (per rank) by home.
+    Parameters take their homes in the optimizer's order, the first ones "device", then "swap", then "host", each
+    home taking whole parameters until it holds its fraction of the bytes (`swaprl.homes.by_fractions`). `swaprl
+    plan` gives the split it predicts "auto" would choose on a cluster (docs/plan.md §Split)."""
 
     master_weights: bool = False
     """Train a bf16 model with fp32 master weights: the optimizer updates an fp32 copy of each bf16 parameter,
-    which is cast into the parameter after each step (`swaprl.master`); the forward,
-    backward and gradients stay in bf16. What RL fine-tuning at small learning rates needs, at 2 bytes per
-    parameter on the device instead of fp32 parameters' 4. The masters live in host memory with their optimizer
-    states and are updated there chunk by chunk by the streamed step (ZeRO-Offload's layout), so it goes with
-    `optimizer_states="host"`, which "auto" means here. They stay installed on the optimizer after `detach()`, back
-    on the device; `optimizer.state_dict()` carries them."""
+    which is cast into the parameter after each step (`swaprl.master`); the forward, backward and gradients stay in
+    bf16. What RL fine-tuning at small learning rates needs, at 2 bytes per parameter on the device instead of fp32
+    parameters' 4. Each master lives with its parameter's optimizer states, in their home
+    (`optimizer_states`): on the device and updated in place, swapped, or in host memory and updated chunk by chunk
+    by the streamed step (ZeRO-Offload's layout). They stay installed on the optimizer after `detach()`, back on the
+    device; `optimizer.state_dict()` carries them."""
 
     stream_chunk_bytes: int = 2**30
     """With `optimizer_states="host"`: optimizer-state bytes per chunk of the streamed `optimizer.step()`. The GPU
@@ -185,11 +184,6 @@ class SwapConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"SwapConfig.{name}={value!r}; give True or False")
-        if self.master_weights and self.optimizer_states != "auto" and self.state_split()["host"] != 1.0:
-            raise ValueError(f"SwapConfig(master_weights=True, optimizer_states={self.optimizer_states!r}): the fp32 "
-                             "master weights live in host memory with their optimizer states, updated there by the "
-                             "streamed step; keeping some on the device or swapping them is not built. Use "
-                             "optimizer_states='host' (or 'auto', which means 'host' with master weights)")
         if self.optimizer_states != "auto" and self.state_split()["swap"] == 0 and self.overlap_optimizer_reload:
             raise ValueError(f"SwapConfig(optimizer_states={self.optimizer_states!r}, overlap_optimizer_reload=True): "
                              "no state is swapped, so there is no reload to overlap (host-resident states never "
@@ -227,13 +221,13 @@ class SwapConfig:
                                  "e.g. 0.5, or None to size the engine from the free memory")
 
     def state_split(self) -> dict[str, float]:
-        """The optimizer states' fractions by home, {"device": d, "swap": s, "host": h}; "swap" is {"swap": 1.0}, and
-        so is "auto" until attach has measured what stays on the device (`placement.resolve_auto`); with master
-        weights "auto" is "host"."""
+        """The fractions by home of a fixed `optimizer_states`, {"device": d, "swap": s, "host": h} ("swap" is
+        {"swap": 1.0}). "auto" has none: its homes are decided while the run goes (`runtime.status()`)."""
+        if self.optimizer_states == "auto":
+            raise ValueError("SwapConfig(optimizer_states='auto') has no fixed split: the runtime decides the homes "
+                             "as the run shows what fits; runtime.status()['optimizer_homes'] says where they are")
         if isinstance(self.optimizer_states, str):
-            auto = "host" if self.master_weights else "swap"
-            named = auto if self.optimizer_states == "auto" else self.optimizer_states
-            return {home: float(home == named) for home in STATE_HOMES}
+            return {home: float(home == self.optimizer_states) for home in STATE_HOMES}
         return dict(self.optimizer_states)
 
 

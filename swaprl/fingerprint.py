@@ -30,7 +30,6 @@ import functools
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -232,17 +231,15 @@ class _Folder:
         self.temp_bytes = 0
 
 
-_warm_ups: dict[torch.device, threading.Thread] = {}
-
-
-def warm_up(device: torch.device) -> None:
+def warm_up(device: torch.device) -> threading.Thread | None:
     """Compile the CUDA kernel for 2- and 4-byte elements (bf16/fp16 and fp32 weights) in a background thread, on a
     stream of its own, so the first weight check does not wait for Triton to compile (seconds, against
     milliseconds for a later check: benchmarks/results/cold_start_h100). Started at attach before the engine is
-    built, so it runs under the engine's start; attach waits for it before returning (`finish_warm_up`). The
-    thread may run while vLLM captures CUDA graphs: it is allowed CUDA calls then (`allow_calls_during_capture`)."""
-    if device.type != "cuda" or device in _warm_ups:
-        return
+    built, so it runs under the engine's start; attach joins the thread it returns before returning itself, so no
+    check runs beside it. The thread may run while vLLM captures CUDA graphs: it is allowed CUDA calls then
+    (`allow_calls_during_capture`). None without CUDA."""
+    if device.type != "cuda":
+        return None
 
     def compile_kernel() -> None:
         try:
@@ -254,19 +251,9 @@ def warm_up(device: torch.device) -> None:
         except Exception:  # the check compiles it then, on its own thread
             logger.warning("compiling the fingerprint kernel ahead failed", exc_info=True)
 
-    _warm_ups[device] = thread = threading.Thread(target=compile_kernel, name="swaprl-fingerprint-warm-up",
-                                                  daemon=True)
+    thread = threading.Thread(target=compile_kernel, name="swaprl-fingerprint-warm-up", daemon=True)
     thread.start()
-
-
-def finish_warm_up(device: torch.device) -> float:
-    """Wait for `warm_up`'s compilation on `device`, if one runs; returns the seconds waited."""
-    thread = _warm_ups.get(device)
-    if thread is None or thread is threading.current_thread():
-        return 0.0
-    start = time.perf_counter()
-    thread.join()
-    return time.perf_counter() - start
+    return thread
 
 
 def fold_into(tensors: Sequence[torch.Tensor | None], *, cast: Sequence[torch.dtype | None] | None = None,
@@ -280,9 +267,6 @@ def fold_into(tensors: Sequence[torch.Tensor | None], *, cast: Sequence[torch.dt
         raise ValueError(f"fold_into() takes tensors of one device, got {sorted(map(str, devices))}")
     where = devices.pop() if devices else (device or torch.device("cpu"))
     use_triton = where.type == "cuda"
-    warming = _warm_ups.get(where) if use_triton else None
-    if warming is not None and warming is not threading.current_thread():
-        warming.join()  # one compilation of the kernel, not two racing
     out = torch.zeros(len(tensors), dtype=torch.int64, device=where)
     folder = _Folder(out, use_triton)
     with torch.no_grad():

@@ -12,8 +12,8 @@ It needs torch's expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segmen
 of their pages is one physical allocation the driver can name. Without them, or without swaprl's native library,
 nothing is lendable and the engine wakes as before.
 
-While lent, the blocks count as allocated in torch's statistics; `memory.lent_bytes` says how many of them are the
-engine's, and `memory.torch_counters` leaves them out.
+While lent, the blocks count as allocated in torch's statistics; `PageLender.lent_bytes` says how many of them are
+the engine's, and `memory.torch_counters` leaves them out when told.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels, memory
+from . import kernels
 
 
 _ALIGN = 512  # torch's blocks start and end on multiples of this
@@ -61,6 +61,12 @@ class PageLender:
         self._pages: list[tuple[int, int, int]] = []  # (page address, page bytes, block address), not yet mapped
         self._used: dict[int, int] = {}  # block address -> its pages mapped now
         self._ranges: dict[int, list[int]] = {}  # lent range -> the blocks its pages came from
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of torch's blocks held for the engine now: allocated in torch's counters, the engine's memory in
+        fact (`memory.torch_counters(..., lent=)` leaves them out)."""
+        return sum(self._blocks.values())
 
     # ---------------------------------------------------------------- what torch holds free
     def _segments(self):
@@ -174,7 +180,6 @@ class PageLender:
                 torch.cuda.caching_allocator_delete(ptr)
                 break
             self._blocks[ptr] = ask
-            memory.note_lent(self.device, ask)
             streams.add(block.stream)
             base = next(b for b, (end, _) in segments.items() if b <= ptr < end)
             first = base + -(-(ptr - base) // page) * page
@@ -270,5 +275,4 @@ class PageLender:
             torch.cuda.caching_allocator_delete(b)
             total += self._blocks.pop(b)
             self._used.pop(b, None)
-        memory.note_lent(self.device, -total)
         return total

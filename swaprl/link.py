@@ -135,9 +135,9 @@ class OwnWeights(SharedWeights):
             # The engine's KV cache was sized when it was built; the states a split keeps on the device came later.
             named = type(exc)(
                 f"{exc} Of what is not free, {kept / 2**30:.2f} GiB are optimizer states kept on the device while "
-                "generating (the 'device' home of SwapConfig.optimizer_states): build the engine with "
-                "reserve_bytes=swaprl.placement.engine_reserve_bytes(optimizer, config) before the first optimizer "
-                "step, or give the 'device' home a smaller share")
+                "generating (the 'device' home of SwapConfig.optimizer_states): build the engine with room for "
+                f"them (VLLMEngine(reserve_bytes=...) of at least {kept / 2**30:.2f} GiB more than the default "
+                "reserve), or give the 'device' home a smaller share")
             named.short_bytes = getattr(exc, "short_bytes", 0)  # what the placement swaps more of, under "auto"
             raise named from exc
         if tags is None or "kv_cache" in tags:

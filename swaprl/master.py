@@ -29,19 +29,17 @@ GradScaler unscales and checks the optimizer's own gradients.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
 
 from .compat.torch import local_tensor
+from .optimizer_hooks import hooks_of, masters_of
 
 LOW_PRECISION = (torch.bfloat16,)
 KEY = "master_weights"
 
 logger = logging.getLogger(__name__)
-
-_installed: weakref.WeakKeyDictionary[torch.optim.Optimizer, MasterWeights] = weakref.WeakKeyDictionary()
 
 
 class MasterWeights:
@@ -144,17 +142,39 @@ class MasterWeights:
             else:
                 p.grad.detach_().zero_()
 
+    def place(self, masters: Iterable[torch.Tensor], device: torch.device) -> int:
+        """Put `masters` on `device` with their values (those whose states live on the device in 'train': the
+        "device" and "swap" homes); returns the bytes placed. A master not filled yet is filled there, from its model
+        parameter, without ever touching host memory."""
+        placed = 0
+        with torch.no_grad():
+            for m in masters:
+                local = local_tensor(m)
+                source = self.initial(local)
+                if local.device == device:  # a CPU trainer's "device" is the host: filled where it is
+                    if source is not None:
+                        local.copy_(source)
+                else:
+                    local.data = (source if source is not None else local).to(device=device, dtype=torch.float32,
+                                                                               copy=True)
+                    placed += local.numel() * local.element_size()
+                self._unfilled.pop(id(local), None)
+        return placed
+
     # ---------------------------------------------------------------- checkpoints
-    def _state_dict_post_hook(self, optimizer, state_dict: dict) -> dict:
+    def save_into(self, state_dict: dict) -> dict:
+        """The optimizer's state dict with the masters in it (under `KEY`, by parameter index)."""
         self.fill()
+        optimizer = self.optimizer
         index = {id(p): i for i, p in enumerate(_parameters(optimizer))}
         # This rank's part of each (its shard, for FSDP2), as a plain tensor: what it restores on the same ranks.
         state_dict[KEY] = {index[id(m)]: local_tensor(m).detach() for m in self._masters}
         return state_dict
 
-    def _load_state_dict_pre_hook(self, optimizer, state_dict: dict) -> dict:
-        """Take the masters out of the state dict and check them all; they are copied in only once torch's own
-        load has accepted the rest (`_load_state_dict_post_hook`): a refused load changes nothing."""
+    def take_from(self, state_dict: dict) -> dict:
+        """Take the masters out of a state dict to be loaded and check them all; they are copied in only once
+        torch's own load has accepted the rest (`finish_load`): a refused load changes nothing."""
+        optimizer = self.optimizer
         state_dict = dict(state_dict)
         saved = state_dict.pop(KEY, None)
         params = _parameters(optimizer)
@@ -172,37 +192,42 @@ class MasterWeights:
         self._loading = saved
         return state_dict
 
-    def _load_state_dict_post_hook(self, optimizer) -> None:
+    def finish_load(self) -> None:
+        """Once torch has loaded the rest: the masters take the saved values, and the model their casts."""
+        optimizer = self.optimizer
         saved, self._loading = self._loading, None
         params = _parameters(optimizer)
         with torch.no_grad():
+            # Each master gets new storage, as torch's load gives each state: a state dict taken before the load,
+            # whose masters view the old storage, keeps its values.
             if saved is None:  # saved without masters: the model's parameters, as they are now, are the truth
                 logger.warning("the optimizer state dict loaded has no fp32 master weights: the masters are set "
                                "from the model's parameters as they are now")
                 for m in self._masters:
-                    local_tensor(m).copy_(local_tensor(self._param[id(m)]))
+                    local = local_tensor(m)
+                    local.data = local_tensor(self._param[id(m)]).to(device=local.device, dtype=local.dtype,
+                                                                      copy=True)
                 self._unfilled.clear()
                 return
             for i, value in saved.items():
-                local_tensor(params[int(i)]).copy_(local_tensor(value))
-                self.filled([local_tensor(params[int(i)])])
+                local = local_tensor(params[int(i)])
+                local.data = local_tensor(value).to(device=local.device, dtype=local.dtype, copy=True)
+                self.filled([local])
         self.fill()  # any the state dict left out keep the model's values
         self.write_back(self._masters)
 
 
-def of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
-    """The masters installed on `optimizer`, if any."""
-    return _installed.get(optimizer)
-
-
-def install(optimizer: torch.optim.Optimizer, *, override: Callable) -> tuple[MasterWeights, Callable[[], None]]:
+def install(optimizer: torch.optim.Optimizer) -> tuple[MasterWeights, Callable[[], None]]:
     """Give every low-precision parameter of `optimizer` an fp32 master in host memory, in its place in the groups
-    (its states, if any, cast to fp32 and moved to the master), and make `optimizer.step()` the master step.
-    `override(opt, name, body)` sets an instance method the way the runtime does (`swaprl.streaming.override`) and
-    returns what restores it. Returns the masters and what undoes all of it (the model's parameters back in the
-    groups, holding the masters' values cast). An optimizer that has masters already keeps them (nothing to undo)."""
-    if of(optimizer) is not None:
-        return of(optimizer), lambda: None
+    (its states, if any, cast to fp32 and moved to the master), and make `optimizer.step()` the master step
+    (`swaprl.optimizer_hooks`). Returns the masters and what undoes all of it (the model's parameters back in the
+    groups, holding the masters' values cast). An optimizer that has masters already keeps them (nothing to undo).
+
+    The groups and states change in one assignment each, so an interruption leaves the optimizer either as it was or
+    with its masters recorded, which the returned undo takes off."""
+    installed = masters_of(optimizer)
+    if installed is not None:
+        return installed, lambda: None
     if any(p.dtype == torch.float16 for p in _parameters(optimizer)):
         raise ValueError("SwapConfig(master_weights=True) with float16 parameters: fp16 training needs a GradScaler, "
                          "which unscales and checks the optimizer's own gradients, and the masters take theirs "
@@ -226,37 +251,34 @@ def install(optimizer: torch.optim.Optimizer, *, override: Callable) -> tuple[Ma
             masters._unfilled[id(local_tensor(m))] = local_tensor(p)
     master_of = {id(masters.model_param(m)): m for m in masters}
     groups = [g["params"] for g in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["params"] = [master_of.get(id(p), p) for p in group["params"]]
-    states = {p: optimizer.state.pop(p) for p in low if p in optimizer.state}
-    for p, state in states.items():  # a step taken before: its states become the master's, in fp32
-        optimizer.state[master_of[id(p)]] = {
-            k: v.to(torch.float32) if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" else v
-            for k, v in state.items()}
-    _installed[optimizer] = masters
-    handles = [optimizer.register_state_dict_post_hook(masters._state_dict_post_hook),
-               optimizer.register_load_state_dict_pre_hook(masters._load_state_dict_pre_hook),
-               optimizer.register_load_state_dict_post_hook(masters._load_state_dict_post_hook)]
-    restores = [override(optimizer, "step", lambda plain, *args, **kwargs: masters.step(plain, *args, **kwargs)),
-                override(optimizer, "zero_grad", lambda plain, *args, **kwargs: masters.zero_grad(plain, *args,
-                                                                                                   **kwargs))]
+    states = {p: optimizer.state[p] for p in low if p in optimizer.state}
+    # Everything the swap needs is made first; the swap itself is one assignment per group and one for the states.
+    swapped_groups = [[master_of.get(id(p), p) for p in params] for params in groups]
+    swapped_state = {master_of.get(id(p), p): (
+        {k: v.to(torch.float32) if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" else v
+         for k, v in state.items()} if p in states else state) for p, state in optimizer.state.items()}
+    hooks = hooks_of(optimizer)
 
     def uninstall() -> None:
-        for restore in reversed(restores):
-            restore()
-        for h in handles:
-            h.remove()
+        hooks.masters = None
+        hooks.uninstall_if_unused()
         masters.write_back(masters)
         for group, params in zip(optimizer.param_groups, groups):
             group["params"] = params
-        for p in low:  # undone right after install (a failed attach): the states are those it found
-            optimizer.state.pop(master_of[id(p)], None)
-        optimizer.state.update(states)
+        restored = {masters.model_param(p) if masters.is_master(p) else p: state
+                    for p, state in optimizer.state.items()}
+        restored.update(states)  # undone right after install (a failed attach): the states are those it found
+        optimizer.state.clear()
+        optimizer.state.update(restored)
         masters._masters.clear()
         masters._param.clear()
         masters._unfilled.clear()
-        _installed.pop(optimizer, None)
 
+    for group, params in zip(optimizer.param_groups, swapped_groups):
+        group["params"] = params
+    optimizer.state.clear()
+    optimizer.state.update(swapped_state)
+    hooks.masters = masters
     return masters, uninstall
 
 

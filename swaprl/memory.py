@@ -11,6 +11,7 @@ import psutil
 import torch
 
 from .config import default_reserve_bytes as default_reserve_bytes  # where the planner, which has no torch, reads it
+from .homes import Room
 
 logger = logging.getLogger(__name__)
 
@@ -73,38 +74,23 @@ def device_total_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[1]
 
 
-_lent: dict[int, int] = {}  # device index -> bytes of torch's blocks held for an engine (swaprl.lending)
-
-
-def note_lent(device: int, delta: int) -> None:
-    """Count `delta` more bytes of torch's blocks on `device` as held for the engine (negative: given back)."""
-    _lent[device] = _lent.get(device, 0) + delta
-
-
-def lent_bytes(device: torch.device | int) -> int:
-    """Bytes of torch's blocks on `device` an engine wakes on (`swaprl.lending`): allocated in torch's counters,
-    the engine's memory in fact."""
-    index = device if isinstance(device, int) else device.index if device.index is not None else \
-        torch.cuda.current_device()
-    return _lent.get(index, 0)
-
-
-def torch_counters(device: torch.device) -> tuple[int, int]:
+def torch_counters(device: torch.device, *, lent: int = 0) -> tuple[int, int]:
     """torch's allocated and reserved bytes on `device`, from one reading of its statistics: `memory_allocated` and
     `memory_reserved` each build all of them (a dict of some 150 counters) and take the allocator's lock, which a
-    phase switch, and the profiler's sampler beside it, would otherwise pay for twice per figure. The blocks held
-    for an engine (`lent_bytes`) count as neither: they are the engine's."""
+    phase switch, and the profiler's sampler beside it, would otherwise pay for twice per figure. `lent`: bytes of
+    torch's blocks an engine holds (`swaprl.lending.PageLender.lent_bytes`), counted as neither: they are the
+    engine's."""
     stats = torch.cuda.memory_stats_as_nested_dict(device)
     if not stats:  # CUDA not initialised yet: nothing allocated
         return 0, 0
-    lent = lent_bytes(device) if _lent else 0
     return (int(stats["allocated_bytes"]["all"]["current"]) - lent,
             int(stats["reserved_bytes"]["all"]["current"]) - lent)
 
 
-def device_figures(device: torch.device) -> dict[str, int]:
-    """The device's used and total bytes (NVML where it reads) and torch's allocated and reserved counters."""
-    allocated, reserved = torch_counters(device)
+def device_figures(device: torch.device, *, lent: int = 0) -> dict[str, int]:
+    """The device's used and total bytes (NVML where it reads) and torch's allocated and reserved counters (`lent`:
+    see `torch_counters`)."""
+    allocated, reserved = torch_counters(device, lent=lent)
     return {"used": device_used_bytes(device), "total": device_total_bytes(device),
             "torch_allocated": allocated, "torch_reserved": reserved}
 
@@ -128,7 +114,8 @@ def private_pool_bytes(device: torch.device) -> tuple[int, int]:
 
 
 class TorchPeaks:
-    """torch's peak memory counters of one device, per reader and span, and since a start.
+    """torch's peak memory counters of one device, per reader and span, and since a start: one per runtime
+    (`Runtime.peaks`), which its profile and its first step's rule share.
 
     torch keeps one peak per counter, since its last reset. A memory profile wants each phase's own peaks (reserved
     less allocated at a phase's peak is what its allocator held but could not hand out: a sample taken between two
@@ -172,13 +159,16 @@ class TorchPeaks:
         return max(self._since_start, torch.cuda.max_memory_reserved(self.device))
 
 
-_peaks: dict[int, TorchPeaks] = {}
-
-
-def torch_peaks(device: torch.device) -> TorchPeaks:
-    """The one `TorchPeaks` of `device` (a CUDA device), shared by everything that reads or resets its peaks."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _peaks.setdefault(index, TorchPeaks(torch.device("cuda", index)))
+def measure_room(device: torch.device, *, peaks: TorchPeaks | None = None, reserve: int | None = None) -> Room:
+    """The device's room now, as every home decision and the engine's sizing read it (`swaprl.homes.Room`): the
+    driver's free bytes, torch's default pool's free blocks, the reserve (`default_reserve_bytes` unless given) and,
+    with `peaks`, what training's peak since their start takes back beyond what is allocated now."""
+    free, total = torch.cuda.mem_get_info(device)
+    regrow = 0
+    if peaks is not None:
+        regrow = max(peaks.reserved_since_start() - torch_counters(device)[0], 0)
+    return Room(free=free, cached=default_pool_free_bytes(device),
+                reserve=default_reserve_bytes(total) if reserve is None else reserve, regrow=regrow)
 
 
 def default_pool_free_bytes(device: torch.device) -> int:

@@ -1,19 +1,17 @@
 """Where the trainer's memory lives, and the moves that change it: one `Placement` per runtime.
 
-The trainer's memory is three resources: "optimizer" (the optimizer's state tensors), "grads" and "params". Each is
-on the device, in its host buffer, or released (gradients only: dropped, re-made by the next backward). The
-phase machine (`swaprl.runtime`) decides when to move what; this module moves it, keeps the host memory it uses
-within the budget, and says where everything is.
-
-Each parameter's optimizer states have a home (`SwapConfig.optimizer_states`, `assign_homes`): "device" (they never
-move), "swap" (the "optimizer" resource: moved to its host buffer for 'generate' and back for 'train') or "host" (a
-`StateStreamer`, `swaprl.streaming`, keeps them in a host buffer of their own for good and brings them through the
-device inside `optimizer.step()`).
+The trainer's memory is three resources: "optimizer" (the optimizer's state tensors, and the fp32 masters),
+"grads" and "params". Each is on the device, in its host buffer, or released (gradients only: dropped, re-made by
+the next backward). The phase machine (`swaprl.runtime`) decides when to move what; this module moves it and says
+where everything is. Each parameter's states have a home (`swaprl.state_homes`, the policy of `swaprl.homes`):
+"device" (they never move), "swap" (the "optimizer" resource: moved to its host buffer for 'generate' and back for
+'train') or "host" (kept by a `StateStreamer`, `swaprl.streaming`, in a host buffer of their own for good and
+brought through the device inside `optimizer.step()`). The host memory every buffer takes is asked of the
+runtime's `HostBudget` first.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,11 +19,14 @@ from typing import Literal
 
 import torch
 
-from . import distributed, master, memory
+from . import distributed, homes, memory
 from .compat.torch import local_tensor
-from .config import STATE_HOMES, STATES_PER_PARAMETER, StateHome, SwapConfig
+from .config import STATE_HOMES, SwapConfig
 from .errors import HostBufferError, PhaseError
-from .residency import HostBuffer, Moved, Mover, PendingOffload, align, layout_bytes, nbytes
+from .host_budget import HostBudget
+from .master import MasterWeights
+from .residency import HostBuffer, Moved, Mover, PendingOffload, layout_bytes, nbytes
+from .state_homes import StateHomes, parameters
 from .streaming import StateStreamer
 from .undo import Step
 
@@ -52,24 +53,24 @@ class _Resource:
 
 
 class Placement:
-    """The trainer's resources for one model and optimizer on one device, and their host buffers."""
+    """The trainer's resources for one model and optimizer on one device, and their host buffers.
+
+    `room`: the device's room measured at attach with the engine awake (`memory.measure_room`), None when it
+    cannot be (`unmeasurable` says why); `peaks`: the runtime's `memory.TorchPeaks`, whose span from attach gives the
+    first step's rule training's peak."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 config: SwapConfig, *, unmeasurable: str | None = None,
+                 config: SwapConfig, *, masters: MasterWeights | None, room: homes.Room | None,
+                 unmeasurable: str | None = None, peaks: memory.TorchPeaks | None = None,
                  on_streamed_step: Callable[[dict], None] | None = None) -> None:
-        self.masters = master.of(optimizer)
-        """The optimizer's fp32 master weights (`swaprl.master`), if it keeps them: each is one more state of its
-        parameter, in host memory with the others."""
-        if self.masters is not None:
-            config = _masters_config(config)
-        self.auto = config.optimizer_states == "auto"
-        """`optimizer_states="auto"`: the homes may change as the run shows what fits (`make_room`,
-        `home_new_states`)."""
-        config, why = resolve_auto(config, optimizer, device, unmeasurable=unmeasurable)
-        if why:
-            logger.info("optimizer_states='auto': %s", why)
         self.model, self.optimizer, self.device, self.config = model, optimizer, device, config
-        """`config`: the caller's, with "auto" resolved to the split it measured."""
+        self.masters = masters
+        self.homes = StateHomes(optimizer, device, config, masters=masters, room=room, unmeasurable=unmeasurable)
+        if self.homes.why:
+            logger.info("optimizer_states='auto': %s", self.homes.why)
+        self._peaks = peaks
+        if peaks is not None and self.homes.may_stream and not self.homes.streams:
+            peaks.start()  # the first step's rule reads training's peak since now
         self._mover = Mover(device)
         pin = config.pin_memory and device.type == "cuda"
         gpu = device.index if device.type == "cuda" else None
@@ -80,111 +81,52 @@ class Placement:
         release before the engine's wake-up hands back whole; False for an engine that wakes on torch's cached pages
         (`lend_pages`): in torch's pages, which that wake-up borrows when the states leave, and which the next
         reload finds still mapped."""
-        self._homes = assign_homes(optimizer, config.state_split())
-        self._first_states_homed = not (self.auto and device.type == "cuda")
-        if not self._first_states_homed:
-            # The first step's rule needs the peak that training's forward and backward reach, which torch counts
-            # only as a peak since a reset: from here. (The peak statistics of this device start again at attach.)
-            memory.torch_peaks(device).start()
-        self.swaps_states = "swap" in self._homes.values()
-        """Some states move at each switch (the "optimizer" resource is not empty)."""
+        self.budget = HostBudget(config, self._held)
         self.streamer: StateStreamer | None = None
         # Under "auto" the streamed step is there from the start, owning nothing until the first step finds that
         # the states it creates do not all fit on the device beside what training holds (`home_new_states`).
-        if "host" in self._homes.values() or not self._first_states_homed:
+        if self.homes.may_stream:
             self.streamer = StateStreamer(optimizer, device, HostBuffer("streamed optimizer", pin=pin, device=gpu),
-                                          owns=lambda p: self.home(p) == "host",
+                                          owns=lambda p: self.homes.home(p) == "host",
                                           chunk_bytes=config.stream_chunk_bytes,
-                                          check_budget=self.check_budget_for_states, on_step=on_streamed_step,
-                                          masters=self.masters)
-            if not self.swaps_states and "host" in self._homes.values():
+                                          check_budget=self.budget.for_states, on_step=on_streamed_step,
+                                          masters=masters)
+            if not self.homes.swaps and self.homes.streams:
                 self._res["optimizer"].location = "host"
 
+    @property
+    def swaps_states(self) -> bool:
+        """Some states move at each switch (the "optimizer" resource is not empty)."""
+        return self.homes.swaps
+
+    def home(self, p: torch.Tensor) -> homes.Home:
+        return self.homes.home(p)
+
+    # ---------------------------------------------------------------- the homes' later moments
     def make_room(self, short_bytes: int) -> int:
         """Under "auto", after an engine's wake-up lacked `short_bytes` (and was undone): swap the states of as many
         more parameters as that takes, on every rank or none. Returns the bytes swapped from now on (0: the switch
         cannot go again)."""
-        if not self.auto or not short_bytes:
-            return 0
-        freed = self.demote(short_bytes + 2**28)
-        if not distributed.all_reduce([freed], "min")[0]:
-            return 0
-        logger.warning("optimizer_states='auto': the engine's wake-up lacked %.2f GiB; %.2f GiB more of the "
-                       "optimizer states are swapped from now on", memory.gib(short_bytes), memory.gib(freed))
-        return freed
-
-    def demote(self, nbytes_needed: int) -> int:
-        """Give the "swap" home to the last parameters with the "device" home whose states, on the device now, add
-        up to `nbytes_needed` or more (fewer if fewer are kept); returns their bytes. For `optimizer_states="auto"`,
-        whose measure at attach could not see what the first steps would add."""
-        freed = 0
-        for p in reversed(_parameters(self.optimizer)):
-            if freed >= nbytes_needed:
-                break
-            if self._homes.get(id(p)) != "device":
-                continue
-            self._homes[id(p)] = "swap"
-            freed += sum(nbytes(local_tensor(v)) for v in self.optimizer.state.get(p, {}).values()
-                         if isinstance(v, torch.Tensor) and local_tensor(v).device == self.device)
-        self.swaps_states = "swap" in self._homes.values()
+        freed = self.homes.after_short_wake(short_bytes, self._device_state_bytes)
         res = self._res["optimizer"]
-        if self.swaps_states and not res.moved:  # the swapped states are on the device (a switch was undone)
+        if freed and not res.moved:  # the swapped states are on the device (the switch was undone)
             res.location = "device"
         return freed
 
     def home_new_states(self) -> int:
-        """Under "auto", at the first `optimizer.step()` (before it creates the states): give the "host" home to the
-        last parameters whose states would not fit on the device, measured now that training has run its forward
-        and backward beside everything it really holds (DDP's buckets, FSDP2's buffers, a trainer's chunks, the
-        engine asleep). Returns the bytes of states homed in host memory (0 when all fit or already decided).
-
-        The states created must fit in what the driver has free, less the reserve and less what the next forward and
-        backward will take back from it: torch's cache may hold less now than at training's peak (the allocator
-        hands cached blocks back when a request fails, then retries; anything may call `empty_cache`), and the peak
-        of reserved memory since attach says how much less. The step also needs temporaries while it runs, which
-        the cached blocks can serve: torch's multi-tensor Adam and AdamW take one moment's size more
-        (`_STEP_TEMPORARIES`)."""
-        if self._first_states_homed:
+        """Under "auto", at the first streamed `optimizer.step()` (before it creates the states): the states that
+        would not fit on the device beside training's peak get the "host" home, and their host buffer is allocated
+        and locked now. Returns the bytes of states homed in host memory (0 when all fit or already decided)."""
+        before = self.homes.snapshot()
+        streamed = self.homes.at_first_step(lambda: memory.measure_room(self.device, peaks=self._peaks))
+        if not streamed:
             return 0
-        self._first_states_homed = True
-        expected = _expected_per_parameter(self.optimizer)
-        params = [p for p in _parameters(self.optimizer) if p not in self.optimizer.state and self.home(p) != "host"]
-        if expected is None or not params:
-            return 0
-        free, total = torch.cuda.mem_get_info(self.device)
-        cached = memory.default_pool_free_bytes(self.device)
-        regrow = max(memory.torch_peaks(self.device).reserved_since_start() - memory.torch_counters(self.device)[1], 0)
-        reserve = memory.default_reserve_bytes(total)
-        factor = _STEP_TEMPORARIES.get(type(self.optimizer), 1.0)
-        room = min(free - regrow - reserve, (free + cached - reserve) / factor)
-        # Every rank homes the same parameters: the least room, and each parameter's largest states (FSDP2's shards
-        # differ by a row between ranks), so that the streamed steps and their collectives are the same everywhere.
-        (room,) = distributed.all_reduce([room], "min")
-        sizes = [int(n) for n in distributed.all_reduce([expected[p] for p in params], "max")]
-        need = sum(sizes)
-        homes, homed = dict(self._homes), 0
-        for p, n in zip(reversed(params), reversed(sizes)):
-            if need - homed <= room:
-                break
-            homes[id(p)] = "host"
-            homed += n
-        if not homed:
-            return 0
-        previous = self._homes, self.swaps_states
-        self._homes, self.swaps_states = homes, "swap" in homes.values()
         try:
             self._host_buffers_for_new_homes()
         except BaseException:
-            self._homes, self.swaps_states = previous
-            self._first_states_homed = False  # nothing was decided: the next step measures again
+            self.homes.undo_first_step(before)  # nothing was decided: the next step measures again
             raise
-        logger.warning("optimizer_states='auto': the first optimizer step creates %.2f GiB of states and %.2f GiB "
-                       "fit on %s beside training (%.2f GiB free, of which training's peak takes %.2f GiB back; "
-                       "%.2f GiB cached; %.2f GiB reserve): %.2f GiB of them stay in host memory from now on, "
-                       "streamed through the device by each step", memory.gib(need), memory.gib(max(room, 0)),
-                       self.device, memory.gib(free), memory.gib(regrow), memory.gib(cached), memory.gib(reserve),
-                       memory.gib(homed))
-        return homed
+        return streamed
 
     def _host_buffers_for_new_homes(self) -> None:
         """After the first step gave states the host home, before it creates them (collective): the streamed states'
@@ -198,11 +140,11 @@ class Placement:
         refit = not swapped.moved and swapped.buffer.capacity > want
         # Not where it holds states already (loaded before the first step): the step places the new ones itself.
         size = 0 if streamed.capacity else sizes.get("streamed optimizer", 0)
-        self._check_budget(max(size - (swapped.buffer.capacity - want if refit else 0), 0), 0,
-                           "keeping in host memory the optimizer states the first step creates "
-                           "(optimizer_states='auto')",
-                           "Nothing was moved and the step has not run; the next optimizer.step() decides again. "
-                           "Free host memory or raise host_budget_bytes.")
+        self.budget.check(max(size - (swapped.buffer.capacity - want if refit else 0), 0), 0,
+                          "keeping in host memory the optimizer states the first step creates "
+                          "(optimizer_states='auto')",
+                          "Nothing was moved and the step has not run; the next optimizer.step() decides again. "
+                          "Free host memory or raise host_budget_bytes.")
         held = swapped.buffer.capacity
         if refit:
             logger.info("host buffer 'optimizer': %.2f GiB refitted to %.2f GiB for the states that still swap",
@@ -228,20 +170,15 @@ class Placement:
         if refit and want:
             swapped.buffer.prepare(want)  # in the background: nothing needs it before the next switch
 
-    def home(self, p: torch.Tensor) -> StateHome:
-        """Where `p`'s optimizer states live; a parameter added to the optimizer after attach takes the last
-        parameter's home (so "swap" and "host" stay whole)."""
-        return self._homes.get(id(p)) or next(reversed(self._homes.values()), "swap")
-
     # ---------------------------------------------------------------- where things are
     def location(self, name: Resource) -> Location:
         return self._res[name].location
 
-    def tensors(self, name: Resource, homes: tuple[str, ...] = ("swap",)) -> list[torch.Tensor]:
+    def tensors(self, name: Resource, of_homes: tuple[str, ...] = ("swap",)) -> list[torch.Tensor]:
         """The distinct tensors of a resource that live on the device now; for "optimizer", the states of the
-        parameters with one of `homes` (by default those that move at a switch)."""
+        parameters with one of `of_homes` (by default those that move at a switch)."""
         if name == "optimizer":
-            candidates = (v for p in _parameters(self.optimizer) if self.home(p) in homes
+            candidates = (v for p in parameters(self.optimizer) if self.home(p) in of_homes
                           for v in self._state_tensors(p))
         elif name == "grads":
             candidates = (p.grad for p in self.model.parameters())
@@ -266,12 +203,13 @@ class Placement:
         for name, res in self._res.items():
             moved = list(res.moved)
             if name == "optimizer" and self.streamer is not None:
-                moved += self.streamer.moved()
+                moved += self.streamer.layout.moved()
             on_host = {id(m.tensor) for m in moved}  # on a CPU-only machine host and device look alike
             on_device = sum(nbytes(t) for t in self.tensors(name, STATE_HOMES) if id(t) not in on_host)
             out[name] = {"location": res.location, "bytes": on_device,
                          "host_bytes": sum(nbytes(m.tensor) for m in moved)}
         out["optimizer_homes"] = self.home_bytes()
+        out["optimizer_split"] = self.homes.fractions()
         buffers = self._buffers()
         out["host_buffers"] = {"bytes": self._held(), "pinned": any(b.pin for b in buffers),
                                "locked_bytes": sum(b.locked_bytes for b in buffers),
@@ -306,8 +244,13 @@ class Placement:
     def _buffers(self) -> list[HostBuffer]:
         return [r.buffer for r in self._res.values()] + ([self.streamer.buffer] if self.streamer else [])
 
+    def _device_state_bytes(self, p: torch.Tensor) -> int:
+        """The device bytes of `p`'s states (and master) now."""
+        return sum(nbytes(local_tensor(t)) for t in self._state_tensors(p)
+                   if isinstance(t, torch.Tensor) and local_tensor(t).device == self.device)
+
     def _held(self) -> int:
-        orphaned = self.streamer.orphaned_bytes() if self.streamer is not None else 0
+        orphaned = self.streamer.layout.orphaned_bytes() if self.streamer is not None else 0
         return sum(b.capacity for b in self._buffers()) + orphaned
 
     # ---------------------------------------------------------------- host memory ahead of the first switch
@@ -319,11 +262,11 @@ class Placement:
         later without a new buffer. Returns the bytes started per buffer."""
         sizes = self._host_sizes()
         parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in sizes.items())
-        self._check_budget(sum(sizes.values()), 0,
-                           f"locking host buffers at attach for the first switch ({parts or 'none'})",
-                           "Nothing was allocated. Free host memory or raise host_budget_bytes (the optimizer states "
-                           "live in host memory while the engine generates), or keep the parameters on the device "
-                           "(params='keep').")
+        self.budget.check(sum(sizes.values()), 0,
+                          f"locking host buffers at attach for the first switch ({parts or 'none'})",
+                          "Nothing was allocated. Free host memory or raise host_budget_bytes (the optimizer states "
+                          "live in host memory while the engine generates), or keep the parameters on the device "
+                          "(params='keep').")
         buffers = {b.name: b for b in self._buffers()}
         for name, n in sizes.items():
             buffers[name].prepare(n)
@@ -332,12 +275,19 @@ class Placement:
     def _host_sizes(self) -> dict[str, int]:
         """`expected_host_bytes`, and under "auto" the swapped states' room for those `make_room` may swap later."""
         headroom = memory.default_reserve_bytes(torch.cuda.mem_get_info(self.device)[1]) \
-            if self.auto and self.device.type == "cuda" else 0
+            if self.homes.auto and self.device.type == "cuda" else 0
         sizes = self.expected_host_bytes()
-        kept = _expected_state_bytes(self.optimizer, lambda p: self.home(p) == "device") if headroom else 0
+        kept = self.homes.expected_bytes("device") if headroom else 0
         if min(headroom, kept):
             sizes["optimizer"] = sizes.get("optimizer", 0) + min(headroom, kept)
         return sizes
+
+    def masters_to_device(self) -> int:
+        """The fp32 masters whose states live on the device in 'train' (the "device" and "swap" homes) go there,
+        filled from their model parameters (they are made in host memory); returns the bytes placed."""
+        if self.masters is None:
+            return 0
+        return self.masters.place([m for m in self.masters if self.home(m) != "host"], self.device)
 
     def finish_host(self) -> float:
         """Wait for what `prepare_host` started; returns the seconds waited."""
@@ -354,7 +304,7 @@ class Placement:
         out = {}
         for name, home in (("optimizer", "swap"), ("streamed optimizer", "host")):
             counted = self.tensors("optimizer", (home,)) if self.optimizer.state else []
-            states = layout_bytes(counted) or _expected_state_bytes(self.optimizer, lambda p, h=home: self.home(p) == h)
+            states = layout_bytes(counted) or self.homes.expected_bytes(home)
             # Masters made in host memory (not on the device, so not counted above) move into the buffer at attach.
             ids = {id(t) for t in counted}
             states += layout_bytes([local_tensor(m) for m in self.masters or () if self.home(m) == home
@@ -459,9 +409,7 @@ class Placement:
     def check_step(self, phase: str) -> None:
         """Refuse an `optimizer.step()` that would not find the optimizer states where it needs them (a pre-hook);
         with a reload still in flight, make the step wait for it."""
-        if self.streamer is not None and self.streamer.stepping:
-            self.home_new_states()
-        if self.streamer is not None and "host" in self._homes.values():
+        if self.streamer is not None and self.homes.streams:
             if not self.streamer.stepping:
                 raise PhaseError(
                     "optimizer.step() reached torch's own step, not swaprl's streamed one, while optimizer states "
@@ -534,11 +482,11 @@ class Placement:
 
     def states_to_host(self) -> int:
         """Move the optimizer states into their host buffer for good (optimizer_states='host')."""
-        return self.streamer.move_into_buffer("Nothing was moved.")
+        return self.streamer.layout.move_into_buffer("Nothing was moved.")
 
     def states_to_device(self) -> int:
         """Bring the host-resident optimizer states back to the device for plain torch (detach, undoing attach)."""
-        moved = self.streamer.moved()
+        moved = self.streamer.layout.moved()
         total = sum(nbytes(m.tensor) for m in moved)
         try:
             self._mover.reload(moved, buffer=self.streamer.buffer)
@@ -554,7 +502,7 @@ class Placement:
                 f"swaprl could not bring the host-resident optimizer states back to {self.device} for plain torch "
                 f"to step them: {memory.gib(total):.2f} GiB needed, {memory.gib(free):.2f} GiB free. They stay in "
                 f"host memory and the runtime stays attached; {fix}. ({exc})") from exc
-        self.streamer.forget()
+        self.streamer.layout.forget()
         if not self.swaps_states:
             self._res["optimizer"].location = "device"
         return total
@@ -579,185 +527,6 @@ class Placement:
             wanted["params"] = layout_bytes(self.tensors("params"))
         growth = sum(max(0, n - self._res[k].buffer.capacity) for k, n in wanted.items())
         parts = ", ".join(f"{k} {memory.gib(n):.2f} GiB" for k, n in wanted.items())
-        self._check_budget(growth, 0, f"offloading for 'generate' ({parts})",
-                           "Nothing was moved. Free host memory, raise host_budget_bytes, or move less: "
-                           "grads='free' or 'keep', params='keep'.")
-
-    def check_budget_for_states(self, growth: int, releasing: int, context: str) -> None:
-        """Refuse to grow the host-resident optimizer states' buffer by `growth` bytes past the budget; `releasing`
-        bytes of ordinary host memory (states waiting to move into the buffer) are freed as it fills."""
-        self._check_budget(max(growth, 0), releasing,
-                           "keeping optimizer states in host memory (their 'host' home in SwapConfig.optimizer_states)",
-                           f"{context} Free host memory or raise host_budget_bytes.")
-
-    def _check_budget(self, growth: int, releasing: int, what: str, fix: str) -> None:
-        """Raise `HostBufferError` if growing the host buffers by `growth` bytes overshoots the budget on this rank
-        or another. Collective under torchrun: the ranks reach it at the same switch or step, and every rank
-        refuses or none does (see `swaprl.distributed`)."""
-        if growth == 0 and not distributed.is_distributed():
-            return
-        if self.config.host_budget_bytes is not None:
-            available = self.config.host_budget_bytes - self._held()
-            source = f"SwapConfig.host_budget_bytes={self.config.host_budget_bytes}"
-        else:
-            # The ranks of a node share its host memory and size their buffers at the same moment.
-            ranks = distributed.local_world_size()
-            available = (memory.host_available_bytes() - self.config.host_margin_bytes) // ranks + releasing
-            source = (f"available host memory less SwapConfig.host_margin_bytes "
-                      f"({memory.gib(self.config.host_margin_bytes):.1f} GiB)"
-                      + (f", shared by the {ranks} ranks of this node" if ranks > 1 else ""))
-        over = growth - available if growth else 0
-        (worst,) = distributed.all_reduce([over], "max")
-        if worst <= 0:
-            return
-        elsewhere = "" if over > 0 else f" (this rank fits; another is {memory.gib(worst):.2f} GiB over)"
-        raise HostBufferError(
-            f"{what} needs {growth} more bytes ({memory.gib(growth):.2f} GiB) of host memory but only "
-            f"{max(available, 0)} bytes ({memory.gib(max(available, 0)):.2f} GiB) are allowed ({source}){elsewhere}. "
-            f"{fix}")
-
-
-def _masters_config(config: SwapConfig) -> SwapConfig:
-    """`config` for an optimizer with fp32 master weights, which says so whatever was asked: they and their states
-    live in host memory ("auto" is "host"); SwapConfig's own check refuses a split that keeps some elsewhere."""
-    if config.optimizer_states == "auto":
-        logger.info("optimizer_states='auto' with fp32 master weights: the masters and their states live in host "
-                    "memory ('host')")
-        config = dataclasses.replace(config, optimizer_states="host", overlap_optimizer_reload=False)
-    return dataclasses.replace(config, master_weights=True)
-
-
-def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's parameters in its order, each once: the order homes are given in."""
-    return list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))
-
-
-def assign_homes(optimizer: torch.optim.Optimizer, split: dict[str, float]) -> dict[int, StateHome]:
-    """id(parameter) -> the home of its optimizer states under `split` (fractions of the states' bytes by home).
-
-    Whole parameters, in the optimizer's order, weighted by their (local) bytes, which the states of every torch
-    optimizer are proportional to: a parameter goes to the home whose share of the running total its middle byte
-    falls in, so each home ends within half a parameter of its fraction. "device" takes the first parameters: the
-    streamed step then starts with them, and their update runs under the first host chunk's copy in."""
-    params = _parameters(optimizer)
-    sizes = [nbytes(local_tensor(p)) for p in params]
-    total = sum(sizes)
-    bounds, edge = [], 0.0
-    for home in STATE_HOMES:
-        edge += split[home] * total
-        bounds.append((edge, home))
-    homes, before = {}, 0
-    for p, size in zip(params, sizes):
-        middle = before + size / 2
-        homes[id(p)] = next((home for edge, home in bounds if middle < edge), bounds[-1][1] if total else "swap")
-        before += size
-    return homes
-
-
-def resolve_auto(config: SwapConfig, optimizer: torch.optim.Optimizer, device: torch.device, *,
-                 unmeasurable: str | None = None) -> tuple[SwapConfig, str]:
-    """`config` with `optimizer_states="auto"` made a split: the states that fit in the device memory free now stay
-    there ("device"), from the optimizer's first parameter on, and the rest are swapped; with why, for the log.
-
-    Called at attach with the engine awake, so what is free now is what is free while it generates, less what comes
-    by then: the states not created yet (Adam and AdamW: known ahead), the gradients with grads="keep", and
-    `memory.default_reserve_bytes` for the trainer's transient needs (the probe's forward, the sync's buckets).
-    `unmeasurable`: why the engine's footprint cannot be measured now; then every state is swapped. Other configs
-    come back as they are."""
-    if config.optimizer_states != "auto":
-        return config, ""
-    swapped = dataclasses.replace(config, optimizer_states="swap")
-    if unmeasurable is None and device.type != "cuda":
-        unmeasurable = "without CUDA there is no device memory to keep them in"
-    params = _parameters(optimizer)
-    expected = _expected_per_parameter(optimizer)
-    needs = []
-    for p in params:
-        state = optimizer.state.get(p)
-        if state is not None:
-            needs.append(sum(nbytes(local_tensor(v)) for v in state.values()
-                             if isinstance(v, torch.Tensor) and local_tensor(v).device == device))
-        elif expected is not None:
-            needs.append(expected[p])
-        else:
-            unmeasurable = unmeasurable or (f"the states {type(optimizer).__name__} will create are not known "
-                                            "before its first step")
-    if unmeasurable is not None:
-        return swapped, f"all swapped: {unmeasurable}"
-    free, total = torch.cuda.mem_get_info(device)
-    cached = memory.default_pool_free_bytes(device)  # not the private pools' (the awake engine's graphs')
-    existing = sum(n for p, n in zip(params, needs) if p in optimizer.state)  # on the device now, counted in use
-    grads = sum(nbytes(local_tensor(p)) for p in params if p.requires_grad and p.grad is None) \
-        if config.grads == "keep" else 0
-    reserve = memory.default_reserve_bytes(total)
-    room = free + cached + existing - grads - reserve
-    sizes = [nbytes(local_tensor(p)) for p in params]
-    kept = taken = 0
-    for size, need in zip(sizes, needs):
-        if kept + need > room:
-            break
-        kept, taken = kept + need, taken + size
-    fraction = taken / sum(sizes) if sum(sizes) else 0.0
-    why = (f"{memory.gib(kept):.2f} of {memory.gib(sum(needs)):.2f} GiB of states stay on the device: "
-           f"{memory.gib(free + cached):.2f} GiB free beside the awake engine, less {memory.gib(reserve):.2f} GiB "
-           "of reserve" + (f" and {memory.gib(grads):.2f} GiB of gradients" if grads else ""))
-    if fraction >= 1.0:
-        return dataclasses.replace(config, optimizer_states={"device": 1.0}, overlap_optimizer_reload=False), why
-    if fraction <= 0.0:
-        return swapped, why
-    return dataclasses.replace(config, optimizer_states={"device": fraction, "swap": 1.0 - fraction}), why
-
-
-def engine_reserve_bytes(optimizer: torch.optim.Optimizer, config: SwapConfig) -> int | None:
-    """What an engine sized now from the free memory (`VLLMEngine(reserve_bytes=...)`) must leave free: the default
-    reserve plus the optimizer states that will stay on the device while it generates (the "device" home, created by
-    the first optimizer step: `device_state_growth`). None: nothing to add to the default."""
-    growth = device_state_growth(optimizer, config)
-    if not growth or not torch.cuda.is_available():
-        return None
-    return memory.default_reserve_bytes(torch.cuda.mem_get_info()[1]) + growth
-
-
-def device_state_growth(optimizer: torch.optim.Optimizer, config: SwapConfig) -> int:
-    """Device bytes the optimizer states with the "device" home will take beyond what they take now. They stay on
-    the device while the engine generates, so an engine sized now from the free memory (vLLM's KV cache) must leave
-    them room: `make_engine` adds them to the engine's reserve. Known ahead for Adam and AdamW before their first
-    step; 0 once the states exist (they are then in use already) or for other optimizers."""
-    split = config.state_split()
-    if not split["device"] or optimizer.state:
-        return 0
-    homes = assign_homes(optimizer, split)
-    return _expected_state_bytes(optimizer, lambda p: homes.get(id(p)) == "device")
-
-
-# The optimizers whose states are known before their first step: exp_avg, exp_avg_sq (and max_exp_avg_sq with
-# amsgrad), each the parameter's size (the table the planner prices states with)
-_STATES_PER_PARAM = {cls: STATES_PER_PARAMETER[cls.__name__.lower()] for cls in (torch.optim.Adam, torch.optim.AdamW)}
-# Device bytes a step needs per byte of the states it updates, the states included: torch's multi-tensor (foreach)
-# Adam and AdamW take the square roots of the second moments into new tensors, one moment's size more.
-_STEP_TEMPORARIES = {torch.optim.Adam: 1.5, torch.optim.AdamW: 1.5}
-
-
-def _expected_state_bytes(optimizer: torch.optim.Optimizer, counted: Callable[[torch.Tensor], bool]) -> int:
-    """Device bytes of the states `optimizer` will create at its first step for the parameters `counted` (0 when not
-    known), laid out as the host buffer lays them. SGD's momentum and the other optimizers' states are sized when
-    they appear."""
-    per = _expected_per_parameter(optimizer)
-    return sum(n for p, n in per.items() if counted(p)) if per is not None else 0
-
-
-def _expected_per_parameter(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, int] | None:
-    """Each parameter's bytes of the states `optimizer` will create at its first step (0 for one without a
-    gradient), for Adam and AdamW; None for optimizers whose states are not known ahead."""
-    per = _STATES_PER_PARAM.get(type(optimizer), 0)
-    if not per:
-        return None
-    out = {}
-    for group in optimizer.param_groups:
-        on_device = group.get("fused") or group.get("capturable")  # the step counter is a device tensor too
-        tensors = per + bool(group.get("amsgrad"))
-        for p in group["params"]:
-            # torch keeps the step counter on the CPU, which is the device of a CPU parameter
-            step = on_device or local_tensor(p).device.type == "cpu"
-            out[p] = tensors * align(nbytes(local_tensor(p))) + (align(4) if step else 0) if p.requires_grad else 0
-    return out
+        self.budget.check(growth, 0, f"offloading for 'generate' ({parts})",
+                          "Nothing was moved. Free host memory, raise host_budget_bytes, or move less: "
+                          "grads='free' or 'keep', params='keep'.")

@@ -98,7 +98,8 @@ class PhaseMachine:
             out["last_sync"] = {"cycle": last.cycle, "weights": last.weights, "checked": last.checked,
                                 "unreadable": len(last.unreadable), "differing": len(last.differing)}
         if self.device.type == "cuda":
-            out["device_memory"] = memory.device_figures(self.device)
+            lender = self.engine.lender
+            out["device_memory"] = memory.device_figures(self.device, lent=lender.lent_bytes if lender else 0)
         return out
 
     @property

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the swaprl un
 import swaprl
 from swaprl.checkpoints import random_model
 from swaprl.config import default_reserve_bytes
-from swaprl.placement import _expected_per_parameter
+from swaprl.state_homes import _expected_per_parameter
 from swaprl.residency import nbytes
 from tests.grpo import ReplicaEngine
 

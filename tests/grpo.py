@@ -40,21 +40,26 @@ def policy_loss(model: torch.nn.Module, prompts: list[list[int]], completions: l
 
 
 def run(model, optimizer, engine, *, steps: int, runtime: swaprl.Runtime | None = None, n: int = 4,
-        max_tokens: int = 6, first: int = 0) -> list[float]:
+        max_tokens: int = 6, first: int = 0, inside=None) -> list[float]:
     """`steps` GRPO steps; with `runtime`, generation and training run in their phases. `first`: the first step's
-    number (its sampling seed), to go on from a run of that many steps."""
+    number (its sampling seed), to go on from a run of that many steps. `inside(phase)` is called in each phase
+    (after the optimizer's step in "train"), to look at where things are."""
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     phase = runtime.phase if runtime is not None else (lambda name: contextlib.nullcontext())
     losses = []
     for step in range(first, first + steps):
         with phase("generate"):
             completions = engine.generate(prompts, swaprl.Sampling(max_tokens=max_tokens, n=n, seed=step))
+            if inside is not None:
+                inside("generate")
         with phase("train"):
             loss = policy_loss(model, prompts, completions, n)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
+            if inside is not None:
+                inside("train")
     return losses
 
 

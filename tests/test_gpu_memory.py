@@ -142,7 +142,7 @@ def test_torch_counters_are_torchs_own_and_its_peaks_fold_into_every_reader():
     device = torch.device("cuda", torch.cuda.current_device())
     keep = torch.empty(64 * MiB, dtype=torch.uint8, device=device)
     assert memory.torch_counters(device) == (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
-    peaks = memory.torch_peaks(device)
+    peaks = memory.TorchPeaks(device)
     peaks.span("a"), peaks.span("b")
     passing = torch.empty(128 * MiB, dtype=torch.uint8, device=device)
     high = torch.cuda.max_memory_allocated(device)

@@ -76,8 +76,9 @@ def test_a_lent_range_is_torchs_own_pages_and_creates_memory_only_past_the_last_
     assert page % (2 * MiB) == 0 and ready >= size // page * page, (page, ready)
     taken = sum(lender._blocks.values())
     assert taken - ready < page, f"took {taken} bytes of torch's for {ready} lent: a page or more taken for nothing"
-    assert memory.lent_bytes(device) >= ready
-    assert memory.torch_counters(torch.device("cuda", device))[0] == allocated_before  # the engine's, not torch's
+    assert lender.lent_bytes >= ready
+    # the engine's, not torch's
+    assert memory.torch_counters(torch.device("cuda", device), lent=lender.lent_bytes)[0] == allocated_before
     dst = _Reserved(size)
     free0 = _free()
     try:
@@ -97,7 +98,7 @@ def test_a_lent_range_is_torchs_own_pages_and_creates_memory_only_past_the_last_
             lender.unmap(dst.ptr)
         dst.close()
     lender.give_back()
-    assert memory.lent_bytes(device) == 0
+    assert lender.lent_bytes == 0
     assert torch.cuda.memory_reserved() == reserved_before  # no page released or created on torch's side
 
 

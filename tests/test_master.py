@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 import swaprl
 from swaprl import master
 from swaprl.engines import HFEngine
+from swaprl.optimizer_hooks import masters_of
 
 from . import grpo
 from .test_runtime import DEVICES, assert_bitwise_equal
@@ -69,18 +70,31 @@ def model_state(model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+MASTER_SPLITS = {"host": "host", "swap": "swap", "device": {"device": 1.0}, "auto": "auto",
+                 "device, swap and host": {"device": 0.3, "swap": 0.3, "host": 0.4}}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_master_weights_train_bit_for_bit_like_the_recipe_by_hand(tiny_checkpoint, device):
+@pytest.mark.parametrize("split", MASTER_SPLITS)
+def test_master_weights_train_bit_for_bit_like_the_recipe_by_hand(tiny_checkpoint, device, split):
     """Three GRPO steps: the bf16 model, the fp32 masters and the AdamW states equal the hand-written recipe's, bit
-    for bit, with the masters and states in host memory streamed through in chunks of 1 MiB."""
+    for bit, wherever the masters live with their states: streamed through in chunks of 1 MiB from host memory,
+    swapped, kept on the device, or split over the three homes."""
     model, ref, ref_losses = by_hand(tiny_checkpoint, steps=3, device=device)
 
     ours = load_bf16(tiny_checkpoint, device)
     opt = torch.optim.AdamW(ours.parameters(), lr=LR)
-    rt = swaprl.attach(ours, opt, "hf", config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB))
+    rt = swaprl.attach(ours, opt, "hf", config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB,
+                                                                 optimizer_states=MASTER_SPLITS[split]))
     events = []
     rt.add_listener(lambda e: events.append(e) if e.get("transition") == "optimizer.step" else None)
-    losses = grpo.run(ours, opt, rt.engine, steps=3, runtime=rt)
+    seen = {}
+
+    def look(phase: str) -> None:
+        seen[phase] = {m: local.device.type for m in rt.optimizer.param_groups[0]["params"]
+                       for local in [getattr(m, "_local_tensor", m)]}
+
+    losses = grpo.run(ours, opt, rt.engine, steps=3, runtime=rt, inside=look)
 
     assert losses == ref_losses
     assert_bitwise_equal(model_state(ours), model_state(model))
@@ -91,13 +105,19 @@ def test_master_weights_train_bit_for_bit_like_the_recipe_by_hand(tiny_checkpoin
     assert len(states(opt)) == len(states(ref.opt)) > 0
     for a, b in zip(states(opt), states(ref.opt)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    # Where everything is: the masters and states in host memory, streamed in several chunks per step.
-    status = rt.status()
-    assert status["optimizer_homes"]["host"] >= 12 * sum(p.numel() for p in ours.parameters())
-    assert status["optimizer_homes"]["device"] == status["optimizer_homes"]["swap"] == 0
-    assert len(events) == 3 and all(e["chunks"] >= 2 for e in events), events
+    # Where everything is: the masters with their states, by home; the streamed ones in several chunks per step.
+    homes = rt.status()["optimizer_homes"]
+    total = 12 * sum(p.numel() for p in ours.parameters())
+    assert total <= sum(homes.values()) < total + 4 * MiB, homes
+    streams = homes["host"] > 0
+    assert len(events) == (3 if streams else 0) and all(e["chunks"] >= 2 for e in events), events
+    if split == "host":
+        assert homes["device"] == homes["swap"] == 0
     if device == "cuda":
-        assert all(not t.is_cuda for t in masters) and status["optimizer"]["bytes"] == 0
+        for m in masters:
+            home = rt._placement.home(m)
+            assert seen["generate"][m] == ("cuda" if home == "device" else "cpu"), (split, home)
+            assert seen["train"][m] == ("cpu" if home == "host" else "cuda"), (split, home)
     swaprl.detach()
 
 
@@ -185,7 +205,8 @@ def test_a_refused_load_leaves_the_masters_a_held_state_dict_views_where_they_ar
     in the buffer under it, and the dict goes on following them as before."""
     model = load_bf16(tiny_checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB))
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB,
+                                                            optimizer_states="host"))
     grpo.run(model, opt, rt.engine, steps=2, runtime=rt)
     sd = opt.state_dict()
     bad = copy.deepcopy(sd)
@@ -211,7 +232,7 @@ def test_after_detach_plain_torch_steps_the_masters(tiny_checkpoint):
     losses = grpo.run(ours, opt, rt.engine, steps=1, runtime=rt)
     swaprl.detach()
     losses += grpo.run(ours, opt, HFEngine(ours), steps=2, first=1)
-    assert master.of(opt) is not None
+    assert masters_of(opt) is not None
     assert losses == ref_losses
     assert_bitwise_equal(model_state(ours), model_state(model))
 
@@ -236,17 +257,14 @@ def test_a_failed_attach_gives_the_optimizer_back_as_it_was(tiny_checkpoint):
     with pytest.raises(swaprl.HostBufferError):
         swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True, host_budget_bytes=2**20))
     assert [list(g["params"]) for g in opt.param_groups] == params
-    assert master.of(opt) is None and "step" not in vars(opt) and not opt.state
+    assert masters_of(opt) is None and "step" not in vars(opt) and not opt.state
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"master_weights": "yes"}, "master_weights='yes'; give True or False"),
-    ({"master_weights": True, "optimizer_states": "swap"}, "optimizer_states='host'"),
-    ({"master_weights": True, "optimizer_states": {"device": 0.5, "host": 0.5}}, "optimizer_states='host'"),
-])
-def test_master_weights_config_is_checked_naming_the_fix(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        swaprl.SwapConfig(**kwargs)
+def test_master_weights_config_is_checked_naming_the_fix():
+    with pytest.raises(ValueError, match="master_weights='yes'; give True or False"):
+        swaprl.SwapConfig(master_weights="yes")
+    for states in MASTER_SPLITS.values():  # the masters live wherever their states do
+        assert swaprl.SwapConfig(master_weights=True, optimizer_states=states).master_weights
 
 
 def test_a_model_in_fp32_is_its_own_master_and_is_told_so(tiny_checkpoint):
@@ -254,7 +272,7 @@ def test_a_model_in_fp32_is_its_own_master_and_is_told_so(tiny_checkpoint):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     with pytest.raises(ValueError, match="load the model in bfloat16"):
         swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True))
-    assert master.of(opt) is None and "step" not in vars(opt)
+    assert masters_of(opt) is None and "step" not in vars(opt)
 
 
 def test_a_refused_load_changes_no_master(tiny_checkpoint):
@@ -291,7 +309,8 @@ def test_a_step_that_fails_mid_way_leaves_the_model_equal_to_its_masters(tiny_ch
 
     model = load_bf16(tiny_checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB))
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=MiB,
+                                                            optimizer_states="host"))
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
     monkeypatch.setattr(algorithm, "adam", second_chunk_fails_after_its_update)
     with pytest.raises(FloatingPointError):
@@ -299,7 +318,7 @@ def test_a_step_that_fails_mid_way_leaves_the_model_equal_to_its_masters(tiny_ch
     assert len(calls) == 2
     masters = [m for g in opt.param_groups for m in g["params"]]
     for m in masters:
-        assert torch.equal(master.of(opt).model_param(m).detach(), m.detach().to(torch.bfloat16))
+        assert torch.equal(masters_of(opt).model_param(m).detach(), m.detach().to(torch.bfloat16))
     assert rt.status()["optimizer"]["bytes"] == 0  # every state home (the device is the host here: nothing left out)
     swaprl.detach()
 
@@ -320,14 +339,20 @@ def test_fp16_is_refused_naming_bf16(tiny_checkpoint):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     with pytest.raises(ValueError, match="GradScaler.*load the model in bfloat16"):
         swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True))
-    assert master.of(opt) is None
+    assert masters_of(opt) is None
 
 
-def test_attaching_masters_again_with_a_swap_home_is_refused_naming_host(tiny_checkpoint):
-    model = load_bf16(tiny_checkpoint)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True))
+def test_attaching_masters_again_with_another_home_trains_them_there(tiny_checkpoint):
+    model, _, ref_losses = by_hand(tiny_checkpoint, steps=2)
+    ours = load_bf16(tiny_checkpoint)
+    opt = torch.optim.AdamW(ours.parameters(), lr=LR)
+    rt = swaprl.attach(ours, opt, config=swaprl.SwapConfig(master_weights=True, optimizer_states="host"))
+    losses = grpo.run(ours, opt, rt.engine, steps=1, runtime=rt)
+    installed = masters_of(opt)
     swaprl.detach()
-    with pytest.raises(ValueError, match="optimizer_states='host'"):
-        swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="swap"))
-    assert master.of(opt) is not None  # the masters stay, as detach left them
+    rt = swaprl.attach(ours, opt, config=swaprl.SwapConfig(optimizer_states="swap"))
+    losses += grpo.run(ours, opt, rt.engine, steps=1, runtime=rt, first=1)
+    assert masters_of(opt) is installed and losses == ref_losses
+    assert_bitwise_equal(model_state(ours), model_state(model))
+    swaprl.detach()
+

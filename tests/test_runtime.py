@@ -277,17 +277,34 @@ def test_detach_inside_a_phase_is_refused(tiny_checkpoint):
             rt.detach()
 
 
-def test_runtime_built_directly_is_checked_and_registered(tiny_checkpoint):
+def test_runtime_built_directly_is_checked_and_registered_when_bound(tiny_checkpoint):
     model, other = load(tiny_checkpoint), load(tiny_checkpoint)
     with pytest.raises(ValueError, match=r"not parameters of the model"):
-        swaprl.Runtime(model, torch.optim.AdamW(other.parameters()), HFEngine(), swaprl.SwapConfig())
-    rt = swaprl.Runtime(model, torch.optim.AdamW(model.parameters()), HFEngine(), swaprl.SwapConfig())
+        swaprl.Runtime(swaprl.SwapConfig()).bind(model, torch.optim.AdamW(other.parameters()), HFEngine())
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()  # a refused bind registers nothing
+    rt = swaprl.Runtime(swaprl.SwapConfig()).bind(model, torch.optim.AdamW(model.parameters()), HFEngine())
     assert swaprl.current() is rt
     with pytest.raises(swaprl.PhaseError, match=r"call swaprl.detach\(\) first"):
-        swaprl.Runtime(model, torch.optim.AdamW(model.parameters()), HFEngine(), swaprl.SwapConfig())
+        swaprl.Runtime(swaprl.SwapConfig())
     rt.detach()
     with pytest.raises(swaprl.PhaseError):
         swaprl.current()
+
+
+def test_a_runtime_attached_later_is_registered_at_once_and_bound_when_the_trainer_is_ready(tiny_checkpoint):
+    rt = swaprl.attach_later(until="the test binds it")
+    assert swaprl.current() is rt
+    with pytest.raises(swaprl.PhaseError, match="no trainer yet: the test binds it"):
+        rt.status()
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert rt.bind(model, opt, HFEngine()) is rt and swaprl.current() is rt
+    with rt.phase("generate"):
+        assert rt.status()["phase"] == "generate"
+    with pytest.raises(swaprl.PhaseError, match="bound to a trainer already"):
+        rt.bind(model, opt, HFEngine())
+    rt.detach()
 
 
 def test_detach_says_what_it_brought_back_and_runs_on_detach_newest_first(tiny_checkpoint):

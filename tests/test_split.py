@@ -16,8 +16,10 @@ import torch
 import swaprl
 from swaprl.config import STATE_HOMES
 from swaprl.engines import HFEngine
-from swaprl.placement import assign_homes, device_state_growth
+from swaprl import homes as policy
+from swaprl import memory
 from swaprl.residency import nbytes
+from swaprl.state_homes import StateHomes, _expected_per_parameter
 
 from . import grpo
 from .test_runtime import DEVICES, load
@@ -97,9 +99,9 @@ def test_a_mixed_split_is_exact_for_other_optimizers(tiny_checkpoint, opt_name):
 def test_homes_take_whole_parameters_in_order_within_half_a_parameter(tiny_checkpoint, split):
     model = load(tiny_checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    homes = assign_homes(opt, swaprl.SwapConfig(optimizer_states=split).state_split())
     params = list(model.parameters())
-    order = [homes[id(p)] for p in params]
+    order = policy.by_fractions([nbytes(p) for p in params], swaprl.SwapConfig(optimizer_states=split).state_split())
+    homes = dict(zip(map(id, params), order))
     assert order == sorted(order, key=STATE_HOMES.index)  # device first, then swap, then host
     total = sum(nbytes(p) for p in params)
     largest = max(nbytes(p) for p in params)
@@ -126,14 +128,18 @@ def test_device_state_growth_predicts_what_the_device_home_will_hold(tiny_checkp
     model = load(tiny_checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = swaprl.SwapConfig(optimizer_states=SPLITS["mixed"])
-    predicted = device_state_growth(opt, config)
-    assert device_state_growth(opt, swaprl.SwapConfig(optimizer_states="swap")) == 0
+
+    def device_growth(config):
+        return StateHomes(opt, torch.device("cpu"), config, masters=None, room=None).device_growth()
+
+    predicted = device_growth(config)
+    assert device_growth(swaprl.SwapConfig(optimizer_states="swap")) == 0
     rt = swaprl.attach(model, opt, config=config)
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
     homes = rt.status()["optimizer_homes"]
     in_device_home = sum(1 for p in model.parameters() if rt._placement.home(p) == "device")
     assert homes["device"] - 4 * in_device_home <= predicted <= homes["device"] + 2 * 512 * in_device_home
-    assert device_state_growth(opt, config) == 0
+    assert device_growth(config) == 0
     swaprl.detach()
 
 
@@ -154,7 +160,7 @@ def test_a_kv_cache_without_room_for_device_states_names_the_fix_and_loses_nothi
     opt.step()
     before = snapshot(model, opt)
     with pytest.raises(torch.OutOfMemoryError, match=r"needs 2.00 GiB.*GiB are optimizer states kept on the device "
-                                                     r".*'device' home.*engine_reserve_bytes\(optimizer, config\)"):
+                                                     r".*'device' home.*VLLMEngine\(reserve_bytes=\.\.\.\) of at least"):
         with rt.phase("generate"):
             pytest.fail("the block must not run when entering the phase failed")
     assert rt.current_phase == "train" and rt.status()["optimizer"]["location"] == "device"
@@ -164,24 +170,23 @@ def test_a_kv_cache_without_room_for_device_states_names_the_fix_and_loses_nothi
 
 # ---------------------------------------------------------------- optimizer_states="auto"
 def test_auto_is_the_default_and_swaps_what_it_cannot_measure(tiny_checkpoint):
-    from swaprl.placement import resolve_auto
-
     assert swaprl.SwapConfig().optimizer_states == "auto"
-    assert swaprl.SwapConfig().state_split() == {"device": 0.0, "swap": 1.0, "host": 0.0}  # until attach measures
+    with pytest.raises(ValueError, match=r"'auto'\) has no fixed split.*status\(\)\['optimizer_homes'\]"):
+        swaprl.SwapConfig().state_split()
     swaprl.SwapConfig(optimizer_states="auto", overlap_optimizer_reload=True)  # whether a reload remains is decided
     model = load(tiny_checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = swaprl.SwapConfig()
-    resolved, why = resolve_auto(config, opt, torch.device("cpu"))
-    assert resolved.optimizer_states == "swap" and "without CUDA" in why
-    assert config.optimizer_states == "auto"  # the caller's config is left as it was
-    resolved, why = resolve_auto(config, opt, torch.device("cpu"), unmeasurable="the engine is asleep")
-    assert resolved.optimizer_states == "swap" and why == "all swapped: the engine is asleep"
-    explicit = swaprl.SwapConfig(optimizer_states={"device": 0.5, "swap": 0.5})
-    assert resolve_auto(explicit, opt, torch.device("cpu")) == (explicit, "")
+    cpu = StateHomes(opt, torch.device("cpu"), config, masters=None, room=policy.Room(free=2**40))
+    assert cpu.fractions()["swap"] == 1.0 and "without CUDA" in cpu.why
+    asleep = StateHomes(opt, torch.device("cpu"), config, masters=None, room=None, unmeasurable="the engine is asleep")
+    assert asleep.fractions()["swap"] == 1.0 and asleep.why == "all swapped: the engine is asleep"
+    explicit = StateHomes(opt, torch.device("cpu"), swaprl.SwapConfig(optimizer_states={"device": 0.5, "swap": 0.5}),
+                          masters=None, room=None)
+    assert explicit.fractions()["device"] == pytest.approx(0.5, abs=0.2) and not explicit.auto
     # An engine that shares the trainer's weights takes memory as it generates: nothing to measure, all swapped.
     rt = swaprl.attach(model, opt, HFEngine(model))
-    assert rt.config.optimizer_states == "swap"
+    assert rt.status()["optimizer_split"]["swap"] == 1.0
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
     with rt.phase("generate"):
         assert rt.status()["optimizer"]["location"] == "host"
@@ -197,7 +202,7 @@ def test_auto_keeps_on_the_device_the_states_that_fit_beside_the_engine(tiny_che
     model = load(tiny_checkpoint, "cuda")
     opt = OPTIMIZERS["adamw"](model.parameters())
     rt = swaprl.attach(model, opt, ReplicaOnDevice(load(tiny_checkpoint, "cuda")))
-    assert rt.config.state_split() == {"device": 1.0, "swap": 0.0, "host": 0.0}
+    assert rt.status()["optimizer_split"] == {"device": 1.0, "swap": 0.0, "host": 0.0}
     steps = []
     rt.add_listener(lambda e: steps.append(e["step"]) if e["type"] == "step" else None)
     grpo.run(model, opt, rt.engine, steps=3, runtime=rt)
@@ -236,7 +241,7 @@ def test_auto_swaps_more_when_the_engine_lacks_room_later_and_loses_nothing(tiny
     engine = ShrinkingRoomEngine(load(tiny_checkpoint, "cuda"), room=MiB)
     rt = swaprl.attach(model, opt, engine)
     engine.placement = lambda: rt._placement
-    assert rt.config.state_split()["device"] == 1.0  # all fits at attach
+    assert rt.status()["optimizer_split"]["device"] == 1.0  # all fits at attach
     demoted = []
     rt.add_listener(lambda e: demoted.append(e) if e["type"] == "demote" else None)
     grpo.run(model, opt, rt.engine, steps=3, runtime=rt)  # the second switch creates no room: demoted, retried
@@ -263,7 +268,6 @@ def _release_cuda() -> None:
 def test_auto_keeps_what_the_free_memory_holds_and_swaps_the_rest():
     from swaprl.checkpoints import random_model
     from swaprl.memory import default_pool_free_bytes, default_reserve_bytes
-    from swaprl.placement import _expected_per_parameter, resolve_auto
 
     model = random_model("qwen2.5-0.5b", device="cuda")  # fp32: AdamW's states 3.7 GiB, the embedding's 1.1 GiB
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -276,28 +280,28 @@ def test_auto_keeps_what_the_free_memory_holds_and_swaps_the_rest():
         # torch's cached free blocks count, but not those of private pools earlier tests left (graphs, pools)
         free = torch.cuda.mem_get_info()[0] + default_pool_free_bytes(torch.device("cuda"))
         room = free - default_reserve_bytes(total)
-        config, why = resolve_auto(swaprl.SwapConfig(), opt, torch.device("cuda", torch.cuda.current_device()))
+        device = torch.device("cuda", torch.cuda.current_device())
+        decided = StateHomes(opt, device, swaprl.SwapConfig(), masters=None, room=memory.measure_room(device))
     finally:
         del blocker
-    split = config.state_split()
+    split = decided.fractions()
     assert 0 < split["device"] < 1 and split["swap"] == pytest.approx(1 - split["device"]) and split["host"] == 0
-    homes = assign_homes(opt, split)
-    kept = [n for p, n in zip(opt.param_groups[0]["params"], needs) if homes[id(p)] == "device"]
+    kept = [n for p, n in zip(opt.param_groups[0]["params"], needs) if decided.home(p) == "device"]
     # The first parameters' states, as many as the room holds: one more would not fit.
-    assert sum(kept) <= room < sum(needs[:len(kept) + 1]), (kept, room, why)
-    assert "GiB of states stay on the device" in why
+    assert sum(kept) <= room < sum(needs[:len(kept) + 1]), (kept, room, decided.why)
+    assert "GiB of states stay on the device" in decided.why
     del model, opt
     _release_cuda()
 
 
 @pytest.mark.gpu
 def test_auto_swaps_the_states_of_an_optimizer_it_cannot_size_ahead(tiny_checkpoint):
-    from swaprl.placement import resolve_auto
-
     model = load(tiny_checkpoint, "cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)  # momentum buffers appear at the first step
-    config, why = resolve_auto(swaprl.SwapConfig(), opt, torch.device("cuda", torch.cuda.current_device()))
-    assert config.optimizer_states == "swap" and "SGD will create are not known before its first step" in why
+    device = torch.device("cuda", torch.cuda.current_device())
+    decided = StateHomes(opt, device, swaprl.SwapConfig(), masters=None, room=memory.measure_room(device))
+    assert decided.fractions()["swap"] == 1.0
+    assert "SGD will create are not known before its first step" in decided.why
 
 
 @pytest.mark.gpu
@@ -306,7 +310,6 @@ def test_auto_keeps_in_host_memory_the_new_states_the_first_step_has_no_room_for
     gives the "host" home to the states that would not fit on the device beside it, and trains bit for bit."""
     from swaprl.checkpoints import random_model
     from swaprl.memory import default_reserve_bytes
-    from swaprl.placement import _expected_per_parameter
 
     def run(blocked: bool):
         torch.manual_seed(0)

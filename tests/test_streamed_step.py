@@ -415,9 +415,9 @@ def test_a_resume_from_a_file_reuses_the_buffer_and_a_held_state_dict_is_counted
     f = io.BytesIO()
     torch.save(opt.state_dict(), f)
     f.seek(0)
-    where = streamer._buffer_span()
+    where = streamer.layout._buffer_span()
     opt.load_state_dict(_perturbed(torch.load(f)))
-    assert streamer._buffer_span() == where  # laid into the same buffer: nothing else views it
+    assert streamer.layout._buffer_span() == where  # laid into the same buffer: nothing else views it
     held = opt.state_dict()
     before = copy.deepcopy(held["state"])
     loaded = _perturbed(held, drop=[0])

@@ -444,8 +444,7 @@ def compiled():
     return sorted(p.parent.name for p in pathlib.Path(os.environ["TRITON_CACHE_DIR"]).rglob("fold.cubin"))
 
 device = torch.device("cuda", 0)
-fingerprint.warm_up(device)
-fingerprint._warm_ups[device].join()
+fingerprint.warm_up(device).join()
 warmed = compiled()
 assert len(warmed) == 2, warmed  # 2- and 4-byte elements
 big = torch.ones(3 * 2**20 + 5, dtype=torch.float32, device=device)

@@ -474,7 +474,7 @@ def _wake_on_lent_pages(tiny_checkpoint, engine, kernels):
         woke = awake["weights_bytes"] + awake["kv_cache_bytes"] + awake.get("other_pooled_bytes", 0)
         assert free0 - _free() <= woke - lent + 64 * MiB, (free0 - _free(), woke, lent)  # the driver gave the rest
         assert rt.engine.generate(PROBE, sampling) == reference
-    assert kernels.lent_bytes() == (0, 0) and memory.lent_bytes(torch.cuda.current_device()) == 0
+    assert kernels.lent_bytes() == (0, 0) and rt.engine.lender.lent_bytes == 0
     assert torch.cuda.memory_reserved() >= lent  # the pages went back to torch's cache, not to the driver
 
 

@@ -16,9 +16,10 @@ How much of the GPU the engine takes. vLLM sizes its KV cache once, when it star
 total memory` minus its weights and activation peak, and refuses to start unless that much is free. Because swaprl
 moves the optimizer states off the GPU while the engine is awake, the engine is entitled to everything the trainer
 does not hold *during generation*. So build the engine after the model is on the GPU and before the first optimizer
-step (the state the GPU is in during `generate`): the default `gpu_memory_utilization` is then
-`(free - reserve) / total`, with `reserve` (default 2 GiB or 3% of the GPU, the larger) left for the trainer's
-transient needs. Pass `gpu_memory_utilization=` or `kv_cache_memory_bytes=` to choose yourself.
+step (the state the GPU is in during `generate`): the default `gpu_memory_utilization` is then the room
+`swaprl.memory.measure_room` reads (the driver's free memory and torch's free cached blocks, less `reserve`: default
+2 GiB or 3% of the GPU, the larger, left for the trainer's transient needs) over the GPU's total. Pass
+`gpu_memory_utilization=` or `kv_cache_memory_bytes=` to choose yourself.
 
 What vLLM does not do and this adapter does:
 - vLLM does not check memory before waking (it fails halfway through mapping, and 0.26 cannot retry): `wake`
@@ -54,7 +55,7 @@ from ..config import KV_WAVE_HEADROOM
 from ..compat import torch as torch_compat
 from ..compat import vllm as vllm_compat
 from ..fingerprint import WeightPrint, sum_over_group
-from ..memory import default_reserve_bytes, gib
+from ..memory import gib, measure_room
 from .base import Engine, EngineStateError, MemoryTag, Sampling, random_streams_kept
 
 logger = logging.getLogger(__name__)
@@ -317,10 +318,12 @@ class VLLMEngine(Engine):
             env.update(_external_launcher_environment())
             args.update(distributed_executor_backend="external_launcher", seed=seed + self.tp_group.index)
         if self.cuda:
-            free, total = torch.cuda.mem_get_info()
-            reserve = reserve_bytes if reserve_bytes is not None else default_reserve_bytes(total)
+            # vLLM hands torch's cached free blocks back to the driver before it measures (its memory profiling):
+            # they are the engine's room too, as `measure_room` counts them.
+            room = measure_room(torch.device("cuda", torch.cuda.current_device()), reserve=reserve_bytes)
+            free, total, reserve = room.free + room.cached, torch.cuda.mem_get_info()[1], room.reserve
             if gpu_memory_utilization is None:
-                gpu_memory_utilization = (free - reserve) / total
+                gpu_memory_utilization = room.for_new() / total
                 # Per GPU, and the same on every rank: vLLM's ranks each check their own GPU against the share
                 # and would disagree (one fails, the others wait for it) if the shares differed.
                 gpu_memory_utilization = distributed.all_reduce([gpu_memory_utilization], "min")[0]

@@ -294,7 +294,7 @@ def _wrap_at_train_begin(trainer, config: SwapConfig, engine: Engine | None, *, 
     """
     from transformers import TrainerCallback
 
-    rt = Runtime._pending(config, until=(
+    rt = swaprl.attach_later(config=config, until=(
         "the trainer is sharded with FSDP2, so wrap() attaches it when trainer.train() has sharded the model and "
         "built its optimizer (at train()'s on_train_begin); use it from then on, e.g. in a TrainerCallback or "
         "after train()"))
@@ -321,12 +321,9 @@ def _attach_sharded(trainer, rt: Runtime, engine: Engine | None, *, lean_rollout
         raise PhaseError("the GRPOTrainer's model or optimizer was replaced since swaprl attached to it: detach "
                          "(rt.detach()) and wrap the trainer again before training on")
     try:
-        from ..profile import attach_configured
-
         optimizer = _optimizer(trainer)
         built = _engine(trainer, engine)
-        rt._bind(trainer.model, optimizer, built)
-        attach_configured(rt)
+        rt.bind(trainer.model, optimizer, built)
         _install(trainer, rt, lean_rollouts=lean_rollouts)
     except BaseException:
         rt.detach()  # the trainer is TRL's own again, and train() stops with the error

@@ -134,7 +134,7 @@ class Profiler:
         end = {"type": "end", "t": time.time(), "reason": reason, "samples": self._samples}
         if self._cuda:
             end.update(self._peaks())
-            memory.torch_peaks(self._device).forget(self)
+            self.runtime.peaks.forget(self)
         if self._cuda and reason != "exit":  # measured again now that nothing else copies (the report takes the best)
             end["copy_bandwidth"] = _copy_bandwidth(self._device)
         self._write(end)
@@ -183,7 +183,9 @@ class Profiler:
                "host_buffers": self._host_buffers}
         if self._cuda:
             rec["device_used"] = memory.device_used_bytes(self._device)
-            rec["torch_allocated"], rec["torch_reserved"] = memory.torch_counters(self._device)
+            lender = getattr(self.runtime.engine, "lender", None)
+            rec["torch_allocated"], rec["torch_reserved"] = memory.torch_counters(
+                self._device, lent=lender.lent_bytes if lender is not None else 0)
         return rec
 
     def _boundary(self, event: dict) -> dict:
@@ -242,7 +244,7 @@ class Profiler:
     def _peaks(self) -> dict[str, int]:
         """torch's peak counters since the last record that took them; torch's peaks start again from here (a
         script reading `torch.cuda.max_memory_allocated()` while a profile records sees the current span's)."""
-        allocated, reserved = memory.torch_peaks(self._device).span(self)
+        allocated, reserved = self.runtime.peaks.span(self)
         return {"torch_peak_allocated": allocated, "torch_peak_reserved": reserved}
 
     def _source(self) -> str | None:
