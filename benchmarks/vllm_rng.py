@@ -1,5 +1,10 @@
 """vLLM 0.26 on CUDA: does an unseeded greedy request move numpy's global generator (Model Runner V2), a seeded one
-not? Prints one JSON line."""
+not? Prints one JSON line. Run on one GPU, with a directory for the tiny random checkpoint it writes:
+
+    python benchmarks/vllm_rng.py DIR
+
+The run on one H100 and its log: benchmarks/results/trl_h100x2/rng/.
+"""
 import json
 import os
 import sys
