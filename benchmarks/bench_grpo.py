@@ -1,8 +1,8 @@
 """One GRPO workload three ways on one GPU: TRL colocate + sleep mode, TRL wrapped by swaprl, swaprl's own loop.
 
-    python benchmarks/bench_grpo.py --workload W1 --out benchmarks/results/grpo_trl_w1_h100.json
-    python benchmarks/bench_grpo.py --workload W2 --out benchmarks/results/grpo_trl_w2_h100.json
-    python benchmarks/bench_grpo.py --workload W3 --out benchmarks/results/grpo_trl_w3_h100.json
+    python benchmarks/bench_grpo.py --workload W1 --out benchmarks/results/grpo_trl_w1_h100/grpo_trl_w1_h100.json
+    python benchmarks/bench_grpo.py --workload W2 --out benchmarks/results/grpo_trl_w2_h100/grpo_trl_w2_h100.json
+    python benchmarks/bench_grpo.py --workload W3 --out benchmarks/results/grpo_trl_w3_h100/grpo_trl_w3_h100.json
     python benchmarks/bench_grpo.py --smoke --out /tmp/grpo_smoke.json     # tiny preset, no vLLM, CPU: plumbing only
     python benchmarks/bench_grpo.py --workload W3 --presets qwen2.5-7b --ways a,b --nproc 2 --layout fsdp2 \
         --vllm-tp 2 --out ...                           # ways a and b on two GPUs: accelerate's FSDP2, vLLM TP 2

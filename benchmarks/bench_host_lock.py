@@ -1,6 +1,6 @@
 """How fast host memory can be page-locked for the swaps, by method, against the host's own write floor.
 
-    python benchmarks/bench_host_lock.py --gib 16 --out benchmarks/results/host_lock_h100.json
+    python benchmarks/bench_host_lock.py --gib 16 --out benchmarks/results/cold_start_h100/host_lock_h100.json
 
 Locking fresh host memory costs two things: faulting every page in (the kernel zeroes each one) and pinning it for
 the GPU (`cudaHostRegister`). Methods, each on fresh memory (`torch.empty`: an untouched anonymous mapping):

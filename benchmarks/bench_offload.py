@@ -1,6 +1,7 @@
 """Offload/reload round trip of AdamW states through the phase controller, against the pinned copy floor.
 
-    python benchmarks/bench_offload.py --preset qwen2.5-1.5b --out benchmarks/results/offload_h100.json
+    python benchmarks/bench_offload.py --preset qwen2.5-1.5b \
+        --out benchmarks/results/offload_qwen2.5-1.5b_h100/offload_qwen2.5-1.5b_h100.json
 
 Builds the model on the GPU (random weights, fp32 parameters so AdamW keeps fp32 states: 12.3 GB for 1.5B), takes
 one optimizer step so the states exist, then times `train -> generate -> train` cycles and reads the optimizer's

@@ -1,6 +1,7 @@
 """Time of every phase-switch step with a colocated vLLM engine, next to its floor measured in the same run.
 
-    python benchmarks/bench_transitions.py --preset qwen2.5-1.5b --out benchmarks/results/transitions_1.5b.json
+    python benchmarks/bench_transitions.py --preset qwen2.5-1.5b \
+        --out benchmarks/results/transitions_qwen2.5-1.5b_h100/transitions_qwen2.5-1.5b_h100.json
     python benchmarks/bench_transitions.py --preset qwen2.5-7b --param-dtype bfloat16 --out ...
 
 One process per model (vLLM's sleep-mode allocator is one per process). Writes a random checkpoint, loads the

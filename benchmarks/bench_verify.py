@@ -1,8 +1,10 @@
 """The on-policy check at a model's depth: its cost against the weight sync's, and the rollout-training mismatch.
 
-    python benchmarks/bench_verify.py --preset qwen2.5-1.5b --out benchmarks/results/verify_qwen2.5-1.5b_h200.json
-    python benchmarks/bench_verify.py --preset qwen2.5-7b --out benchmarks/results/verify_qwen2.5-7b_h200.json
-    python benchmarks/bench_verify.py --preset qwen2.5-72b --layers 20 --out benchmarks/results/verify_72b-20l_h200.json
+    python benchmarks/bench_verify.py --preset qwen2.5-1.5b \
+        --out benchmarks/results/verify_h200/verify_qwen2.5-1.5b.json
+    python benchmarks/bench_verify.py --preset qwen2.5-7b --out benchmarks/results/verify_h200/verify_qwen2.5-7b.json
+    python benchmarks/bench_verify.py --preset qwen2.5-72b --layers 20 \
+        --out benchmarks/results/verify_h200/verify_qwen2.5-72b-20l.json
 
 One process per model (vLLM's sleep-mode allocator is one per process). Writes a random checkpoint, loads a bf16 trainer
 with plain SGD (no optimizer states: only the sync and the check move anything; `--optimizer adamw` adds AdamW's states,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ._extras import needs
 from .presets import get_preset
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ def write_tokenizer(path: str | os.PathLike, size: int = QWEN_TOKENIZER_SIZE) ->
 
     Ids 0-255 are the bytes, 256-258 the special tokens; the rest are filler tokens that only decoding meets.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    with needs("hf"):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
 
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
     if size < len(byte_chars) + len(SPECIAL_TOKENS):
@@ -83,7 +85,8 @@ def hf_config(preset: str, *, layers: int | None = None, dtype: torch.dtype = to
               bos_token_id: int = 257, eos_token_id: int = 256):
     """A transformers config of `preset`, of its own architecture (default special ids: those of
     `write_tokenizer`)."""
-    from transformers import AutoConfig
+    with needs("hf"):
+        from transformers import AutoConfig
 
     cfg = get_preset(preset).config_dict(layers=layers, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     model_type = cfg.pop("model_type", "qwen2")
@@ -93,7 +96,8 @@ def hf_config(preset: str, *, layers: int | None = None, dtype: torch.dtype = to
 def random_model(preset: str, *, layers: int | None = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cuda") -> torch.nn.Module:
     """A randomly initialised `Qwen2ForCausalLM` of `preset`, built directly on `device` (no checkpoint)."""
-    from transformers import AutoModelForCausalLM
+    with needs("hf"):
+        from transformers import AutoModelForCausalLM
 
     with torch.device(device):
         return AutoModelForCausalLM.from_config(hf_config(preset, layers=layers, dtype=dtype), dtype=dtype)
@@ -101,7 +105,8 @@ def random_model(preset: str, *, layers: int | None = None, dtype: torch.dtype =
 
 def _meta_state_shapes(config) -> list[tuple[str, torch.Size]]:
     """Names and shapes of every tensor a checkpoint of `config` holds, without allocating any of them."""
-    from transformers import AutoModelForCausalLM
+    with needs("hf"):
+        from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -133,7 +138,8 @@ def write_random_checkpoint(preset: str, path: str | os.PathLike, *, layers: int
     ("cuda" is much faster for large models; default: cuda when available). An existing complete checkpoint at
     `path` with the same settings is reused.
     """
-    from safetensors.torch import save_file
+    with needs("hf"):
+        from safetensors.torch import save_file
 
     spec = get_preset(preset)
     if layers is not None and not 1 <= layers <= spec.num_hidden_layers:

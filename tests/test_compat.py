@@ -40,6 +40,19 @@ def test_versions_outside_the_range_are_refused_with_the_fix(version):
     assert f"pip install 'vllm{vllm_compat.SUPPORTED}'" in message
 
 
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.2.dev4+g0123abc"])
+def test_vllm_033_is_refused_naming_what_changed(version):
+    """vLLM 0.33's source was read against every internal swaprl uses (docs/compat.md): the refusal says what
+    changed, not only that the version is outside the range."""
+    with pytest.raises(RuntimeError) as raised:
+        vllm_compat.check_version(version)
+    message = str(raised.value)
+    assert f"found vllm {version}." in message and f"pip install 'vllm{vllm_compat.SUPPORTED}'" in message
+    assert "torch 2.14.0" in message and f"torch{torch_compat.SUPPORTED}" in message
+    assert all(f"'{tag}'" in message for tag in ("runtime", "workspace", "cudagraph")), message
+    assert "docs/compat.md" in message
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="builds a second engine beside the session's; vLLM's "
                     "sleep-mode allocator is one per process")

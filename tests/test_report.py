@@ -207,6 +207,14 @@ def test_missing_file_is_an_error(tmp_path, capsys):
     assert rc == 2 and "nope.jsonl" in err
 
 
+def test_without_matplotlib_the_report_names_its_extra(tmp_path, capsys, monkeypatch):
+    """The core install has no matplotlib: `swaprl report` says which extra brings it, with no traceback."""
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    rc, _, err = report(capsys, synthetic_profile(tmp_path / "run.jsonl"), "-o", tmp_path / "out")
+    assert rc == 1 and "pip install 'swaprl[report]'" in err and "Traceback" not in err
+
+
 def test_multi_rank_report_has_a_row_per_rank(tmp_path, capsys):
     runs = [synthetic_profile(tmp_path / f"run.rank{r}.jsonl", rank=r) for r in (0, 1)]
     out = tmp_path / "rep"

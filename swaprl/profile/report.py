@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._extras import needs
 from .._version import __version__
 from .attribution import CATEGORIES
 from . import SCHEMA, VERSION
@@ -387,8 +388,9 @@ def _png(fig) -> bytes:
 
 def memory_figure(run: Run) -> bytes:
     """Memory over time, phases shaded: device figures on the left axis, host figures on the right."""
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
+    with needs("report"):
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
 
     samples = sorted(run.samples, key=lambda s: s["t"])
     step = max(1, len(samples) // _MAX_POINTS)
@@ -474,7 +476,8 @@ def _boundary_name(rec: dict) -> str:
 
 def attribution_figure(run: Run) -> bytes:
     """A stacked bar per phase boundary: device bytes by category (negative unattributed below zero)."""
-    from matplotlib.figure import Figure
+    with needs("report"):
+        from matplotlib.figure import Figure
 
     recs = boundaries_shown(sorted(run.phases, key=lambda r: r["t"]), _MAX_BARS)
     top = max((r["attribution"]["total"] for r in recs), default=0)
@@ -508,7 +511,8 @@ def attribution_figure(run: Run) -> bytes:
 
 def mismatch_figure(run: Run) -> bytes:
     """The rollout-training mismatch at each sync: max and mean |dlogp| (left), the KL estimate (right)."""
-    from matplotlib.figure import Figure
+    with needs("report"):
+        from matplotlib.figure import Figure
 
     recs = [r for r in sorted(run.syncs, key=lambda r: r["t"]) if r.get("mismatch")]
     xs = [r.get("cycle") for r in recs]
@@ -872,7 +876,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`swaprl report`: 0 on success, 2 when an input is missing or not a readable swaprl profile."""
+    """`swaprl report`: 0 on success, 2 when an input is missing or not a readable swaprl profile, 1 when matplotlib
+    (the `report` extra) is not installed."""
     try:
         paths = [f for p in args.runs for f in profiles_in(p)]
         runs = [load_run(p) for p in paths]
@@ -890,6 +895,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         written = write_report(runs, out_dir)
+    except ImportError as exc:  # the figures' matplotlib: the message names the extra
+        sys.stderr.write(f"swaprl report: error: {exc}\n")
+        return 1
     except (KeyError, TypeError, ValueError) as exc:  # a record without a field every profile's records have
         sys.stderr.write(f"swaprl report: error: a record in {', '.join(map(str, paths))} lacks what swaprl's "
                          f"profiler writes ({type(exc).__name__}: {exc}); it was not written by a profiler of this "

@@ -1,0 +1,76 @@
+"""The documentation's links lead somewhere: every relative link of README.md, docs/*.md and the results' markdown
+resolves to a file or folder of the repository, and benchmarks/results holds results only (no generated HTML or
+PNG, which `python benchmarks/rebuild_reports.py` rebuilds from the profiles kept, and no code)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+GENERATED = (".html", ".png")  # swaprl report's output, rebuilt beside each report.md (benchmarks/rebuild_reports.py)
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_CODE = re.compile(r"`([^`\n]+)`")
+# A path written as code rather than as a link, in the results' own style: `../other_result/` or
+# `benchmarks/results/...`; a command's arguments or a bare file name are not checked.
+_CODE_PATH = re.compile(r"^(?:\.\./|benchmarks/results/)[\w./+-]*$")
+
+
+def _documents() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(RESULTS.rglob("*.md"))]
+
+
+def _targets(doc: Path) -> list[tuple[str, Path]]:
+    """(as written, the path it names) for each relative link of `doc`, and each path written as code."""
+    text = _FENCE.sub("", doc.read_text(encoding="utf-8"))
+    out = []
+    for written in _LINK.findall(_CODE.sub("", text)):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", written, re.IGNORECASE) or written.startswith("#"):
+            continue  # a URL, mailto:, or an anchor of the page itself
+        out.append((written, (doc.parent / written.split("#")[0]).resolve()))
+    for written in _CODE.findall(text):
+        if _CODE_PATH.match(written):
+            base = ROOT if written.startswith("benchmarks/") else doc.parent
+            out.append((written, (base / written).resolve()))
+    return out
+
+
+def _rebuilt(target: Path) -> bool:
+    """A report's HTML or figure: not kept in git, rebuilt beside its report.md from the profiles kept with it."""
+    if target.suffix not in GENERATED or RESULTS not in target.parents:
+        return False
+    where = target.parent
+    profiles = [p for d in (where, where.parent) for p in (*d.glob("profile*.jsonl"), *d.glob("profile*.jsonl.gz"))]
+    return (where / "report.md").exists() and bool(profiles)
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for doc in _documents():
+        for written, target in _targets(doc):
+            if not (target.exists() or _rebuilt(target)):
+                broken.append(f"{doc.relative_to(ROOT)}: {written}")
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
+
+
+def test_the_check_sees_a_broken_link(tmp_path, monkeypatch):
+    doc = tmp_path / "README.md"
+    doc.write_text("[gone](benchmarks/results/gone/README.md) and `../gone_either/`, but `--out x.json` is a command\n"
+                   "```\n[in a code block](nowhere.md)\n```\n[a page](https://example.org/x) [here](#top)\n")
+    assert [w for w, t in _targets(doc) if not t.exists()] == ["benchmarks/results/gone/README.md", "../gone_either/"]
+
+
+def test_the_results_hold_no_generated_files_and_no_code():
+    try:
+        tracked = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True, timeout=60).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the tracked files cannot be listed")
+    wrong = [f for f in tracked if f.endswith((*GENERATED, ".py"))]
+    assert not wrong, f"generated files or code under benchmarks/results (benchmarks/ holds the scripts): {wrong}"
