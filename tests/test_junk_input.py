@@ -73,3 +73,59 @@ def test_a_preset_built_in_python_is_checked_like_a_config_json():
         Preset(**{**good, "num_attention_heads": 128})
     with pytest.raises(ValueError, match="num_hidden_layers=True"):
         Preset(**{**good, "num_hidden_layers": True})
+
+
+# ---------------------------------------------------------------------------------------------------- flags
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--gpu-memory-gib", "1e300", "at most 4096"),
+    ("--gpu-memory-gib", "1e-300", "less than one byte"),
+    ("--gpu-memory-gib", "0", "above 0"),
+    ("--host-memory-gib", "1e300", "at most 65536"),
+    ("--engine-reserve-gib", "1e300", "at most 4096"),
+    ("--host-margin-gib", "1e300", "at most 65536"),
+    ("--copy-gb-per-s", "1e300", "at most 10000"),
+    ("--nodes", str(10**30), "at most"),
+    ("--gpus-per-node", "100000", "at most 1024"),
+    ("--prompts", str(10**30), "at most 2147483647"),
+    ("--completion-tokens", str(10**30), "at most 2147483647"),
+    ("--micro-batch-tokens", str(10**400), "at most 2147483647"),
+    ("--max-num-batched-tokens", str(10**400), "at most 2147483647"),
+    ("--max-num-seqs", str(10**30), "at most 2147483647"),
+], ids=lambda v: v if len(v) < 40 else f"{len(v)} digits")
+def test_an_absurd_flag_is_refused_naming_the_flag(capsys, flag, value, expected):
+    err = plan_error(capsys, "tiny", "--cluster", "1xH100", *ROLLOUT_FLAGS, flag, value)
+    assert flag in err and expected in err
+
+
+def test_more_gpus_than_the_planner_plans_for_is_refused_naming_both_flags(capsys):
+    err = plan_error(capsys, "tiny", "--cluster", "1xH100", *ROLLOUT_FLAGS, "--nodes", "200000",
+                     "--gpus-per-node", "8")
+    assert "1600000 GPUs" in err and "--nodes" in err and "--gpus-per-node" in err
+
+
+def test_absurd_python_arguments_are_refused_naming_the_field():
+    rollout = sp.Rollout(prompts=4, completions_per_prompt=2, prompt_tokens=16, completion_tokens=16)
+    cluster = sp.Cluster(gpus_per_node=1, gpu_memory_bytes=80 * sp.GiB, host_memory_bytes=256 * sp.GiB)
+    with pytest.raises(ValueError, match="Cluster.gpu_memory_bytes"):
+        sp.Cluster(gpus_per_node=1, gpu_memory_bytes=10**400, host_memory_bytes=256 * sp.GiB)
+    with pytest.raises(ValueError, match="Cluster.host_memory_bytes"):
+        sp.Cluster(gpus_per_node=1, gpu_memory_bytes=80 * sp.GiB, host_memory_bytes=2**80)
+    with pytest.raises(ValueError, match="Rollout.prompts"):
+        sp.Rollout(prompts=10**30, completions_per_prompt=2, prompt_tokens=16, completion_tokens=16)
+    for kwargs, message in (({"tp": True}, "tp=True"), ({"layers": True}, "layers=True"),
+                            ({"shard_degree": True}, "shard_degree=True"),
+                            ({"engine_max_seqs": 10**30}, "engine_max_seqs must be a positive integer"),
+                            ({"cluster": sp.Cluster(gpus_per_node=8, nodes=200_000, gpu_memory_bytes=80 * sp.GiB,
+                                                    host_memory_bytes=256 * sp.GiB)}, "1600000 GPUs")):
+        with pytest.raises(ValueError, match=message):
+            sp.plan("tiny", **{"cluster": cluster, "rollout": rollout, **kwargs})
+
+
+# search.py's plan() converts these with int() before Spec sees them (OverflowError on inf, an unnamed ValueError on
+# NaN); search.py is another change's, so the check waits for it: strict, this fails once it is fixed
+@pytest.mark.xfail(strict=True, raises=(OverflowError, AssertionError), reason="plan() calls int() before validating")
+@pytest.mark.parametrize("name, value", [("engine_reserve_bytes", math.inf), ("host_margin_bytes", math.nan)])
+def test_a_byte_count_that_is_not_finite_is_refused_naming_it(name, value):
+    rollout = sp.Rollout(prompts=4, completions_per_prompt=2, prompt_tokens=16, completion_tokens=16)
+    with pytest.raises(ValueError, match=f"{name}"):
+        sp.plan("tiny", cluster="1xH100", rollout=rollout, **{name: value})
