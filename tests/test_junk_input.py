@@ -4,12 +4,17 @@ profile's records, skipped with a warning naming the file and line, never a trac
 from __future__ import annotations
 
 import json
+import logging
 import math
+from pathlib import Path
 
 import pytest
 
 import swaprl.plan as sp
+from swaprl.cli import main as swaprl_main
 from swaprl.presets import Preset
+
+from .test_report import synthetic_profile
 
 SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
@@ -129,3 +134,124 @@ def test_a_byte_count_that_is_not_finite_is_refused_naming_it(name, value):
     rollout = sp.Rollout(prompts=4, completions_per_prompt=2, prompt_tokens=16, completion_tokens=16)
     with pytest.raises(ValueError, match=f"{name}"):
         sp.plan("tiny", cluster="1xH100", rollout=rollout, **{name: value})
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def rewrite(path: Path, changes: dict[int, object]) -> None:
+    """Replace lines of `path` (1-based numbers) by the JSON of the given values (a str: the text itself)."""
+    lines = path.read_text().splitlines()
+    for number, value in changes.items():
+        lines[number - 1] = value if isinstance(value, str) else json.dumps(value)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def line_of(path: Path, kind: str, nth: int = 0) -> tuple[int, dict]:
+    found = [(i + 1, rec) for i, rec in enumerate(map(json.loads, path.read_text().splitlines()))
+             if rec.get("type") == kind]
+    return found[nth]
+
+
+def report_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "swaprl.profile.report"
+            and r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("status, what", [(None, '"status" is null'), ([1, 2], '"status" is [1, 2]')])
+def test_a_phase_record_whose_status_is_not_an_object_is_skipped_with_a_warning(tmp_path, capsys, caplog, status,
+                                                                                 what):
+    path = synthetic_profile(tmp_path / "run.jsonl")
+    number, rec = line_of(path, "phase", -1)  # the last boundary: the one the host-buffer table reads
+    rewrite(path, {number: rec | {"status": status}})
+    assert swaprl_main(["report", str(path), "-o", str(tmp_path / "rep")]) == 0
+    (warning,) = report_warnings(caplog)
+    assert f"run.jsonl line {number}" in warning and what in warning and "expected an object" in warning
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| rank 0 | train->generate | offload optimizer | 4 |" in md  # the rest of the run is reported
+    assert "1 malformed record" in md and f"line {number}" in md
+
+
+def test_every_kind_of_malformed_record_is_skipped_and_the_rest_reported(tmp_path, caplog):
+    from swaprl.profile.report import load_run, write_report
+
+    path = synthetic_profile(tmp_path / "run.jsonl")
+    step_line, step = line_of(path, "step", 0)
+    sample_line, sample = line_of(path, "sample", 3)
+    phase_line, phase = line_of(path, "phase", 2)
+    end_line, _ = line_of(path, "end")
+    buffers = phase["status"]["host_buffers"] | {"buffers": [{"name": "optimizer", "bytes": "16 GiB"}]}
+    later_phase_line, later_phase = line_of(path, "phase", -1)
+    bad = {step_line: {k: v for k, v in step.items() if k != "seconds"},
+           sample_line: sample | {"t": "later"},
+           phase_line: phase | {"attribution": {"total": 1}},
+           later_phase_line: later_phase | {"status": later_phase["status"] | {"host_buffers": buffers}},
+           step_line + 1: [1, 2, 3],
+           step_line + 2: {"type": "step", "t": True, "transition": "x", "step": "y", "bytes": 0, "seconds": 0},
+           sample_line + 1: {"type": "rollout"},
+           end_line: '{"type": "end", "t": 1700000100.0, "reas'}
+    rewrite(path, bad)
+    path.write_text(path.read_text().rstrip("\n"))  # the crash left the end record half written
+    run = load_run(path)
+    warnings = report_warnings(caplog)
+    assert len(warnings) == len(bad)
+    for number, text in ((step_line, 'lacks "seconds"'), (sample_line, '"t" is "later", expected a number'),
+                         (phase_line, '"attribution" lacks "source"'),
+                         (later_phase_line, '"status.host_buffers.buffers[0].bytes" is "16 GiB"'),
+                         (step_line + 1, "is [1, 2, 3], expected an object"),
+                         (step_line + 2, '"t" is true, expected a number'),
+                         (sample_line + 1, "unknown record type \"rollout\""),
+                         (end_line, "cut off")):
+        assert any(w.startswith(f"run.jsonl line {number}: ") and text in w for w in warnings), (number, warnings)
+    assert any("the last line is cut off" in w for w in run.warnings)
+    write_report([run], tmp_path / "rep")
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert f"{len(bad) - 1} malformed record(s) skipped" in md  # the cut-off end has a warning of its own
+    assert "| rank 0 | train->generate | offload optimizer |" in md
+
+
+def test_a_profile_with_no_usable_record_is_refused(tmp_path, capsys, caplog):
+    path = synthetic_profile(tmp_path / "run.jsonl")
+    header, *body = path.read_text().splitlines()
+    path.write_text("\n".join([header, *(json.dumps({"type": "phase", "t": 1.0, "status": None}) for _ in body)])
+                    + "\n")
+    assert swaprl_main(["report", str(path), "-o", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "none of its" in err and "usable" in err and str(path) in err
+    assert not (tmp_path / "rep").exists()
+
+
+
+@pytest.mark.parametrize("text", ['{"type": "sample", "t": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000],
+                         ids=["too many digits", "too deep"])
+def test_a_line_python_cannot_parse_is_skipped_and_such_a_header_refused(tmp_path, capsys, caplog, text):
+    path = synthetic_profile(tmp_path / "run.jsonl")
+    good = path.read_text()
+    rewrite(path, {3: text})
+    assert swaprl_main(["report", str(path), "-o", str(tmp_path / "rep")]) == 0
+    assert any(w.startswith("run.jsonl line 3: not JSON") for w in report_warnings(caplog))
+    path.write_text(text + "\n" + good.split("\n", 1)[1])
+    assert swaprl_main(["report", str(path), "-o", str(tmp_path / "rep2")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "its first line is not JSON" in err
+
+@pytest.mark.parametrize("field, value", [("t0", "now"), ("copy_bandwidth", [25.0]), ("device_total", "80 GiB"),
+                                          ("rank", None)])
+def test_a_header_with_a_field_of_the_wrong_type_is_refused_naming_it(tmp_path, capsys, field, value):
+    path = synthetic_profile(tmp_path / "run.jsonl")
+    header = json.loads(path.read_text().splitlines()[0])
+    rewrite(path, {1: header | {field: value}})
+    assert swaprl_main(["report", str(path), "-o", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f'"{field}"' in err and "header" in err and str(path) in err
+
+
+def test_every_profile_the_results_keep_passes_the_checks(caplog):
+    """The checks leave out nothing swaprl's recorder wrote: the profiles of the committed GPU runs read whole."""
+    from swaprl.profile.report import load_run
+
+    root = Path(__file__).parent.parent / "benchmarks" / "results"
+    profiles = sorted([*root.rglob("*profile*.jsonl"), *root.rglob("*profile*.jsonl.gz")])
+    assert len(profiles) >= 10
+    for path in profiles:
+        run = load_run(path)
+        assert not any("malformed" in w for w in run.warnings), (path, run.warnings)
+    assert not report_warnings(caplog)
