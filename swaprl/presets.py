@@ -9,8 +9,15 @@ second on a CPU; its vocabulary matches the byte-level tokenizer that `swaprl.ch
 from __future__ import annotations
 
 import difflib
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+# Every size a config gives (widths, head and layer counts, the vocabulary, the context) stays below this: torch and
+# vLLM hold token ids, positions and many kernel indices in 32-bit integers, no released decoder comes near it, and
+# the planner's products of such sizes (parameters, bytes) stay finite as floats.
+SIZE_LIMIT = 2**31
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +77,13 @@ class Preset:
     """The `config.json` this preset was read from (None: a Qwen2 config made from the fields)."""
 
     def __post_init__(self) -> None:
-        if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"model_type {self.model_type!r} is not a dense decoder the planner knows; it reads "
-                             f"{', '.join(ARCHITECTURES)}")
+        check_shape({"model_type": self.model_type, "hidden_size": self.hidden_size,
+                     "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+                     "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+                     "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+                     "head_dim": self.explicit_head_dim, "tie_word_embeddings": self.tie_word_embeddings,
+                     "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias, "rope_theta": self.rope_theta,
+                     "rms_norm_eps": self.rms_norm_eps}, where=f"Preset {self.name!r}")
 
     @property
     def architecture(self) -> Architecture:
@@ -140,9 +151,79 @@ class Preset:
         }
 
 
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "vocab_size", "max_position_embeddings", "head_dim")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+_DEFAULTS = {"max_position_embeddings": 32768, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+             "attention_bias": False, "mlp_bias": False}
+"""What the planner takes for a field a config.json leaves out (tie_word_embeddings: its architecture's default)."""
+
+
+def shown_value(value: object) -> str:
+    """`repr(value)`, short enough for one line of an error: a long integer as its leading digits and length."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        if value.bit_length() > 12_000:  # str() of an int past 4300 digits raises (sys.set_int_max_str_digits)
+            return f"an integer of {value.bit_length()} bits"
+        digits = str(abs(value))
+        return f"{'-' if value < 0 else ''}{digits[:6]}... (a {len(digits)}-digit integer)"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def check_shape(fields: Mapping[str, Any], *, where: str) -> None:
+    """Refuse what no dense decoder has: sizes that are not integers in 1..SIZE_LIMIT-1, flags that are not booleans,
+    constants that are not finite positive numbers, and heads that do not split as the attention needs. `fields`
+    are named as config.json names them ("head_dim": None where the config sets none); the error starts with
+    `where`."""
+    model_type = fields["model_type"]
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+        raise ValueError(f"{where}: model_type {shown_value(model_type)} is not a dense decoder the planner knows; "
+                         f"it reads {', '.join(ARCHITECTURES)} configs")
+    for key in _SIZES:
+        value = fields[key]
+        if key == "head_dim" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < SIZE_LIMIT:
+            default = (f", or leave the field out (the planner then takes {_DEFAULTS[key]})" if key in _DEFAULTS
+                       else "")
+            raise ValueError(f"{where}: {key}={shown_value(value)}; give it as a JSON integer from 1 to "
+                             f"{SIZE_LIMIT - 1}{default}")
+    for key in _FLAGS:
+        if not isinstance(fields[key], bool):
+            raise ValueError(f"{where}: {key}={shown_value(fields[key])}; give JSON true or false, not a string "
+                             "or a number, or leave the field out for the architecture's default")
+    # the comparisons refuse NaN and infinity too; the bound keeps an integer's conversion to float exact
+    for key, what, high in (("rope_theta", "the rotary base, e.g. 10000.0, below 2**53", 2**53),
+                            ("rms_norm_eps", "the RMSNorm epsilon, below 1, e.g. 1e-06", 1)):
+        value = fields[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < high:
+            raise ValueError(f"{where}: {key}={shown_value(value)}; give a finite positive number ({what}), or "
+                             f"leave the field out (the planner then takes {_DEFAULTS[key]})")
+    heads, kv, hidden = fields["num_attention_heads"], fields["num_key_value_heads"], fields["hidden_size"]
+    if kv > heads or heads % kv:
+        raise ValueError(f"{where}: num_key_value_heads={kv} must divide num_attention_heads={heads} (each KV head "
+                         f"serves an equal group of query heads); give one of {_divisors(heads)[:16]}")
+    head_dim = fields["head_dim"]
+    if head_dim is None and hidden % heads:
+        why = (f"num_attention_heads={heads} exceeds hidden_size={hidden}" if heads > hidden else
+               f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+        raise ValueError(f"{where}: {why}: without a head_dim each head gets hidden_size / num_attention_heads "
+                         "dimensions; fix the sizes, or give the model's head_dim if it sets its own")
+    if (head_dim or hidden // heads) % 2:
+        shown = f"head_dim={head_dim}" if head_dim else f"head_dim=hidden_size / num_attention_heads={hidden // heads}"
+        raise ValueError(f"{where}: {shown} is odd; rotary position embeddings turn pairs of dimensions, so each "
+                         "head's size must be even: fix the sizes")
+
+
 def from_config(name: str, cfg: dict[str, Any], *, where: str = "config") -> Preset:
-    """The preset of a transformers `config.json` (as a dict) of a dense decoder; a ValueError naming what is missing
-    or not supported (mixture-of-experts, a multimodal config, an architecture the planner does not know)."""
+    """The preset of a transformers `config.json` (as a dict) of a dense decoder; a ValueError naming what is missing,
+    malformed (`check_shape`) or not supported (mixture-of-experts, a multimodal config, an architecture the planner
+    does not know)."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{where} holds a {type(cfg).__name__}, not a config.json's object of fields")
     if "text_config" in cfg and "hidden_size" not in cfg:
@@ -151,27 +232,26 @@ def from_config(name: str, cfg: dict[str, Any], *, where: str = "config") -> Pre
     if any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
         raise ValueError(f"{where} describes a mixture-of-experts model; the planner handles dense models only")
     model_type = cfg.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"{where}: model_type {model_type!r} is not a dense decoder the planner knows; it reads "
-                         f"{', '.join(ARCHITECTURES)} configs")
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+        raise ValueError(f"{where}: model_type {shown_value(model_type)} is not a dense decoder the planner knows; "
+                         f"it reads {', '.join(ARCHITECTURES)} configs")
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in need if k not in cfg]
     if missing:
         raise ValueError(f"{where} lacks {', '.join(missing)}; the planner needs a dense decoder's config.json")
-    for key in (*need, "num_key_value_heads", "head_dim"):
-        value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{where}: {key}={value!r}; a config.json gives it as a positive integer")
-    heads = cfg["num_attention_heads"]
-    tie = cfg.get("tie_word_embeddings", model_type.startswith("gemma"))
-    return Preset(name=name, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                  num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
-                  num_key_value_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
-                  tie_word_embeddings=bool(tie), max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-                  rope_theta=float(cfg.get("rope_theta", 1_000_000.0)), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                  model_type=model_type, explicit_head_dim=cfg.get("head_dim"),
-                  attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
-                  config=dict(cfg))
+    # transformers reads a null num_key_value_heads or head_dim as "derive it"; any other field null is an error
+    kv = cfg.get("num_key_value_heads")
+    fields = {key: cfg.get(key, _DEFAULTS.get(key)) for key in (*_SIZES, *_FLAGS, "rope_theta", "rms_norm_eps")}
+    fields |= {"model_type": model_type, "num_key_value_heads": cfg["num_attention_heads"] if kv is None else kv,
+               "tie_word_embeddings": cfg.get("tie_word_embeddings", model_type.startswith("gemma"))}
+    check_shape(fields, where=where)
+    return Preset(name=name, hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
+                  num_hidden_layers=fields["num_hidden_layers"], num_attention_heads=fields["num_attention_heads"],
+                  num_key_value_heads=fields["num_key_value_heads"], vocab_size=fields["vocab_size"],
+                  tie_word_embeddings=fields["tie_word_embeddings"],
+                  max_position_embeddings=fields["max_position_embeddings"], rope_theta=float(fields["rope_theta"]),
+                  rms_norm_eps=fields["rms_norm_eps"], model_type=model_type, explicit_head_dim=fields["head_dim"],
+                  attention_bias=fields["attention_bias"], mlp_bias=fields["mlp_bias"], config=dict(cfg))
 
 
 # The published config.json fields (shapes) of the common models the Qwen2.5 presets stand beside.

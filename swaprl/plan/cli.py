@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 
 from ..config import PARAM_POLICIES, STATES_PER_PARAMETER, parse_optimizer_states
-from .hardware import CLUSTERS, GPUS, GiB, get_cluster
+from .hardware import (
+    CLUSTERS,
+    COUNT_LIMIT,
+    GPUS,
+    MAX_COPY_BYTES_PER_S,
+    MAX_GPU_MEMORY_BYTES,
+    MAX_GPUS,
+    MAX_GPUS_PER_NODE,
+    MAX_HOST_MEMORY_BYTES,
+    GiB,
+    check_gpus,
+    check_number,
+    get_cluster,
+)
 from .inputs import GRADS, SLEEP_LEVELS, Rollout
 from .result import Plan
 from .search import plan
@@ -81,18 +93,50 @@ def _tp(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"--tp {text!r}: give a tensor-parallel size (1, 2, 4, 8) or auto") from None
 
 
+# The numeric flags, each with its bound and what it is. They are checked here, as typed, so that an error names the
+# flag and its unit; the planner's dataclasses check the fields they become against the same bounds.
+_COUNT_FLAGS = {"nodes": (COUNT_LIMIT, "a positive number of nodes"),
+                "gpus_per_node": (MAX_GPUS_PER_NODE, "a positive number of GPUs"),
+                "shard_degree": (MAX_GPUS, "a positive number of GPUs"),
+                **dict.fromkeys(("prompts", "completions", "prompt_tokens", "completion_tokens", "micro_batch_tokens",
+                                 "max_num_batched_tokens", "max_num_seqs"), (COUNT_LIMIT, "a positive integer"))}
+_GIB_FLAGS = {"gpu_memory_gib": (MAX_GPU_MEMORY_BYTES, False, "the memory of one GPU in GiB, above 0"),
+              "host_memory_gib": (MAX_HOST_MEMORY_BYTES, False, "the host memory of one node in GiB, above 0"),
+              "engine_reserve_gib": (MAX_GPU_MEMORY_BYTES, True, "GPU memory in GiB, 0 or more"),
+              "host_margin_gib": (MAX_HOST_MEMORY_BYTES, True, "host memory in GiB, 0 or more")}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _bytes(args: argparse.Namespace, name: str) -> int | None:
+    """The bytes of a GiB flag, None when it was not given."""
+    value = getattr(args, name)
+    if value is None:
+        return None
+    high, zero, what = _GIB_FLAGS[name]
+    check_number(value, _flag(name), what, high / GiB, zero=zero)
+    if not zero and int(value * GiB) < 1:  # what the planner counts in is bytes
+        raise ValueError(f"{_flag(name)} {value}: less than one byte; give {what}")
+    return int(value * GiB)
+
+
 def from_args(args: argparse.Namespace) -> Plan:
     """The plan of `swaprl plan`'s parsed arguments; ValueError on bad input."""
+    for name, (high, what) in _COUNT_FLAGS.items():
+        if getattr(args, name) is not None:
+            check_number(getattr(args, name), _flag(name), what, high, integer=True)
+    if args.copy_gb_per_s is not None:
+        check_number(args.copy_gb_per_s, "--copy-gb-per-s", "the pinned copy rate of one GPU in GB/s, above 0",
+                     MAX_COPY_BYTES_PER_S / 1e9)
     cluster = get_cluster(args.cluster)
-    for flag in ("gpu_memory_gib", "host_memory_gib", "copy_gb_per_s", "engine_reserve_gib", "host_margin_gib"):
-        value = getattr(args, flag)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"--{flag.replace('_', '-')} {value}: give a finite, non-negative number")
     overrides = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
-                 "gpu_memory_bytes": None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
-                 "host_memory_bytes": None if args.host_memory_gib is None else int(args.host_memory_gib * GiB),
+                 "gpu_memory_bytes": _bytes(args, "gpu_memory_gib"),
+                 "host_memory_bytes": _bytes(args, "host_memory_gib"),
                  "copy_bytes_per_s": None if args.copy_gb_per_s is None else args.copy_gb_per_s * 1e9}
     cluster = dataclasses.replace(cluster, **{k: v for k, v in overrides.items() if v is not None})
+    check_gpus(cluster.nodes, cluster.gpus_per_node, names=("--nodes", "--gpus-per-node"))
     pinned = {k: getattr(args, k) for k in ("grads", "params", "sleep_level") if getattr(args, k) is not None}
     if args.optimizer_states is not None:
         pinned["optimizer_states"] = parse_optimizer_states(args.optimizer_states)
@@ -110,8 +154,7 @@ def from_args(args: argparse.Namespace) -> Plan:
         cuda_graphs=not args.enforce_eager, release_other=args.release_other,
         processes_per_gpu=args.processes_per_gpu,
         gpu_utilization_cap=args.gpu_utilization,
-        engine_reserve_bytes=None if args.engine_reserve_gib is None else int(args.engine_reserve_gib * GiB),
-        host_margin_bytes=None if args.host_margin_gib is None else int(args.host_margin_gib * GiB),
+        engine_reserve_bytes=_bytes(args, "engine_reserve_gib"), host_margin_bytes=_bytes(args, "host_margin_gib"),
         settings=pinned)
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
+
+from ..presets import SIZE_LIMIT, shown_value
 
 GiB = 2**30
 MiB = 2**20
@@ -14,11 +15,38 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
-def check_positive_ints(obj, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
+# What a cluster can be said to hold, far past any machine built: only a typo or junk crosses these bounds, and
+# below them the planner's sums of bytes stay finite and its searches over divisors of the GPU count stay short.
+MAX_GPUS_PER_NODE = 1024
+MAX_GPUS = 2**20
+"""GPUs of the whole cluster (nodes times GPUs a node), past the largest training clusters built."""
+MAX_GPU_MEMORY_BYTES = 4096 * GiB
+MAX_HOST_MEMORY_BYTES = 65536 * GiB
+MAX_COPY_BYTES_PER_S = 10_000e9
+COUNT_LIMIT = SIZE_LIMIT - 1
+"""The most of anything counted (nodes, prompts, tokens, sequences): the bound a config.json's sizes keep."""
+
+
+def check_number(value: object, name: str, what: str, high: float, *, integer: bool = False,
+                 zero: bool = False) -> None:
+    """Refuse `value` unless it is a number (an int if `integer`; never a bool) above 0 (or 0 itself if `zero`) and
+    at most `high`: a ValueError naming it `name` (a field, or the flag it came from) and saying it must be `what`.
+    The comparisons refuse NaN and infinity too, and compare a huge int exactly, without overflowing to a float."""
+    kinds = int if integer else int | float
+    low_ok = (lambda v: v >= 0) if zero else (lambda v: v > 0)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not (low_ok(value) and value <= high):
+        bound = int(high) if float(high).is_integer() else high
+        if name.startswith("--"):  # a flag, shown as it was typed
+            raise ValueError(f"{name} {shown_value(value)}: give {what}, at most {bound}")
+        raise ValueError(f"{name} must be {what}, at most {bound}; got {shown_value(value)}")
+
+
+def check_gpus(nodes: int, gpus_per_node: int, *, names: tuple[str, str]) -> None:
+    """Refuse more GPUs than `MAX_GPUS` in all; `names`: what the two counts are called where they were given."""
+    if nodes * gpus_per_node > MAX_GPUS:
+        raise ValueError(f"{nodes} nodes ({names[0]}) of {gpus_per_node} GPUs ({names[1]}) make "
+                         f"{nodes * gpus_per_node} GPUs, more than the planner plans for (at most {MAX_GPUS}); give "
+                         "fewer nodes or GPUs a node")
 
 
 # Pinned copy rates per GPU and direction (§Clusters). Several GPUs: 36 GB/s measured with both GPUs of a 2 x H200
@@ -46,11 +74,17 @@ class Cluster:
     (the default is the slowest measured, §Clusters); it prices the bytes a step moves, not whether it fits."""
 
     def __post_init__(self) -> None:
-        check_positive_ints(self, ("gpus_per_node", "gpu_memory_bytes", "host_memory_bytes", "nodes"))
-        rate = self.copy_bytes_per_s
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < math.inf:
-            raise ValueError(f"Cluster.copy_bytes_per_s must be a positive number of bytes per second, e.g. 36e9, "
-                             f"got {rate!r}")
+        # No bound on the GPUs in all here, only in Spec (check_gpus): when nothing fits, the planner builds a
+        # cluster of twice the nodes to try, and only a Spec's ValueError tells it that that cluster is no answer.
+        check_number(self.gpus_per_node, "Cluster.gpus_per_node", "a positive integer", MAX_GPUS_PER_NODE,
+                     integer=True)
+        check_number(self.nodes, "Cluster.nodes", "a positive integer", COUNT_LIMIT, integer=True)
+        check_number(self.gpu_memory_bytes, "Cluster.gpu_memory_bytes", "a positive integer of bytes",
+                     MAX_GPU_MEMORY_BYTES, integer=True)
+        check_number(self.host_memory_bytes, "Cluster.host_memory_bytes", "a positive integer of bytes",
+                     MAX_HOST_MEMORY_BYTES, integer=True)
+        check_number(self.copy_bytes_per_s, "Cluster.copy_bytes_per_s",
+                     "a positive number of bytes per second, e.g. 36e9", MAX_COPY_BYTES_PER_S)
 
     @property
     def gpus(self) -> int:
@@ -107,11 +141,15 @@ def get_cluster(name: str) -> Cluster:
             return dataclasses.replace(value)
     count, sep, gpu = name.lower().partition("x")
     gpu = next((g for g in GPUS if g.lower() == gpu.lower()), None)
-    if not sep or not count.isdigit() or int(count) < 1 or gpu is None:
+    digits = count.isascii() and count.isdigit()  # isdigit() alone passes digits int() refuses ("²")
+    n = 0 if not digits else int(count) if len(count) < 10 else MAX_GPUS + 1  # int() of a long one can refuse too
+    if not sep or n < 1 or gpu is None:
         raise ValueError(f"unknown cluster {name!r}; give NxGPU with a GPU among {', '.join(GPUS)} (e.g. 2xH100, "
                          f"16xH200) or one of {', '.join(CLUSTERS)}; another GPU: the nearest one with "
                          "--gpu-memory-gib (and --host-memory-gib, --gpus-per-node, --nodes), or a Cluster(...)")
-    n = int(count)
+    if n > MAX_GPUS:
+        raise ValueError(f"cluster {name!r} has more GPUs than the planner plans for (at most {MAX_GPUS}); give a "
+                         "smaller cluster")
     if n > 8 and n % 8:
         raise ValueError(f"cluster {name!r}: more than 8 GPUs are taken as nodes of 8, and {n} is not a multiple "
                          "of 8; give the nodes with --nodes and --gpus-per-node")

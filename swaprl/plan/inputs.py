@@ -17,8 +17,8 @@ from ..config import (
     SwapConfig,
     format_optimizer_states,
 )
-from ..presets import Preset
-from .hardware import Cluster, check_positive_ints
+from ..presets import Preset, shown_value
+from .hardware import COUNT_LIMIT, Cluster, check_gpus, check_number
 
 # The search space, each axis from the least to the most moving value (§Search). The optimizer states' modes and
 # the parameters' settings are SwapConfig's, in its order; the gradients' are SwapConfig's in §Search's order, and
@@ -46,7 +46,8 @@ class Rollout:
     """Longest completion (`max_tokens`), in tokens."""
 
     def __post_init__(self) -> None:
-        check_positive_ints(self, ("prompts", "completions_per_prompt", "prompt_tokens", "completion_tokens"))
+        for name in ("prompts", "completions_per_prompt", "prompt_tokens", "completion_tokens"):
+            check_number(getattr(self, name), f"Rollout.{name}", "a positive integer", COUNT_LIMIT, integer=True)
 
     @property
     def sequences(self) -> int:
@@ -150,8 +151,10 @@ class Spec:
 
     def __post_init__(self) -> None:
         m, c, tp, s = self.model, self.cluster, self.tp, self.shard_degree
-        if not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tp={tp!r}: the engine's tensor-parallel size must be a positive integer")
+        # first: the messages below list the divisors of the GPU count
+        check_gpus(c.nodes, c.gpus_per_node, names=("Cluster.nodes", "Cluster.gpus_per_node"))
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp={shown_value(tp)}: the engine's tensor-parallel size must be a positive integer")
         if tp > c.gpus_per_node or c.gpus_per_node % tp:
             raise ValueError(f"tp={tp} must divide gpus_per_node={c.gpus_per_node} (vLLM tensor parallelism stays "
                              f"inside one node); use tp in {divisors(c.gpus_per_node)}")
@@ -162,9 +165,9 @@ class Spec:
         if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
             raise ValueError(f"tp={tp} and {m.name}'s {kv} KV heads: vLLM needs the KV heads divisible by tp, or tp "
                              f"divisible by the KV heads (then they are replicated); pick another tp")
-        if not isinstance(s, int) or s < 1 or c.gpus % s:
-            raise ValueError(f"shard_degree={s!r} must divide the {c.gpus} GPUs of the cluster (FSDP shards over "
-                             f"groups of shard_degree GPUs and replicates across groups); use one of "
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1 or c.gpus % s:
+            raise ValueError(f"shard_degree={shown_value(s)} must divide the {c.gpus} GPUs of the cluster (FSDP "
+                             "shards over groups of shard_degree GPUs and replicates across groups); use one of "
                              f"{divisors(c.gpus)}")
         if self.fsdp_units not in FSDP_UNITS:
             raise ValueError(f"fsdp_units={self.fsdp_units!r}; use 'root' (decoder layers, and one root unit holding "
@@ -180,27 +183,25 @@ class Spec:
             raise ValueError(f"optimizer_states={format_optimizer_states(split)} with master_weights=True: the fp32 "
                              "masters live in host memory with their states, updated by the streamed step (what the "
                              "runtime runs, SwapConfig.master_weights); use --optimizer-states host or leave it out")
+        tokens = self.rollout.sequence_tokens
+        if tokens > m.max_position_embeddings:  # first: it also bounds the default micro batch, one sequence
+            raise ValueError(f"prompt_tokens + completion_tokens = {tokens} exceeds {m.name}'s "
+                             f"max_position_embeddings={m.max_position_embeddings}; shorten the rollout")
         for name in ("micro_batch_tokens", "engine_max_batched_tokens", "engine_max_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_number(getattr(self, name), name, "a positive integer", COUNT_LIMIT, integer=True)
         if not 0.0 < self.gpu_utilization_cap <= 1.0:
-            raise ValueError(f"gpu_utilization_cap={self.gpu_utilization_cap} must lie in (0, 1]; vLLM's default "
-                             "is 0.9, swaprl's 0.92")
+            raise ValueError(f"gpu_utilization_cap={self.gpu_utilization_cap} (--gpu-utilization) must lie in "
+                             "(0, 1]; vLLM's default is 0.9, swaprl's 0.92")
         if not 0 <= self.engine_reserve_bytes < c.gpu_memory_bytes:
             raise ValueError(f"engine_reserve_bytes={self.engine_reserve_bytes} must lie in [0, gpu_memory_bytes="
                              f"{c.gpu_memory_bytes}); it is what VLLMEngine(reserve_bytes=...) leaves free")
         if not 0 <= self.host_margin_bytes < c.host_memory_bytes:
             raise ValueError(f"host_margin_bytes={self.host_margin_bytes} must lie in [0, host_memory_bytes="
                              f"{c.host_memory_bytes})")
-        tokens = self.rollout.sequence_tokens
         if self.micro_batch_tokens < tokens:  # a trainer's forward takes whole sequences
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} is less than one sequence "
                              f"(prompt_tokens + completion_tokens = {tokens}); give a multiple of it, or leave it "
                              "out for one sequence per micro batch")
-        if tokens > m.max_position_embeddings:
-            raise ValueError(f"prompt_tokens + completion_tokens = {tokens} exceeds {m.name}'s "
-                             f"max_position_embeddings={m.max_position_embeddings}; shorten the rollout")
 
 
 def divisors(n: int) -> list[int]:

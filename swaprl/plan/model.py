@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from ..presets import PRESETS, Preset, from_config, get_preset
+from ..presets import PRESETS, Preset, from_config, get_preset, shown_value
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -40,9 +40,17 @@ def load_model(model: str | os.PathLike | Preset, *, layers: int | None = None) 
             path = path / "config.json"
         if path.is_file():
             try:
-                cfg = json.loads(path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ValueError(f"{path} is not a config.json (not JSON: {exc})") from None
+                text = path.read_text()
+            except OSError as exc:
+                raise ValueError(f"cannot read {path} ({exc.strerror}); give a config.json this user can read") \
+                    from None
+            try:
+                cfg = json.loads(text)
+            # ValueError: bad JSON, or an integer past Python's digit limit; RecursionError: nested past the parser's
+            except (ValueError, RecursionError) as exc:
+                reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+                raise ValueError(f"{path} is not a config.json (not JSON Python can read: {reason}); give the "
+                                 "config.json of a transformers checkpoint") from None
             spec = from_config(path.parent.name or str(path), cfg, where=str(path))
         elif str(model).endswith(".json") or str(model).startswith((".", os.sep)) or path.parent.is_dir() and \
                 os.sep in str(model) and not _is_hub_id(str(model)):
@@ -59,8 +67,9 @@ def load_model(model: str | os.PathLike | Preset, *, layers: int | None = None) 
                                  f"{model} config.json --local-dir DIR) and pass DIR. Presets: "
                                  f"{', '.join(PRESETS)}") from exc
     if layers is not None:
-        if not isinstance(layers, int) or not 1 <= layers <= spec.num_hidden_layers:
-            raise ValueError(f"layers={layers!r} is outside 1..{spec.num_hidden_layers} for {spec.name}")
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= spec.num_hidden_layers:
+            raise ValueError(f"layers={shown_value(layers)} is outside 1..{spec.num_hidden_layers} for {spec.name}; "
+                             "give a whole number of layers in that range, or leave it out for the whole model")
         spec = dataclasses.replace(spec, num_hidden_layers=layers)
     return spec
 

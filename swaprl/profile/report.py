@@ -5,8 +5,9 @@
 
 report.html is self-contained (figures embedded, inline CSS: it opens offline, attached to an issue or mailed);
 report.md shows the same tables and links the PNGs written beside it. A file cut short by a crash is reported up to
-its last whole line, with a warning; a file that is not a swaprl profile, or of another schema version, is refused
-with exit code 2.
+its last whole line, with a warning; a record the report cannot read (not JSON, a field missing or of the wrong type)
+is left out, with a warning naming its line; a file that is not a swaprl profile, of another schema version, with a
+malformed header or no record the report can read, is refused with exit code 2.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import bisect
 import html
 import io
 import json
+import logging
 import math
 import statistics
 import sys
@@ -29,6 +31,8 @@ from .._extras import needs
 from .._version import __version__
 from .attribution import CATEGORIES
 from . import SCHEMA, VERSION
+
+logger = logging.getLogger(__name__)
 
 GROWTH_LIMIT = 64 * 2**20
 """Residual growth of the train-phase baseline (cycle k vs cycle 2) above which the report flags a leak."""
@@ -83,6 +87,130 @@ class Interval:
     end: float
 
 
+# ---------------------------------------------------------------------------------------------------- checking
+# What the report reads of the header and of each record, by type: field -> what it must be, so that a value the
+# report would trip over (a null where it reads an object, a string where it adds numbers) is found where it is read
+# from the file, with its line, not as a crash in a figure. A kind is one of _KINDS, "byte counts" (an object of them
+# under any names), a dict (an object with those fields) or a one-item list (a list of such values); _Field says
+# whether a field may be absent or null. Fields the report does not read are not checked: a newer recorder may add
+# some.
+@dataclass(frozen=True, slots=True)
+class _Field:
+    kind: object
+    absent: bool = False
+    null: bool = False
+
+
+def _opt(kind: object, *, null: bool = False) -> _Field:
+    """A field that may be absent (and null, if `null`)."""
+    return _Field(kind, absent=True, null=null)
+
+
+def _is_number(v: object) -> bool:
+    # a bool is no number here; the bound refuses NaN and infinity (JSON's parser takes both) and keeps sums finite
+    return isinstance(v, int | float) and not isinstance(v, bool) and -2**63 < v < 2**63
+
+
+_KINDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "number": (_is_number, "a number"),
+    "integer": (lambda v: _is_number(v) and isinstance(v, int), "an integer"),
+    # the recorder writes sizes as integers; a fraction of a byte would let a rate's floor round to zero
+    "bytes": (lambda v: _is_number(v) and isinstance(v, int), "an integer of bytes"),
+    "string": (lambda v: isinstance(v, str), "a string"),
+    "boolean": (lambda v: isinstance(v, bool), "true or false"),
+    "phase": (lambda v: v in ("train", "generate"), '"train" or "generate"'),
+    "pair": (lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_number, v)), "a list of two numbers"),
+}
+_BANDWIDTH = {key: _opt("number", null=True) for key in ("h2d_GBps", "d2h_GBps", "d2d_GBps")}
+_PEAKS = {"torch_peak_allocated": _opt("bytes"), "torch_peak_reserved": _opt("bytes")}
+_BUFFER = {"name": "string", "bytes": "bytes", "locked_bytes": "bytes", "background": _opt("boolean", null=True),
+           "lock_span": _opt("pair", null=True),
+           **{key: _opt("number", null=True) for key in ("lock_seconds", "waited_seconds", "attach_waited_seconds")}}
+_HEADER = {"rank": _opt("integer"), "t0": _opt("number"), "interval_s": _opt("number"),
+           "copy_bandwidth": _opt(_BANDWIDTH, null=True), "device_total": _opt("bytes", null=True),
+           "device_used_source": _opt("string", null=True), "alloc_conf": _opt("string", null=True),
+           "nvml": _opt("boolean"), "engine_lends": _opt("boolean"),
+           **{key: _opt("string") for key in ("device", "device_name", "host", "torch", "swaprl")}}
+_RECORDS: dict[str, dict] = {
+    "sample": {"t": "number", **{key: _opt("bytes") for key in ("host_rss", "host_buffers", "device_used",
+                                                                 "torch_allocated", "torch_reserved")}},
+    "step": {"t": "number", "transition": "string", "step": "string", "bytes": "bytes", "seconds": "number",
+             "span_seconds": _opt("number"), "issued": _opt("boolean"), "h2d_bytes": _opt("bytes"),
+             "d2h_bytes": _opt("bytes"), "chunks": _opt("integer")},
+    "phase": {"t": "number", "phase": "phase", "from": _Field("phase", null=True), "cycle": _opt("integer", null=True),
+              "seconds": "number", "bytes": "bytes", "host_rss": _opt("bytes", null=True),
+              "status": {"host_buffers": _opt({"buffers": _opt([_BUFFER])}),
+                         "device_memory": _opt({"torch_reserved": _opt("bytes"), "torch_allocated": _opt("bytes")},
+                                               null=True)},
+              "attribution": {"total": "bytes", "source": "string", "categories": "byte counts",
+                              "notes": _opt(["string"])},
+              "torch_private_free": _opt("bytes"), **_PEAKS},
+    "sync": {"t": "number", "cycle": _opt("integer", null=True), "weights": _opt("string"),
+             "differing": _opt(["string"], null=True), "verify_seconds": "number",
+             **{key: _opt("number", null=True) for key in ("sync_seconds", "mismatch_seconds")},
+             "mismatch": _opt({"max_abs": "number", "mean_abs": "number", "kl": "number",
+                               "outside": _opt("number", null=True)}, null=True),
+             "bounds": _opt("pair", null=True)},
+    "end": {"t": "number", "reason": "string", "copy_bandwidth": _opt(_BANDWIDTH, null=True), **_PEAKS},
+    "error": {"t": "number", "transition": "string", "step": "string", "error": "string"},
+    "retry": {"t": "number", "how": _opt("string", null=True)},
+    "demote": {"t": "number", "bytes": _opt("bytes")},
+}
+# A figure the report reads only with its partner: torch's reserved bytes less its allocated ones.
+_TOGETHER = [("torch_reserved", "torch_allocated"), ("torch_peak_reserved", "torch_peak_allocated")]
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _problem(value: object, kind: object, where: str = "") -> str | None:
+    """What is wrong with `value` as `kind` (None: nothing); `where` is its path in the record, as the message
+    names it (status.host_buffers.buffers[0].bytes)."""
+    if isinstance(kind, dict):
+        if not isinstance(value, dict):
+            return f'"{where}" is {_shown(value)}, expected an object'
+        for key, spec in kind.items():
+            spec = spec if isinstance(spec, _Field) else _Field(spec)
+            if key not in value:
+                if spec.absent:
+                    continue
+                return f'"{where}" lacks "{key}"' if where else f'it lacks "{key}"'
+            if value[key] is None and spec.null:
+                continue
+            if problem := _problem(value[key], spec.kind, f"{where}.{key}" if where else key):
+                return problem
+        if not where:
+            for figure, partner in _TOGETHER:
+                if figure in value and partner not in value:
+                    return f'it has "{figure}" but lacks "{partner}"'
+        return None
+    if isinstance(kind, list):
+        if not isinstance(value, list):
+            return f'"{where}" is {_shown(value)}, expected a list'
+        return next((p for i, item in enumerate(value) if (p := _problem(item, kind[0], f"{where}[{i}]"))), None)
+    if kind == "byte counts":  # an object of byte counts under any names (the attribution's categories)
+        if not isinstance(value, dict):
+            return f'"{where}" is {_shown(value)}, expected an object'
+        return next((p for k, v in value.items() if (p := _problem(v, "bytes", f"{where}.{k}"))), None)
+    ok, expected = _KINDS[kind]
+    return None if ok(value) else f'"{where}" is {_shown(value)}, expected {expected}'
+
+
+def _record_problem(rec: object) -> str | None:
+    """Why the report cannot read `rec`, one line of a profile's body (None: it can)."""
+    if not isinstance(rec, dict):
+        return f"the record is {_shown(rec)}, expected an object"
+    if "type" not in rec:
+        return 'the record lacks "type"'
+    kind = rec["type"]
+    if not isinstance(kind, str) or kind not in _RECORDS:
+        return f"unknown record type {_shown(kind)} (a version {VERSION} profile holds {', '.join(_RECORDS)})"
+    problem = _problem(rec, _RECORDS[kind])
+    return None if problem is None else f"{kind} record: {problem}"
+
+
 # ---------------------------------------------------------------------------------------------------- reading
 def _read_gz(path: Path) -> bytes:
     """A gzipped profile's bytes; a file cut short gives what it holds (its last line then reads as cut off)."""
@@ -96,8 +224,13 @@ def _read_gz(path: Path) -> bytes:
                                  "whole") from None
 
 
+_SHOWN_SKIPS = 5  # malformed records a report's warning lists by line (the log has each)
+
+
 def load_run(path: str | Path) -> Run:
-    """Read a profile; a cut-off last line becomes a warning, anything that is not a v1 profile an error."""
+    """Read a profile. A cut-off last line, and each record the report cannot read (not JSON, not an object, a field
+    missing or of the wrong type), is logged with its line and left out, and the report says how many; a file that
+    is not a v1 profile, whose header is malformed or that holds no record the report can read, is an error."""
     path = Path(path)
     data = _read_gz(path) if path.suffix == ".gz" else path.read_bytes()  # results keep long profiles compressed
     fix = "pass the JSON Lines file written by SwapConfig(profile=PATH) or swaprl.profile.attach_profiler(rt, PATH)"
@@ -108,7 +241,8 @@ def load_run(path: str | Path) -> Run:
     complete = data.endswith(b"\n")
     try:
         header = json.loads(lines[0])
-    except json.JSONDecodeError:
+    # ValueError: bad JSON, or an integer past Python's digit limit; RecursionError: nested past the parser's
+    except (ValueError, RecursionError):
         if len(lines) == 1 and not complete and lines[0].lstrip().startswith('{"schema":"swaprl.profile"'):
             raise ProfileFormatError(f"{path}: the header line is cut off (the run died while profiling started); "
                                      "there is nothing to report") from None
@@ -122,44 +256,66 @@ def load_run(path: str | Path) -> Run:
             f"{path} uses profile schema version {header.get('version')!r} (written by swaprl "
             f"{header.get('swaprl', '?')}), but swaprl {__version__} reads version {VERSION}: make the report with "
             f"the swaprl version that recorded it (pip install swaprl=={header.get('swaprl', '<that version>')})")
+    if problem := _problem(header, _HEADER):
+        # every figure of the report leans on the header (its clock, device size, copy ceiling): no skipping it
+        raise ProfileFormatError(f"{path}: the header (line 1) is malformed: {problem.removeprefix('it ')}; the "
+                                 "profiler writes it whole, so the file was edited or written by something else: "
+                                 "mend that field, or record the run again")
     run = Run(path=path, header=header)
     body = lines[1:]
     last = max((i for i, line in enumerate(body) if line.strip()), default=-1)
-    bad, boundary = 0, float("-inf")  # the last phase record's time: a switch's steps come after it
+    skipped: list[str] = []  # "line N: what is wrong", for each record left out
+    read, boundary = 0, float("-inf")  # the last phase record's time: a switch's steps come after it
     for i, line in enumerate(body):
         if not line.strip():
             continue
+        number = i + 2  # the header is line 1
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError) as exc:
             if i == last and not complete:
+                logger.warning("%s line %d: cut off after %d bytes (the run crashed or is still writing); left out",
+                               path.name, number, len(line))
                 run.warnings.append(f"{path.name}: the last line is cut off ({len(line)} bytes; the run crashed or "
                                     "is still writing); this report covers the records before it")
-            else:
-                bad += 1
+                continue
+            problem = f"not JSON ({'nested too deeply' if isinstance(exc, RecursionError) else exc})"
+        else:
+            problem = _record_problem(rec)
+        if problem:
+            logger.warning("%s line %d: %s; left out of the report", path.name, number, problem)
+            skipped.append(f"line {number}: {problem}")
             continue
-        kind = rec.get("type") if isinstance(rec, dict) else None
+        read += 1
+        kind = rec["type"]
         if kind == "sample":
             run.samples.append(rec)
         elif kind == "step":
             run.steps.append(rec)
         elif kind == "phase":
             run.phases.append(rec)
-            boundary = rec.get("t", boundary)
+            boundary = rec["t"]
         elif kind == "sync":
             run.syncs.append(rec)
         elif kind == "end":
             run.end = rec
         elif kind == "error":
             # The failed attempt's steps were undone: they are no switch's timings.
-            run.steps = [s for s in run.steps if s["transition"] != rec.get("transition") or s["t"] <= boundary]
-            run.warnings.append(f"{path.name}: {rec.get('transition')} failed at step {rec.get('step')!r} and was "
-                                f"rolled back: {rec.get('error')}")
+            run.steps = [s for s in run.steps if s["transition"] != rec["transition"] or s["t"] <= boundary]
+            run.warnings.append(f"{path.name}: {rec['transition']} failed at step {rec['step']!r} and was "
+                                f"rolled back: {rec['error']}")
         elif kind in ("retry", "demote"):
             how = rec.get("how") or f"{_b(rec.get('bytes', 0))} more of the optimizer states swapped"
             run.warnings.append(f"{path.name}: the switch that failed went again, {how}")
-    if bad:
-        run.warnings.append(f"{path.name}: {bad} unreadable line(s) skipped inside the file")
+    if skipped and not read:
+        raise ProfileFormatError(f"{path}: none of its {len(skipped)} record(s) after the header is usable "
+                                 f"({skipped[0]}{'; ...' if len(skipped) > 1 else ''}), so there is nothing to "
+                                 f"report; {fix}")
+    if skipped:
+        more = f"; and {len(skipped) - _SHOWN_SKIPS} more" if len(skipped) > _SHOWN_SKIPS else ""
+        run.warnings.append(f"{path.name}: {len(skipped)} malformed record(s) skipped ("
+                            f"{'; '.join(skipped[:_SHOWN_SKIPS])}{more}); the report leaves them out: the file was "
+                            "edited, or written by something other than swaprl's profiler")
     if run.end is None and not run.empty:
         run.warnings.append(f"{path.name}: no end record: the run neither detached nor closed the profiler "
                             "and the process did not exit (killed, crashed hard, or still running); figures stop "
