@@ -11,15 +11,14 @@ the rest. `attach_later` registers a runtime that `Runtime.bind` wires when its 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
-from . import checks, fingerprint, master, memory, optimizer_hooks, regions
+from . import checks, fingerprint, interrupts, master, memory, optimizer_hooks, regions
 from .checkpoints import checkpoint_dir_of
 from .config import SwapConfig, default_reserve_bytes
 from .engines import vllm_available
@@ -28,7 +27,7 @@ from .errors import PhaseError
 from .link import link, unmeasurable
 from .optimizer_hooks import masters_of
 from .placement import Placement
-from .runtime import Phase, PhaseMachine
+from .runtime import Phase, PhaseBlock, PhaseMachine
 from .undo import Step, Undo
 
 logger = logging.getLogger(__name__)
@@ -80,11 +79,9 @@ def attach_later(*, config: SwapConfig | None = None, until: str) -> Runtime:
     return rt
 
 
-@contextlib.contextmanager
-def phase(name: Phase) -> Iterator[Runtime]:
+def phase(name: Phase) -> PhaseBlock:
     """`with swaprl.phase("generate"):` / `with swaprl.phase("train"):` on the attached runtime."""
-    with current().phase(name) as rt:
-        yield rt
+    return current().phase(name)
 
 
 def detach() -> dict[str, int]:
@@ -126,16 +123,22 @@ class Runtime(PhaseMachine):
             self._wire(model, optimizer, engine)
         except BaseException:
             # What the attach steps did is undone already; a pending runtime must not keep half a trainer.
-            self.model = self.optimizer = self.engine = self.device = None
-            self._placement = self._link = None
+            interrupts.finish("undoing the attach", self._unwire)
+            if self._unbound is not None and _attached is not self:
+                interrupts.unguard()
             raise
-        self._unbound = None
-        self._register()
+        with interrupts.held("registering the runtime"):
+            self._unbound = None
+            self._register()
         if self.config.profile is not None:  # the profile package is imported only when used
             from .profile import attach_configured
 
             attach_configured(self)
         return self
+
+    def _unwire(self) -> None:
+        self.model = self.optimizer = self.engine = self.device = None
+        self._placement = self._link = None
 
     def _register(self) -> None:
         global _attached
@@ -155,8 +158,9 @@ class Runtime(PhaseMachine):
         with installed.on_error():
             masters = masters_of(optimizer)
             if config.master_weights and masters is None:  # before the placement, which homes them with the states
-                masters, uninstall = master.install(optimizer)
-                installed.push(uninstall, "install")
+                with interrupts.held("installing the fp32 master weights"):
+                    masters, uninstall = master.install(optimizer)
+                    installed.push(uninstall, "install")
             self.peaks = memory.TorchPeaks(device) if cuda else None
             streamed = {"type": "step", "transition": "optimizer.step", "step": "stream optimizer states"}
             room = memory.measure_room(device) if cuda and why is None else None
@@ -175,23 +179,26 @@ class Runtime(PhaseMachine):
                 # Built while the host buffers are being locked: the locking (tens of seconds for tens of GiB where
                 # pages are faulted in slowly) runs under the engine's start instead of before the first step.
                 reserve = engine_reserve_bytes(device, place.homes.device_growth())
-                engine = make_engine(engine, model, config, reserve_bytes=reserve) if not callable(engine) else \
-                    engine(reserve_bytes=reserve) if _takes_reserve(engine) else engine()
-                if isinstance(engine, Engine):
-                    built.push(engine.close)
+                with interrupts.held("building the engine"):  # recorded for closing as it returns
+                    engine = make_engine(engine, model, config, reserve_bytes=reserve) if not callable(engine) \
+                        else engine(reserve_bytes=reserve) if _takes_reserve(engine) else engine()
+                    if isinstance(engine, Engine):
+                        built.push(engine.close)
                 checks.check_engine(engine, config)
             self.engine = engine
             place.whole_segments = engine.lender is None
             self._link = link(engine, model, config, kept_on_device=lambda: place.home_bytes()["device"],
                               emit=self._emit)
             engine.bind(model)
-            self._restore.push(optimizer_hooks.attach_runtime(
-                optimizer, check_step=self._check_step, wait_reload=self.wait_reload, streamer=place.streamer,
-                before_streamed_step=place.home_new_states), "the optimizer's hooks")
+            with interrupts.held("hooking the optimizer"):
+                self._restore.push(optimizer_hooks.attach_runtime(
+                    optimizer, check_step=self._check_step, wait_reload=self.wait_reload, streamer=place.streamer,
+                    before_streamed_step=place.home_new_states), "the optimizer's hooks")
             steps = []
             if place.streamer is not None:
                 steps.append(Step("optimizer states to host", place.states_to_host, place.states_to_device))
-            self._run_steps("attach", steps + self._link.attach_steps())
+            with interrupts.held("the attach's moves"):
+                self._run_steps("attach", steps + self._link.attach_steps())
             # What attach started in the background ends before it returns. Page-locking holds the CUDA driver's
             # lock: a large cudaHostRegister stalls every CUDA call of another thread while it runs, and under TRL,
             # whose engine exists before attach, locking during the first step stalled its rollout. The first steps

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import interrupts
 from .compat import torch as compat
 from .residency import savable
 
@@ -69,6 +70,12 @@ class OptimizerHooks:
 
     # ---------------------------------------------------------------- the methods
     def _step(self, closure=None):
+        # A step stands whole or is undone (the streamed one brings every state home, the masters' gives gradients
+        # back): an interrupt that arrives inside it is raised once it has done either.
+        with interrupts.held("an optimizer step"):
+            return self._step_now(closure)
+
+    def _step_now(self, closure):
         streamer = self.streamer
         if streamer is not None:
             compat.record_step_for_scheduler(self.optimizer, self._previous["step"])

@@ -13,16 +13,15 @@ the regions theirs. `swaprl.attach` wires the parts (docs/architecture.md walks 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
 
-from . import distributed, memory, regions
+from . import distributed, interrupts, memory, regions
 from .config import SwapConfig
 from .errors import PhaseError, switch_out_of_memory
 from .undo import Step, Undo, in_flight
@@ -58,30 +57,14 @@ class PhaseMachine:
     def current_phase(self) -> Phase:
         return self._phase
 
-    @contextlib.contextmanager
-    def phase(self, name: Phase) -> Iterator[PhaseMachine]:
-        """Make `name`'s resources resident for the `with` block; restore the previous phase on the way out."""
+    def phase(self, name: Phase) -> PhaseBlock:
+        """Make `name`'s resources resident for the `with` block; restore the previous phase on the way out. Entering
+        and leaving are critical sections (`swaprl.interrupts`): a Ctrl-C that arrives during a switch is raised once
+        the switch stands, or once it is undone."""
         self._check_bound()
         if name not in PHASES:
             raise PhaseError(f"unknown phase {name!r}; use one of {PHASES}")
-        with self._owning():
-            if self._unsettled is not None and name == self._phase:  # a switch to the other phase completes it too
-                self._settle()
-            # Outside every block the runtime belongs in "train": a block left there (its exit failed and was undone)
-            # is not where the next one returns to.
-            previous = self._phase if self._depth else "train"
-            try:
-                self._transition(self._phase, name)
-            except BaseException:
-                if self._phase == name != previous:  # the switch stood, what raised came after it (a listener's)
-                    self._transition(name, previous, judge=False)
-                raise
-            self._depth += 1
-            try:
-                yield self
-            finally:
-                self._depth -= 1
-                self._transition(name, previous)
+        return PhaseBlock(self, name)
 
     def status(self) -> dict:
         """Where each resource is and how many device bytes it holds now, plus the device and host totals."""
@@ -145,6 +128,14 @@ class PhaseMachine:
         bytes released ({} when already detached)."""
         if self._closed:
             return {}
+        try:
+            with interrupts.held("detaching"):
+                return self._detach()
+        finally:
+            if self._closed:
+                interrupts.unguard()  # the signals' own handlers back: nothing is held any more
+
+    def _detach(self) -> dict[str, int]:
         owner = self._owner
         if self._depth or owner is not None:
             where = "" if owner is None or owner is threading.current_thread() else f" (of thread {owner.name!r})"
@@ -174,6 +165,10 @@ class PhaseMachine:
     def _transition(self, src: Phase, dst: Phase, *, judge: bool = True) -> int:
         if src == dst:
             return 0
+        with interrupts.held(f"switching {src} -> {dst}"):
+            return self._switch(src, dst, judge=judge)
+
+    def _switch(self, src: Phase, dst: Phase, *, judge: bool) -> int:
         self._link.judged = None
         start = time.perf_counter()
         steps = self._steps(dst)
@@ -252,6 +247,7 @@ class PhaseMachine:
         undo = Undo(transition)
         committed: list[Callable[[], object]] = []
         total, started = 0, {}  # started: each step's start time
+        at, step = 0, Step("start", lambda: None)  # named in the error of a failure before the first step
         try:
             for at, step in enumerate(steps):
                 t0 = started[step.name] = time.perf_counter()
@@ -297,10 +293,10 @@ class PhaseMachine:
         return total
 
     # ---------------------------------------------------------------- helpers
-    @contextlib.contextmanager
-    def _owning(self) -> Iterator[None]:
+    def _take_phases(self) -> bool:
         """Hold the phases for this thread until its outermost `with phase(...)` block ends; another thread entering
-        one meanwhile is refused (its switch would move memory under this thread's block)."""
+        one meanwhile is refused (its switch would move memory under this thread's block). True if this block took
+        them (the outermost of its thread)."""
         me = threading.current_thread()
         with self._owner_lock:
             owner = self._owner
@@ -310,11 +306,7 @@ class PhaseMachine:
                                  "block uses. Enter phases from one thread (the training loop's), or wait for that "
                                  "block to end")
             self._owner = me
-        try:
-            yield
-        finally:
-            if owner is None:
-                self._owner = None
+        return owner is None
 
     def _check_step(self) -> None:
         """`optimizer.step()`'s pre-hook: refuse a step that would not find the states where it needs them."""
@@ -349,3 +341,64 @@ class PhaseMachine:
                 fn(event)
             except Exception:  # a broken listener must never break a transition
                 logger.exception("swaprl listener failed on %s event", event.get("type"))
+
+
+class PhaseBlock:
+    """`with runtime.phase(name):`, a class rather than a generator so that nothing runs between the switch into
+    `name` and the block being entered, or between the block's end and the switch back, that an interrupt could
+    land in (a generator's `__enter__` returns through `next()`, where CPython checks for signals)."""
+
+    __slots__ = ("machine", "name", "previous", "took", "counted")
+
+    def __init__(self, machine: PhaseMachine, name: Phase) -> None:
+        self.machine, self.name = machine, name
+        self.previous: Phase | None = None  # the phase the block returns to, once known
+        self.took = self.counted = False
+
+    def __enter__(self) -> PhaseMachine:
+        m = self.machine
+        try:
+            with interrupts.held(f"switching into {self.name!r}"):
+                self.took = m._take_phases()
+                if m._unsettled is not None and self.name == m._phase:  # a switch to the other phase does it too
+                    m._settle()
+                # Outside every block the runtime belongs in "train": a block left there (its exit failed and was
+                # undone) is not where the next one returns to.
+                self.previous = m._phase if m._depth else "train"
+                m._transition(m._phase, self.name)
+                m._depth += 1
+                self.counted = True
+        except BaseException:
+            interrupts.finish(f"switching back to {self.previous!r}", self._undo_enter)
+            raise
+        return m
+
+    def _undo_enter(self) -> None:
+        m = self.machine
+        try:
+            if self.counted:
+                self.counted = False
+                m._depth -= 1
+            # The switch stood and what raised came after it (a bound on the mismatch, a deferred interrupt).
+            if self.previous is not None and m._phase == self.name != self.previous:
+                m._transition(self.name, self.previous, judge=False)
+        finally:
+            self._release()
+
+    @interrupts.protected
+    def __exit__(self, *exc) -> bool:
+        interrupts.finish(f"switching back to {self.previous!r}", self._leave)
+        return False
+
+    def _leave(self) -> None:
+        m = self.machine
+        m._depth -= 1
+        try:
+            m._transition(self.name, self.previous)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self.took:
+            self.took = False
+            self.machine._owner = None

@@ -21,6 +21,8 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from . import interrupts
+
 logger = logging.getLogger(__name__)
 
 
@@ -38,18 +40,24 @@ class Undo:
     def __len__(self) -> int:
         return len(self._stack)
 
+    @interrupts.protected
     def run(self) -> list[str]:
-        """Revert every recorded change, newest first; a revert that raises is logged and the rest still run, a
-        Ctrl-C during one included (stopping halfway would leave more out of place than finishing). Returns what
-        could not be reverted ("name: error" per change), so the caller can say what is left."""
-        failed = []
-        while self._stack:
-            fn, name = self._stack.pop()
-            try:
-                fn()
-            except BaseException as exc:  # keep going: the remaining changes still have tensors or methods to put back
-                logger.exception("undoing %r of %s failed", name, self.what)
-                failed.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
+        """Revert every recorded change, newest first; a revert that raises is logged and the rest still run, and a
+        Ctrl-C is held until all have run (stopping halfway would leave more out of place than finishing). Returns
+        what could not be reverted ("name: error" per change), so the caller can say what is left."""
+        failed: list[str] = []
+
+        def undo_all() -> None:
+            while self._stack:
+                fn, name = self._stack[-1]
+                try:
+                    fn()
+                except BaseException as exc:  # keep going: the remaining changes still have tensors or methods
+                    logger.exception("undoing %r of %s failed", name, self.what)
+                    failed.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
+                self._stack.pop()  # after it ran: an entry that was not run stays on the stack
+
+        interrupts.finish(f"undoing {self.what}", undo_all)
         return failed
 
     def clear(self) -> None:

@@ -56,6 +56,7 @@ import torch
 import swaprl
 
 from .._extras import needs
+from .. import interrupts
 from ..attachment import Runtime
 from ..compat import trl as trl_compat
 from ..compat.trl import SUPPORTED as SUPPORTED_TRL  # noqa: F401 (the range docs/trl.md names, re-exported)
@@ -111,11 +112,12 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
     engine = _engine(trainer, engine)
     rt = swaprl.attach(trainer.model, optimizer, engine, config=config)
     try:
-        _install(trainer, rt, lean_rollouts=lean_rollouts)
+        with interrupts.held("wrapping the GRPOTrainer"):
+            _install(trainer, rt, lean_rollouts=lean_rollouts)
+            _register(trainer, rt)
     except BaseException:
         rt.detach()  # nothing of the wrap stays behind: the trainer is as it was, and no runtime is attached
         raise
-    _register(trainer, rt)
     logger.info("wrapped GRPOTrainer (trl %s): generation in phase 'generate' with %s", trl.__version__,
                 type(engine).__name__)
     return rt
