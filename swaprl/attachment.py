@@ -190,6 +190,10 @@ class Runtime(PhaseMachine):
             self._link = link(engine, model, config, kept_on_device=lambda: place.home_bytes()["device"],
                               emit=self._emit)
             engine.bind(model)
+            with interrupts.held("hooking the parameters"):
+                handles = [p.register_post_accumulate_grad_hook(self._check_backward) for p in model.parameters()
+                           if p.requires_grad]
+                self._restore.push(lambda: [h.remove() for h in handles], "the parameters' gradient hooks")
             with interrupts.held("hooking the optimizer"):
                 self._restore.push(optimizer_hooks.attach_runtime(
                     optimizer, check_step=self._check_step, wait_reload=self.wait_reload, streamer=place.streamer,

@@ -33,6 +33,14 @@ def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, conf
                          "the optimizer from this model's parameters, e.g. AdamW(model.parameters()), after any "
                          "wrapping or moving of the model")
     check_trainable(model, model_device(model))
+    sparse = [f"{name}.weight" for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse and m.weight.requires_grad]
+    if sparse:
+        # A sparse gradient (and the sparse momentum SGD makes of it) has no bytes of its own to move to a host
+        # buffer and back, nor a layout a chunk of the streamed step can stage.
+        raise ValueError(f"{', '.join(sparse[:5])} get sparse gradients (nn.Embedding(sparse=True)), which swaprl "
+                         "cannot move between the device and host memory; build the embedding with sparse=False "
+                         "(the same training, with a dense gradient), or freeze it (requires_grad_(False))")
     if config.params == "offload" and is_fsdp2(model):
         # FSDP2 all-gathers from a padded buffer of its own (FSDPParam._sharded_param_data) of which the parameter's
         # shard is a view: moving the shard would free nothing, and the optimizer would update a copy FSDP never

@@ -72,6 +72,9 @@ def check_dense(tensors: list[torch.Tensor], action: str, fix: str) -> None:
     """Refuse to `action` ("offload a tensor") one with gaps in its storage: its bytes are copied as one run, which
     for such a tensor would include (and later overwrite) memory that is not its own."""
     for t in tensors:
+        if t.layout != torch.strided:
+            raise ValueError(f"cannot {action} of layout {t.layout} (shape {tuple(t.shape)}): only dense tensors have "
+                             f"bytes of their own to move; {fix}")
         if not is_dense(t):
             raise ValueError(f"cannot {action} with gaps in its storage (shape {tuple(t.shape)}, stride "
                              f"{t.stride()}); {fix}")

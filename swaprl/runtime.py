@@ -319,6 +319,16 @@ class PhaseMachine:
                              "out-of-memory error")
         place.check_step(self._phase)
 
+    def _check_backward(self, param: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated (a hook on each trainable parameter): refuse a backward in
+        'generate' while the gradients are not on the device, where it would accumulate into offloaded gradients
+        (or make new ones beside those the switch back restores)."""
+        if self._phase == "generate" and self._placement.location("grads") != "device":
+            raise PhaseError("backward() was called in phase 'generate', where the gradients are "
+                             f"{self._placement.location('grads')} (SwapConfig.grads={self.config.grads!r}): "
+                             "compute losses and call backward() inside `with swaprl.phase('train')`, or keep the "
+                             "gradients on the device while generating with SwapConfig(grads='keep')")
+
     def _check_open(self) -> None:
         if self._closed:
             raise PhaseError("this runtime was detached; call swaprl.attach(model, optimizer) again")

@@ -485,3 +485,21 @@ def test_a_step_is_in_flight_between_the_step_that_queues_copies_and_the_one_tha
     assert [in_flight(steps, at) for at in range(len(steps))] == [False, False, True, True, True, False, False]
     assert not in_flight(steps[:2] + steps[5:], 1)  # nothing waits for copies: none in flight
     assert not in_flight(steps, -1)
+
+
+def test_a_backward_in_generate_is_refused_where_the_gradients_are_not_on_the_device(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, HFEngine(model), config=swaprl.SwapConfig(optimizer_states="swap"))
+    with rt.phase("generate"):
+        with pytest.raises(swaprl.PhaseError, match=r"backward\(\) was called in phase 'generate'.*grads='keep'"):
+            grpo.policy_loss(model, [[1, 2, 3]], [[4, 6], [5, 7]], n=2).backward()
+    opt.zero_grad(set_to_none=True)
+    rt.detach()
+    # With the gradients kept on the device a backward while generating accumulates where training finds it.
+    rt = swaprl.attach(model, opt, HFEngine(model), config=swaprl.SwapConfig(optimizer_states="swap", grads="keep"))
+    with rt.phase("generate"):
+        grpo.policy_loss(model, [[1, 2, 3]], [[4, 6], [5, 7]], n=2).backward()
+    with rt.phase("train"):
+        opt.step()
+    rt.detach()

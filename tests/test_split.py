@@ -114,6 +114,22 @@ def test_homes_take_whole_parameters_in_order_within_half_a_parameter(tiny_check
         assert abs(edge_got - edge) <= largest / 2 + 1, (home, got, edge_got, edge)
 
 
+@pytest.mark.parametrize("states", ["swap", "host", "auto"])
+def test_sparse_gradients_are_refused_at_attach_naming_the_parameter(states):
+    """SGD with momentum over an embedding of sparse gradients trains in plain torch; swaprl cannot move those
+    gradients or the sparse momentum made of them, so it says so before anything moves (it used to fail at every
+    switch, or every step, or at state_dict())."""
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 8, sparse=True), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()  # plain torch trains it
+    with pytest.raises(ValueError, match=r"0\.weight get sparse gradients.*sparse=False"):
+        swaprl.attach(model, opt, HFEngine(model), config=swaprl.SwapConfig(optimizer_states=states))
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()
+    assert "step" not in vars(opt) and "_swaprl_hooks" not in vars(opt)
+
+
 def test_a_split_with_host_states_is_refused_for_lbfgs(tiny_checkpoint):
     model = load(tiny_checkpoint)
     opt = torch.optim.LBFGS(model.parameters())
