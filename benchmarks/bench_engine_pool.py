@@ -1,4 +1,4 @@
-"""What a sleeping vLLM engine keeps on the GPU, with and without the pausable pools (swaprl.kernels), and what the
+"""What a sleeping vLLM engine keeps on the GPU, with and without the pausable pools (swaprl.vmm), and what the
 pools cost at wake-up.
 
     python benchmarks/bench_engine_pool.py --preset qwen2.5-1.5b --cycles 200 --baseline-cycles 12 \

@@ -6,7 +6,7 @@ A lending engine's wake-up maps torch's pages at its own addresses and its sleep
 page (swaprl.lending). For each page size, in a process of its own started with
 `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,large_segment_size_mb:N`, this measures:
 
-- the page torch maps (`kernels.page_bytes` at the segment's start), which says torch took the setting;
+- the page torch maps (`vmm.page_bytes` at the segment's start), which says torch took the setting;
 - bench_vmm's `lend`: the driver's calls alone, per kind (retain, map, access, unmap, release) over torch's pages;
 - swaprl's own path: `PageLender.take`, `map` (and `map` with the zero fill a KV cache gets), `unmap`, `give_back`
   of torch's free cached pages to a reserved range of the same size;
@@ -40,7 +40,7 @@ def measure(mib: int, size: int) -> dict:
     sys.path.insert(0, str(HERE))
     import bench_vmm
 
-    from swaprl import kernels
+    from swaprl import vmm
     from swaprl.lending import PageLender
 
     torch.cuda.set_device(0)
@@ -48,7 +48,7 @@ def measure(mib: int, size: int) -> dict:
     segment = next(s for s in torch.cuda.memory_snapshot()
                    if s["address"] <= held.data_ptr() < s["address"] + s["total_size"])
     out = {"mib": mib, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "bytes": size,
-           "page_bytes": kernels.page_bytes(segment["address"], 2**31, 0)}
+           "page_bytes": vmm.page_bytes(segment["address"], 2**31, 0)}
     del held
     drv = bench_vmm.Driver(0)
     out["driver"] = bench_vmm.lend(drv, size, 5)

@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
     ap.add_argument("--release-other", action=argparse.BooleanOptionalAction, default=None,
                     help="vLLM: release its CUDA graphs, buffers and workspaces while it sleeps (VLLMEngine's "
-                         "release_other; default: wherever swaprl.kernels can)")
+                         "release_other; default: wherever swaprl.vmm can)")
     ap.add_argument("--lend-pages", action=argparse.BooleanOptionalAction, default=None,
                     help="vLLM: wake on the pages under torch's free cached blocks instead of handing them back to "
                          "the driver (VLLMEngine's lend_pages; on where it can be by default)")

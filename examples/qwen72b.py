@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                          "at most its share of the plan's pinned budget (SwapConfig.host_budget_bytes)")
     ap.add_argument("--release-other", action=argparse.BooleanOptionalAction, default=None,
                     help="release vLLM's CUDA graphs, buffers and workspaces while it sleeps (default: wherever "
-                         "swaprl.kernels can; the plan counts what the engine will do)")
+                         "swaprl.vmm can; the plan counts what the engine will do)")
     ap.add_argument("--lend-pages", action=argparse.BooleanOptionalAction, default=None,
                     help="wake vLLM on the pages under torch's free cached blocks (VLLMEngine's lend_pages; on "
                          "where it can be by default)")

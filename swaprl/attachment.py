@@ -3,7 +3,7 @@
 `attach` checks everything first (`swaprl.checks`), then wires the parts in the order that hides the slow ones:
 the fp32 masters if asked for (`swaprl.master`), the placement (the homes of the optimizer states decided from the
 room measured now, `swaprl.state_homes`), the host buffers page-locked in the background, the engine built
-meanwhile if `attach` builds it (`make_engine`), the engine's link (`swaprl.link`), the runtime's part of the
+meanwhile if `attach` builds it (`make_engine`), the engine's link (`swaprl.engine_link`), the runtime's part of the
 optimizer's methods and hooks (`swaprl.optimizer_hooks`), and the attach steps (the host-resident states to their
 buffer, the engine asleep). Each part records its undo: a failed attach leaves nothing behind, `detach()` reverts
 the rest. `attach_later` registers a runtime that `Runtime.bind` wires when its trainer is ready.
@@ -24,7 +24,7 @@ from .config import SwapConfig, default_reserve_bytes
 from .engines import vllm_available
 from .engines.base import Engine
 from .errors import PhaseError
-from .link import link, unmeasurable
+from .engine_link import link, unmeasurable
 from .optimizer_hooks import masters_of
 from .placement import Placement
 from .runtime import Phase, PhaseBlock, PhaseMachine
@@ -218,7 +218,7 @@ class Runtime(PhaseMachine):
 
     def pausable(self, name: str, *, keep: str = "allocated"):
         """A region of device memory the runtime releases while the engine generates and maps again at the same
-        addresses for training (a `swaprl.kernels.PausablePool`; `swaprl.regions` says what it is for and what
+        addresses for training (a `swaprl.vmm.PausablePool`; `swaprl.regions` says what it is for and what
         must stay out of it). keep: what a pause preserves, "allocated" (live tensors' bytes) or "nothing" (a
         CUDA graph's private pool)."""
         self._check_bound()

@@ -5,7 +5,7 @@ release every page) so that vLLM's wake-up could create physical memory and map 
 engine's sleep released that memory again for torch to create anew in training. The driver's cost is in creating
 and releasing physical memory, not in mapping it (benchmarks/bench_vmm.py). Lending skips both: the free blocks
 stay allocated in torch's cache for the lender (`torch.cuda.caching_allocator_alloc`, on the stream that owns
-them), the physical pages under them are mapped a second time at the engine's addresses (`kernels.lend`), and
+them), the physical pages under them are mapped a second time at the engine's addresses (`vmm.lend`), and
 when the engine sleeps they are unmapped there and the blocks freed: torch finds them still mapped.
 
 It needs torch's expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, swaprl's default): each
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import vmm
 
 
 _ALIGN = 512  # torch's blocks start and end on multiples of this
@@ -63,7 +63,7 @@ class PageLender:
         self._ranges: dict[int, list[int]] = {}  # lent range -> the blocks its pages came from
 
     @property
-    def lent_bytes(self) -> int:
+    def lent_mapped_bytes(self) -> int:
         """Bytes of torch's blocks held for the engine now: allocated in torch's counters, the engine's memory in
         fact (`memory.torch_counters(..., lent=)` leaves them out)."""
         return sum(self._blocks.values())
@@ -73,7 +73,7 @@ class PageLender:
         """Each segment of torch's pools on the device as (segment, first byte, page bytes), the page bytes 0 but
         for the default pool's large segments made of pages the driver can name (expandable segments, whose pages
         start at the segment's first byte; `cudaMalloc`'s memory has none)."""
-        if not kernels.available():
+        if not vmm.available():
             return
         # A block freed while another stream used it (`record_stream`: the states' reload) stays pending until torch
         # sees that stream's event done, which it checks only when it allocates: allocate, so the snapshot shows
@@ -90,7 +90,7 @@ class PageLender:
             base = int(seg["address"])
             default = tuple(seg.get("segment_pool_id") or (0, 0)) == (0, 0)
             large = default and seg.get("segment_type") == "large"
-            yield seg, base, kernels.page_bytes(base, int(seg["total_size"]), self.device) if large else 0
+            yield seg, base, vmm.page_bytes(base, int(seg["total_size"]), self.device) if large else 0
 
     def _scan(self) -> tuple[list[_Free], dict[int, tuple[int, int]]]:
         """The default pool's free blocks holding whole pages, largest first, and its paged segments (first byte ->
@@ -124,7 +124,7 @@ class PageLender:
         ones' whole pages, its segments (those without pages to lend, `cudaMalloc`'s, apart), its three largest
         allocated blocks, and what this lender holds: its blocks, their count, and their edges (the bytes outside
         whole pages, which pin the pages they share with their neighbours)."""
-        unmapped, (lent, own) = sum(n for _, n, _ in self._pages), kernels.lent_bytes()
+        unmapped, (lent, own) = sum(n for _, n, _ in self._pages), vmm.lent_mapped_bytes()
         out = {"segments": 0, "allocated": 0, "pending_free": 0, "free": 0, "free_whole_pages": 0, "free_blocks": 0,
                "unpaged": 0, "unpaged_free": 0, "largest_allocated": [],
                "lender_blocks": sum(self._blocks.values()), "lender_block_count": len(self._blocks),
@@ -225,7 +225,7 @@ class PageLender:
         count = min(size // page, len(self._pages)) if page else 0
         fits, self._pages = self._pages[:count], self._pages[count:]
         try:
-            kernels.lend(dst, size, [p[0] for p in fits], page or 1, self.device, fill=0 if zero else None)
+            vmm.lend(dst, size, [p[0] for p in fits], page or 1, self.device, fill=0 if zero else None)
         except BaseException:
             self._pages = fits + self._pages
             raise
@@ -240,7 +240,7 @@ class PageLender:
         if dst not in self._ranges:
             return False
         try:
-            kernels.unlend(dst, self.device)  # lets go of every piece even when it raises
+            vmm.unlend(dst, self.device)  # lets go of every piece even when it raises
         finally:
             for b in self._ranges.pop(dst):
                 self._used[b] -= 1

@@ -1,6 +1,6 @@
 """Trainer memory paused in place while the engine generates: `Runtime.pausable(name, keep=...)`.
 
-    region = rt.pausable("train graph", keep="nothing")      # a swaprl.kernels.PausablePool
+    region = rt.pausable("train graph", keep="nothing")      # a swaprl.vmm.PausablePool
     with torch.cuda.graph(graph, pool=region.id):             # the captured step's memory lives in the region
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -12,7 +12,7 @@ Why: swaprl moves the trainer's state by pointing its tensors at new memory (`sw
 allocator hands freed memory to the driver before the engine wakes. A captured CUDA graph (a training step replayed
 with `torch.cuda.graph`, or compiled with CUDA graphs) follows neither: it replays on the addresses it recorded,
 and its private pool (activations, workspaces, its outputs) stays reserved in every phase, taking memory from the
-engine's KV cache. A region is a pausable pool (`swaprl.kernels`) that the runtime pauses at the start of each
+engine's KV cache. A region is a pausable pool (`swaprl.vmm`) that the runtime pauses at the start of each
 switch to generate, before the engine wakes, and resumes once the engine sleeps again, at the same addresses. What
 survives a pause is what `keep` says: "nothing" for a graph's private pool (a replay writes every intermediate
 before reading it), "allocated" for live tensors allocated inside `region.use()` (copied to the host and back).
@@ -33,17 +33,17 @@ from .undo import Undo
 
 
 def new(name: str, *, keep: str, device: torch.device, taken: set[str]):
-    """A new `swaprl.kernels.PausablePool` on `device` named `name` (not one of `taken`)."""
-    from . import kernels
+    """A new `swaprl.vmm.PausablePool` on `device` named `name` (not one of `taken`)."""
+    from . import vmm
 
-    if device.type != "cuda" or not kernels.available():
-        why = kernels.unavailable() if device.type == "cuda" else f"the trainer is on {device}"
+    if device.type != "cuda" or not vmm.available():
+        why = vmm.unavailable() if device.type == "cuda" else f"the trainer is on {device}"
         raise RuntimeError(f"Runtime.pausable() needs swaprl's pausable pool on a CUDA device ({why}); without "
                            "it, leave the memory where it is (a graph's pool then stays reserved in generate)")
     if name in taken:
         raise ValueError(f"a pausable region named {name!r} exists already; give each region its own name")
     with torch.cuda.device(device):
-        return kernels.PausablePool(name, keep=keep)
+        return vmm.PausablePool(name, keep=keep)
 
 
 def pause(regions: list) -> int:

@@ -7,7 +7,7 @@ copy is only dropped after its host copy is complete, and its host copy is only 
 device. Should an undo itself fail, the runtime says what it left out of place and the next phase entry completes it.
 
 The machine decides the order; the steps come from those who move the memory: the placement the trainer's
-(`Placement.offload_steps`, `reload_steps`), the engine's link its own (`swaprl.link`: wake, sync, check, sleep),
+(`Placement.offload_steps`, `reload_steps`), the engine's link its own (`swaprl.engine_link`: wake, sync, check, sleep),
 the regions theirs. `swaprl.attach` wires the parts (docs/architecture.md walks through a switch both ways).
 """
 
@@ -45,8 +45,8 @@ class PhaseMachine:
         self._depth, self._cycle, self._closed = 0, 0, False
         self._listeners: list[Callable[[dict], None]] = []
         self._detach_callbacks = Undo("detach")
-        self._placement = self._link = None  # swaprl.placement.Placement, swaprl.link.SharedWeights: set by attach
-        self._regions: list = []  # swaprl.kernels.PausablePool: the trainer's memory paused in generate
+        self._placement = self._link = None  # swaprl.placement.Placement, swaprl.engine_link.SharedWeights: set by attach
+        self._regions: list = []  # swaprl.vmm.PausablePool: the trainer's memory paused in generate
         self._restore = Undo("attach")  # what detach() reverts (and a failed attach, at once)
         self._unsettled: str | None = None  # what a failed rollback left out of place; the next phase entry fixes it
         self._owner: threading.Thread | None = None  # the thread inside a `with phase(...)` block, if any

@@ -359,7 +359,7 @@ def vllm(args) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from swaprl import kernels, memory
+    from swaprl import vmm, memory
     from swaprl.checkpoints import write_random_checkpoint
     from swaprl.engines.vllm import VLLMEngine
 
@@ -416,7 +416,7 @@ def vllm(args) -> dict:
         opt_bytes = sum(nbytes(local_tensor(t)) for t in optimizer_states(opt) if local_tensor(t).device == device)
         with rt.phase("generate"):
             # the engine's side: torch's pages it woke on (none without a lender)
-            used["lent"] = kernels.lent_bytes()[0] if getattr(engine, "lender", None) is not None else None
+            used["lent"] = vmm.lent_mapped_bytes()[0] if getattr(engine, "lender", None) is not None else None
             completions = engine.generate(prompts, Sampling(max_tokens=16, n=N, seed=step))
             engine_probe = engine.logprobs(probe)
             trainer_probe = sequence_logprobs(model, probe)

@@ -135,7 +135,7 @@ def test_a_switch_does_not_go_again_where_offloading_first_cannot_help(tiny_chec
     """Out of memory once the states' copies have finished (the KV cache's wake-up), or under torchrun (a rank
     going again alone would issue collectives the others do not): raised as it was, the switch undone."""
     from swaprl import distributed, sync
-    from swaprl.link import OwnWeights
+    from swaprl.engine_link import OwnWeights
 
     model, opt, rt = _swapping_vllm_runtime(tiny_checkpoint, vllm_engine)
     before = [t.clone() for t in states_of(opt)]

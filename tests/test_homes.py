@@ -55,7 +55,7 @@ def test_the_room_formula_counts_the_cache_and_takes_back_the_peak_and_the_reser
 def test_an_explicit_split_gives_each_parameter_the_home_its_middle_byte_falls_in(split):
     homes = by_fractions(SIZES, split)
     assert [HOMES.index(h) for h in homes] == sorted(HOMES.index(h) for h in homes)
-    edge, before = 0.0, 0
+    edge = 0.0
     for home in HOMES:
         edge += split.get(home, 0.0) * sum(SIZES)
         got = sum(n for n, h in zip(SIZES, homes) if HOMES.index(h) <= HOMES.index(home))

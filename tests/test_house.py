@@ -49,7 +49,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_the_engines_import_nothing_of_the_trainers_side():
-    above = ("swaprl.placement", "swaprl.runtime", "swaprl.attachment", "swaprl.link", "swaprl.streaming",
+    above = ("swaprl.placement", "swaprl.runtime", "swaprl.attachment", "swaprl.engine_link", "swaprl.streaming",
              "swaprl.verify", "swaprl.integrations", "swaprl.state_homes", "swaprl.host_states",
              "swaprl.optimizer_hooks", "swaprl.host_budget", "swaprl.master")
     for path in (PACKAGE / "engines").glob("*.py"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swaprl import kernels, memory
+from swaprl import vmm, memory
 from swaprl.lending import PageLender
 
 MiB = 2**20
@@ -49,8 +49,8 @@ class _Reserved:
 
 @pytest.fixture
 def lender():
-    if not kernels.available():
-        pytest.fail(f"the native library must load on the GPU machine: {kernels.unavailable()}")
+    if not vmm.available():
+        pytest.fail(f"the native library must load on the GPU machine: {vmm.unavailable()}")
     torch.cuda.empty_cache()
     block = torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")  # pages torch maps, then holds free
     del block
@@ -139,9 +139,9 @@ def test_a_page_that_is_not_one_physical_allocation_is_refused_with_nothing_mapp
     dst = _Reserved(4 * page)
     try:
         with pytest.raises(RuntimeError, match="not one physical allocation"):
-            kernels.lend(dst.ptr, 4 * page, [lender._pages[0][0]], 2 * page, torch.cuda.current_device())
-        assert kernels.lent_bytes() == (0, 0)
-        assert not kernels.unlend(dst.ptr, torch.cuda.current_device())
+            vmm.lend(dst.ptr, 4 * page, [lender._pages[0][0]], 2 * page, torch.cuda.current_device())
+        assert vmm.lent_mapped_bytes() == (0, 0)
+        assert not vmm.unlend(dst.ptr, torch.cuda.current_device())
     finally:
         dst.close()
     lender.give_back_unused()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import swaprl
-from swaprl import kernels
+from swaprl import vmm
 from swaprl.profile.attribution import attribute
 
 gpu = pytest.mark.gpu
@@ -95,8 +95,8 @@ def _captured_training(path, switch: bool, steps: int = 4):
 
 @gpu
 def test_a_captured_training_step_replays_the_same_across_phase_switches(tiny_checkpoint):
-    if not kernels.available():
-        pytest.skip(kernels.unavailable())
+    if not vmm.available():
+        pytest.skip(vmm.unavailable())
     plain_losses, plain_weights, _ = _captured_training(tiny_checkpoint, switch=False)
     losses, weights, released = _captured_training(tiny_checkpoint, switch=True)
     assert losses == plain_losses
@@ -108,8 +108,8 @@ def test_a_captured_training_step_replays_the_same_across_phase_switches(tiny_ch
 
 @gpu
 def test_a_tensor_in_a_region_keeps_its_bytes_and_address_across_switches(tiny_checkpoint):
-    if not kernels.available():
-        pytest.skip(kernels.unavailable())
+    if not vmm.available():
+        pytest.skip(vmm.unavailable())
     model = _model(tiny_checkpoint).cuda()
     rt = swaprl.attach(model, torch.optim.AdamW(model.parameters()), engine="hf")
     try:

@@ -98,7 +98,6 @@ def test_a_mixed_split_is_exact_for_other_optimizers(tiny_checkpoint, opt_name):
                                    {"device": 0.999, "host": 0.001}])
 def test_homes_take_whole_parameters_in_order_within_half_a_parameter(tiny_checkpoint, split):
     model = load(tiny_checkpoint)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     params = list(model.parameters())
     order = policy.by_fractions([nbytes(p) for p in params], swaprl.SwapConfig(optimizer_states=split).state_split())
     homes = dict(zip(map(id, params), order))

@@ -428,7 +428,7 @@ def test_sleep_frees_the_engine_memory_and_status_sees_it(tiny_checkpoint, engin
         assert awake["location"] == "device"
         assert awake["kv_cache_bytes"] >= 2 * 2**30 - 64 * MiB
         # What status() reports is what the driver sees the engine take (vLLM's pool is invisible to torch), with
-        # the pausable pools' buffers where the engine has them (swaprl.kernels).
+        # the pausable pools' buffers where the engine has them (swaprl.vmm).
         woke = awake["weights_bytes"] + awake["kv_cache_bytes"] + awake.get("other_pooled_bytes", 0)
         assert abs(taken - woke) < 128 * MiB, (taken, awake)
     torch.cuda.synchronize()
@@ -442,7 +442,7 @@ def test_the_engine_wakes_on_torchs_cached_pages_and_generates_as_on_memory_of_i
     """With torch's freed blocks cached, the switch into generate hands none back to the driver: the KV cache wakes
     on their pages (only what fills no whole page is new memory), generates what it generated on its own memory,
     and the pages are torch's again once the engine sleeps."""
-    from swaprl import kernels
+    from swaprl import vmm
     from swaprl.lending import PageLender
 
     from swaprl.compat import torch as torch_compat
@@ -451,16 +451,16 @@ def test_the_engine_wakes_on_torchs_cached_pages_and_generates_as_on_memory_of_i
         pytest.skip("lending needs torch's expandable segments: run with "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     assert isinstance(engine.lender, PageLender), "lending is on by default on a GPU with the native library"
-    _wake_on_lent_pages(tiny_checkpoint, engine, kernels)
+    _wake_on_lent_pages(tiny_checkpoint, engine, vmm)
 
 
-def _wake_on_lent_pages(tiny_checkpoint, engine, kernels):
+def _wake_on_lent_pages(tiny_checkpoint, engine, vmm):
     model, opt = trainer(tiny_checkpoint)
     rt = swaprl.attach(model, opt, engine)
     sampling = swaprl.Sampling(max_tokens=16, n=2, seed=3)
     torch.cuda.empty_cache()  # nothing to lend: the engine maps memory of its own
     with swaprl.phase("generate"):
-        assert kernels.lent_bytes()[0] == 0
+        assert vmm.lent_mapped_bytes()[0] == 0
         reference = rt.engine.generate(PROBE, sampling)
     with swaprl.phase("train"):
         freed = torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")
@@ -468,13 +468,13 @@ def _wake_on_lent_pages(tiny_checkpoint, engine, kernels):
     torch.cuda.synchronize()
     free0 = _free()
     with swaprl.phase("generate"):
-        lent = kernels.lent_bytes()[0]
+        lent = vmm.lent_mapped_bytes()[0]
         assert lent >= engine.kv_cache_bytes - 64 * MiB, (lent, engine.kv_cache_bytes)
         awake = rt.status()["engine"]
         woke = awake["weights_bytes"] + awake["kv_cache_bytes"] + awake.get("other_pooled_bytes", 0)
         assert free0 - _free() <= woke - lent + 64 * MiB, (free0 - _free(), woke, lent)  # the driver gave the rest
         assert rt.engine.generate(PROBE, sampling) == reference
-    assert kernels.lent_bytes() == (0, 0) and rt.engine.lender.lent_bytes == 0
+    assert vmm.lent_mapped_bytes() == (0, 0) and rt.engine.lender.lent_bytes == 0
     assert torch.cuda.memory_reserved() >= lent  # the pages went back to torch's cache, not to the driver
 
 

@@ -472,7 +472,7 @@ def startup_runs_in_own_pool(step_out: Callable[[], contextlib.AbstractContextMa
       emptied as soon as it ends;
     - the V2 model runner's kernel warm-up once the KV cache is allocated and the graphs captured
       (`gpu_worker.warmup_kernels`: a prefill and a decode of `max_num_seqs` dummy requests, sampler included), in
-      `warmup_pool` (a `swaprl.kernels.PausablePool`), sealed when the warm-up ends; without one, like the profile
+      `warmup_pool` (a `swaprl.vmm.PausablePool`), sealed when the warm-up ends; without one, like the profile
       run.
 
     Their activations go back to the driver when each ends, where vLLM without swaprl hands the profile run's back

@@ -5,7 +5,7 @@ vLLM's sleep mode releases the weights and the KV cache (its own CuMemAllocator 
 pool, the model runner's persistent buffers, workspaces, the blocks its forward passes left cached: memory the trainer
 needs every step (benchmarks/results/engine_pool_h100 measures it per model).
 
-`OtherMemory` routes those allocations into three `swaprl.kernels.PausablePool`s and pauses them when the engine
+`OtherMemory` routes those allocations into three `swaprl.vmm.PausablePool`s and pauses them when the engine
 sleeps:
 - "graphs": vLLM's global CUDA-graph pool (`compat.vllm.global_graph_pool`); nothing is kept across a pause,
   since a replay writes every intermediate before reading it.
@@ -40,7 +40,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .. import kernels
+from .. import vmm
 from ..compat import vllm as vllm_compat
 
 logger = logging.getLogger(__name__)
@@ -59,14 +59,14 @@ class OtherMemory:
     """The engine's memory outside vLLM's sleep-mode pool, in three pausable pools (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.graphs = kernels.PausablePool("engine graphs", keep="nothing")
-        self.buffers = kernels.PausablePool("engine buffers", keep="allocated")
-        self.warmup = kernels.PausablePool("engine warm-up", keep="allocated")
+        self.graphs = vmm.PausablePool("engine graphs", keep="nothing")
+        self.buffers = vmm.PausablePool("engine buffers", keep="allocated")
+        self.warmup = vmm.PausablePool("engine warm-up", keep="allocated")
         self.stats: dict[str, float] = {}
         self._generated = False  # the first generation ran (routed into the buffer pool)
 
     @property
-    def pools(self) -> tuple[kernels.PausablePool, ...]:
+    def pools(self) -> tuple[vmm.PausablePool, ...]:
         return self.graphs, self.buffers, self.warmup
 
     @contextlib.contextmanager

@@ -29,7 +29,7 @@ What vLLM does not do and this adapter does:
 - vLLM's memory lives in its own CUDA virtual-memory pool that torch's allocator statistics do not see: the engine's
   footprint is measured with `cudaMemGetInfo` around each sleep and wake.
 - vLLM's sleep releases only its weights and KV cache; its CUDA graphs, persistent buffers and workspaces stay on
-  the device. By default, for an engine on one GPU wherever `swaprl.kernels` can be used (`release_other`,
+  the device. By default, for an engine on one GPU wherever `swaprl.vmm` can be used (`release_other`,
   `pools_unavailable`), those live in pausable pools that are released while the engine sleeps and mapped again,
   at the same addresses, before it wakes (`swaprl.engines.other_memory`).
 """
@@ -133,16 +133,16 @@ def unfillable_kv_notice(facts: vllm_compat.EngineFacts, device_total: int | Non
 
 def pools_unavailable(*, built: bool = True, cuda: bool | None = None, tensor_parallel_size: int = 1) -> str | None:
     """Why an engine does not release its graphs and buffers while it sleeps by default (`VLLMEngine(release_other=
-    None)`), or None when it does: an engine swaprl builds, on one CUDA GPU, with `swaprl.kernels` loadable and a
+    None)`), or None when it does: an engine swaprl builds, on one CUDA GPU, with `swaprl.vmm` loadable and a
     vLLM whose profile run swaprl can keep out of the pools. What a planner for this machine should count
     (`plan(..., release_other=pools_unavailable(tensor_parallel_size=tp) is None)`)."""
     if not built:
         return "an engine built elsewhere (llm=) allocated its memory before swaprl could route it"
     if not (torch.cuda.is_available() if cuda is None else cuda):
         return "no CUDA GPU (the pausable pools are CUDA virtual memory)"
-    from .. import kernels
+    from .. import vmm
 
-    why = kernels.unavailable() or vllm_compat.startup_runs_unpatchable()
+    why = vmm.unavailable() or vllm_compat.startup_runs_unpatchable()
     if why is None and tensor_parallel_size > 1:  # NCCL's buffers and the TP ranks' pools: not yet measured
         why = (f"tensor parallelism over {tensor_parallel_size} GPUs is not the default with the pools yet "
                "(release_other=True uses them)")
@@ -158,7 +158,7 @@ class VLLMEngine(Engine):
     a node); every rank must build its engine, with the same arguments. seed: vLLM's seed; under torchrun each
     tensor-parallel group `k` uses `seed + k` (identical within a group, as vLLM requires, distinct across groups).
     release_other: release what the engine allocates outside vLLM's sleep-mode pool (CUDA graphs, buffers,
-    workspaces) while it sleeps, through `swaprl.kernels`' pausable pools (docs/kernels.md). None (the default): on
+    workspaces) while it sleeps, through `swaprl.vmm`' pausable pools (docs/kernels.md). None (the default): on
     for an engine on one GPU wherever they can be used, which `pools_unavailable` tells (under tensor parallelism
     they are not measured yet); True raises naming what is missing where they
     cannot; False keeps those allocations on the device while the engine sleeps. An `llm` built elsewhere allocated
@@ -166,7 +166,7 @@ class VLLMEngine(Engine):
     lend_pages: wake up on the physical pages under torch's free cached blocks, mapped at the engine's addresses,
     instead of torch handing them back to the driver and vLLM creating new ones (`swaprl.lending`, docs/kernels.md);
     the engine's sleep unmaps them and torch finds them still mapped, and the trainer's swapped states come back in
-    torch's pages for the next wake-up to borrow. It needs swaprl's native library (`swaprl.kernels`) and lends
+    torch's pages for the next wake-up to borrow. It needs swaprl's native library (`swaprl.vmm`) and lends
     only what torch's expandable segments hold; a wake-up whose pages fall short wakes on memory of its own. None
     (the default): on wherever it can be (a CUDA GPU, the native library, expandable segments); True raises naming
     what is missing without a GPU or the library, and warns without expandable segments (nothing is lendable then);
@@ -216,11 +216,11 @@ class VLLMEngine(Engine):
             raise RuntimeError("release_other=True needs a CUDA GPU (the pausable pools are CUDA virtual memory); "
                                "pass release_other=False on this machine")
         if built and release_other:
-            from .. import kernels
+            from .. import vmm
 
-            why = kernels.unavailable()
+            why = vmm.unavailable()
             if why is not None:
-                raise RuntimeError(f"{why}. Build it with `python -m swaprl.kernels`, or pass release_other=False "
+                raise RuntimeError(f"{why}. Build it with `python -m swaprl.vmm`, or pass release_other=False "
                                    "to keep the engine's graphs and buffers on the device while it sleeps")
             from .other_memory import OtherMemory
 
@@ -247,19 +247,19 @@ class VLLMEngine(Engine):
                 raise
         self.lender = None  # swaprl.lending.PageLender, when the engine wakes on torch's cached pages
         if lend_pages is None and self.cuda:
-            from .. import kernels
+            from .. import vmm
 
-            why = kernels.unavailable() or (None if torch_compat.expandable_segments() else
+            why = vmm.unavailable() or (None if torch_compat.expandable_segments() else
                                             "torch's expandable segments are off")
             lend_pages = why is None
             if why is not None:
                 logger.info("the engine wakes on memory of its own, not on torch's cached pages: %s", why)
         if lend_pages:
-            from .. import kernels
+            from .. import vmm
 
-            why = kernels.unavailable()
+            why = vmm.unavailable()
             if why is not None:
-                raise RuntimeError(f"{why}. Build it with `python -m swaprl.kernels`, or pass lend_pages=False")
+                raise RuntimeError(f"{why}. Build it with `python -m swaprl.vmm`, or pass lend_pages=False")
             from ..lending import PageLender
 
             self.lender = PageLender(torch.cuda.current_device())
@@ -477,10 +477,10 @@ class VLLMEngine(Engine):
         lent_back = lent0 - self._lent()
         if self.lender is not None:
             self.lender.give_back()
-            from .. import kernels
+            from .. import vmm
 
-            if any(kernels.lent_bytes()):  # every lent range unmapped with the engine's sleep
-                logger.warning("the engine sleeps with %s bytes still lent (pages, own)", kernels.lent_bytes())
+            if any(vmm.lent_mapped_bytes()):  # every lent range unmapped with the engine's sleep
+                logger.warning("the engine sleeps with %s bytes still lent (pages, own)", vmm.lent_mapped_bytes())
         self.stats["freed_bytes"] = self._free() - free0 + lent_back
         logger.debug("the engine slept in %.3f s: %.3f s releasing torch's cache, %.3f s vLLM's sleep, %.3f s after",
                      time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)
@@ -698,9 +698,9 @@ class VLLMEngine(Engine):
         """Bytes of torch's pages lent to the engine now."""
         if self.lender is None:
             return 0
-        from .. import kernels
+        from .. import vmm
 
-        return kernels.lent_bytes()[0]
+        return vmm.lent_mapped_bytes()[0]
 
     def _free(self, *, settled: bool = False) -> int:
         """The device's free bytes. `settled`: after handing torch's cached free blocks back to the driver first, as

@@ -197,7 +197,7 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     engine_max_batched_tokens, engine_max_seqs: vLLM's max_num_batched_tokens and max_num_seqs (its defaults on
         GPUs of 70 GiB or more); they size the engine's profile run. cuda_graphs: False for enforce_eager.
     release_other: the engine releases its graphs and buffers while it sleeps (VLLMEngine's `release_other`,
-        swaprl.kernels): `train` then counts only what its pools cannot release.
+        swaprl.vmm): `train` then counts only what its pools cannot release.
     processes_per_gpu: 1 when the engine lives in the trainer's process (vLLM's external_launcher), 2 otherwise.
     gpu_utilization_cap: the share of each GPU's memory `train` may fill (headroom for allocator fragmentation).
     engine_reserve_bytes: what the engine leaves free in `generate` (VLLMEngine's `reserve_bytes`; default its own

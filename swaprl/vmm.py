@@ -1,8 +1,8 @@
 """Pausable device memory: a torch memory pool whose physical memory is released and restored at the same addresses.
 
-    from swaprl import kernels
-    if kernels.available():
-        pool = kernels.PausablePool("engine", keep="allocated")
+    from swaprl import vmm
+    if vmm.available():
+        pool = vmm.PausablePool("engine", keep="allocated")
         with pool.use():                       # allocations on this thread go to the pool
             x = torch.ones(1 << 20, device="cuda")
         pool.pause()                           # device memory released; x's bytes kept on the host
@@ -10,7 +10,7 @@
 
 The native part is `kernels/vmm_pool.cpp` (C++ against the CUDA driver's virtual-memory API; its header says how it
 works and why it is bound this way). It is compiled on first use with the host C++ compiler into
-`~/.cache/swaprl/kernels` (or `SWAPRL_CACHE_DIR`), keyed by the source's hash; `python -m swaprl.kernels` builds it
+`~/.cache/swaprl/kernels` (or `SWAPRL_CACHE_DIR`), keyed by the source's hash; `python -m swaprl.vmm` builds it
 ahead and prints what it found. It needs `cuda.h` (a CUDA toolkit, found through `CUDA_HOME`, `/usr/local/cuda`
 or the one Triton ships) and, to load, the CUDA driver. Without them `available()` is False and `unavailable()`
 says why; everything else in swaprl works as without the pool (the engine then keeps its CUDA graphs and buffers on
@@ -374,7 +374,7 @@ def unlend(dst: int, device: int) -> bool:
     return rc == 0
 
 
-def lent_bytes() -> tuple[int, int]:
+def lent_mapped_bytes() -> tuple[int, int]:
     """Bytes of torch's pages mapped at lent ranges, and bytes created for what those ranges hold past their last
     whole page; (0, 0) when the library is not loaded."""
     if "lib" not in _state:
@@ -384,10 +384,10 @@ def lent_bytes() -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m swaprl.kernels`: build the native pool and say whether it loads here."""
+    """`python -m swaprl.vmm`: build the native pool and say whether it loads here."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m swaprl.kernels", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m swaprl.vmm", description=main.__doc__)
     parser.add_argument("--out", type=Path, help="directory to build into (default: the cache)")
     parser.add_argument("--force", action="store_true", help="rebuild even if built already")
     args = parser.parse_args(argv)

@@ -25,10 +25,11 @@ from .verify import SyncReport, Verifier, raise_if_failed
 logger = logging.getLogger(__name__)
 
 
-class SharedWeights:
-    """An engine that generates with the trainer's own parameters: nothing to wake, sync or prove at a switch."""
+class EngineLink:
+    """What each switch asks of an engine, for the kind of engine it is: nothing, in this base (an engine that
+    holds nothing of its own)."""
 
-    def __init__(self, engine: Engine, model: torch.nn.Module, config: SwapConfig, **_) -> None:
+    def __init__(self, engine: Engine, model: torch.nn.Module, config: SwapConfig) -> None:
         self.engine, self.model, self.config = engine, model, config
         self.sleep_level = 1 if config.sleep_level == "auto" else int(config.sleep_level)
         self.verifier: Verifier | None = None
@@ -63,13 +64,18 @@ class SharedWeights:
         return 0
 
     def verify_sync(self, cycle: int, prompts: list[list[int]] | None) -> SyncReport:
+        """Check the engine now (`Runtime.verify_sync`)."""
         if self.verifier is None:
             self.verifier = Verifier(self.model, self.engine, bounds=self.config.verify_tolerance)
         self.verifier.check_weights(cycle)
         return self.verifier.add_mismatch(prompts)
 
 
-class OwnWeights(SharedWeights):
+class SharedWeights(EngineLink):
+    """An engine that generates with the trainer's own parameters: nothing to wake, sync or prove at a switch."""
+
+
+class OwnWeights(EngineLink):
     """An engine holding a copy of the weights of its own: asleep in `train`, woken, synced and proved in
     `generate`. `kept_on_device()`: the optimizer states' bytes the placement keeps on the device while generating
     (an out-of-memory wake-up names them); `emit(event)` reports the check to the runtime's listeners."""
@@ -192,7 +198,8 @@ def unmeasurable(engine: Engine) -> str | None:
 
 
 def link(engine: Engine, model: torch.nn.Module, config: SwapConfig, *, kept_on_device: Callable[[], int],
-         emit: Callable[[dict], None]) -> SharedWeights:
+         emit: Callable[[dict], None]) -> EngineLink:
     """The link for `engine`'s kind."""
-    kind = SharedWeights if engine.shares_trainer_weights else OwnWeights
-    return kind(engine, model, config, kept_on_device=kept_on_device, emit=emit)
+    if engine.shares_trainer_weights:
+        return SharedWeights(engine, model, config)
+    return OwnWeights(engine, model, config, kept_on_device=kept_on_device, emit=emit)

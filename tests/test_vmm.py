@@ -1,4 +1,4 @@
-"""swaprl.kernels: the pausable device memory pool (kernels/vmm_pool.cpp), for real on the GPU machine.
+"""swaprl.vmm: the pausable device memory pool (kernels/vmm_pool.cpp), for real on the GPU machine.
 
 On a CPU machine: the source builds where a compiler and cuda.h are present and exports its entry points, and
 without a GPU the pool says why it cannot be used (and the engine refuses `release_other=True`). On the GPU: memory
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swaprl import kernels
+from swaprl import vmm
 
 MiB = 2**20
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -30,11 +30,11 @@ def _free() -> int:
 
 
 def test_the_source_builds_and_exports_every_entry_point(tmp_path):
-    if kernels.cuda_include_dir() is None or shutil.which("g++") is None or shutil.which("nm") is None:
+    if vmm.cuda_include_dir() is None or shutil.which("g++") is None or shutil.which("nm") is None:
         pytest.skip("needs g++, nm and cuda.h (CUDA_HOME, /usr/local/cuda or Triton's copy)")
-    lib = kernels.build(tmp_path)
+    lib = vmm.build(tmp_path)
     assert lib.parent == tmp_path / "kernels" and lib.exists()
-    assert kernels.build(tmp_path) == lib  # cached by the source's hash
+    assert vmm.build(tmp_path) == lib  # cached by the source's hash
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
                              check=True).stdout
     names = {line.split()[-1] for line in symbols.splitlines()}
@@ -45,17 +45,17 @@ def test_the_source_builds_and_exports_every_entry_point(tmp_path):
 
 
 def test_a_build_without_the_header_names_the_fix(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernels, "cuda_include_dir", lambda: None)
+    monkeypatch.setattr(vmm, "cuda_include_dir", lambda: None)
     with pytest.raises(RuntimeError, match="cuda.h not found .* CUDA_HOME"):
-        kernels.build(tmp_path, force=True)
+        vmm.build(tmp_path, force=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
 def test_without_a_gpu_the_pool_is_unavailable_and_says_why():
-    assert not kernels.available()
-    assert "no CUDA device" in kernels.unavailable()
+    assert not vmm.available()
+    assert "no CUDA device" in vmm.unavailable()
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        kernels.PausablePool("x")
+        vmm.PausablePool("x")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
@@ -75,7 +75,7 @@ def test_by_default_the_engine_releases_its_graphs_and_buffers_only_where_it_can
     assert "no CUDA GPU" in pools_unavailable()
     assert "built elsewhere" in pools_unavailable(built=False)  # TRL's engine: allocated before swaprl saw it
     # past the GPU check, the library decides (here it cannot load: no CUDA device), then vLLM
-    why = kernels.unavailable()
+    why = vmm.unavailable()
     assert why is not None and pools_unavailable(cuda=True) == why
 
 
@@ -107,12 +107,12 @@ def test_an_engine_that_cannot_start_gives_its_pools_back(tiny_checkpoint):
     for _ in range(3):  # 3 pools each: without them back, the third would find no slot
         with pytest.raises(EngineWakeError):
             VLLMEngine(tiny_checkpoint, enforce_eager=True, reserve_bytes=torch.cuda.mem_get_info()[1])
-    kernels.PausablePool("after").close()
+    vmm.PausablePool("after").close()
 
 
 def test_bad_keep_is_refused():
     with pytest.raises(ValueError, match="keep='all'; use one of allocated, nothing"):
-        kernels.PausablePool("x", keep="all")
+        vmm.PausablePool("x", keep="all")
 
 
 def test_the_wheel_lists_every_package():
@@ -127,9 +127,9 @@ def test_the_wheel_lists_every_package():
 
 @pytest.fixture
 def pool():
-    if not kernels.available():
-        pytest.skip(kernels.unavailable())
-    p = kernels.PausablePool("test")
+    if not vmm.available():
+        pytest.skip(vmm.unavailable())
+    p = vmm.PausablePool("test")
     yield p
     p.close()
 
@@ -188,7 +188,7 @@ def test_a_fill_byte_shows_what_a_pause_dropped_and_leaves_what_it_kept(pool, mo
     """With SWAPRL_POOL_FILL, memory a resume maps but the pause did not keep reads as the byte (NaN for 0xff in
     fp32), so a program that reads dropped memory shows it; kept tensors come back as they were."""
     monkeypatch.setenv("SWAPRL_POOL_FILL", "0xff")
-    dropped = kernels.PausablePool("test dropped", keep="nothing")
+    dropped = vmm.PausablePool("test dropped", keep="nothing")
     try:
         with pool.use():
             kept = torch.arange(4 * MiB, dtype=torch.float32, device="cuda")
@@ -213,14 +213,14 @@ def test_a_fill_byte_shows_what_a_pause_dropped_and_leaves_what_it_kept(pool, mo
 def test_a_fill_that_is_not_a_byte_names_the_fix(monkeypatch):
     monkeypatch.setenv("SWAPRL_POOL_FILL", "nan")
     with pytest.raises(ValueError, match="0-255"):
-        kernels._resume_fill()
+        vmm._resume_fill()
     monkeypatch.setenv("SWAPRL_POOL_FILL", "0x1ff")
     with pytest.raises(ValueError, match="unset it"):
-        kernels._resume_fill()
+        vmm._resume_fill()
     monkeypatch.setenv("SWAPRL_POOL_FILL", "255")
-    assert kernels._resume_fill() == 255
+    assert vmm._resume_fill() == 255
     monkeypatch.delenv("SWAPRL_POOL_FILL")
-    assert kernels._resume_fill() == -1
+    assert vmm._resume_fill() == -1
 
 
 @gpu
@@ -280,9 +280,9 @@ def test_a_pool_cannot_be_sealed_while_it_receives_allocations(pool):
 
 @gpu
 def test_a_graph_captured_in_a_pool_replays_after_200_pauses():
-    if not kernels.available():
-        pytest.skip(kernels.unavailable())
-    scratch = kernels.PausablePool("graph", keep="nothing")
+    if not vmm.available():
+        pytest.skip(vmm.unavailable())
+    scratch = vmm.PausablePool("graph", keep="nothing")
     w = torch.randn(1024, 1024, device="cuda")
     inp = torch.randn(256, 1024, device="cuda")
     stream = torch.cuda.Stream()
@@ -332,8 +332,8 @@ def test_engine_with_cuda_graphs_keeps_almost_nothing_while_asleep(tmp_path, mon
     """The tiny model's engine with CUDA graphs, in processes of their own with and without the pools: while it
     sleeps the report attributes at most 256 MiB to it, the graphs replay after every cycle (the same tokens
     each time), the tokens equal those of the engine without the pools, and every sync's check passes."""
-    if not kernels.available():
-        pytest.skip(kernels.unavailable())
+    if not vmm.available():
+        pytest.skip(vmm.unavailable())
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_engine_pool
 
@@ -355,8 +355,8 @@ def test_under_torchrun_with_a_bound_device_the_sleeping_engine_still_keeps_almo
     examples/grpo.py starts it) makes torch create every new group's NCCL communicator at once; vLLM makes six while
     it starts, which held 1.5 GiB on the H100 while the engine slept (Qwen2.5-0.5B, pools on). Started lazily
     (`compat.torch.lazy_new_groups`), the engine is back under 256 MiB."""
-    if not kernels.available():
-        pytest.skip(kernels.unavailable())
+    if not vmm.available():
+        pytest.skip(vmm.unavailable())
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_engine_pool
 
