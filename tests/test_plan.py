@@ -7,6 +7,8 @@ import pytest
 
 import swaprl.plan as sp
 from swaprl.config import GRAD_POLICIES, PARAM_POLICIES, SwapConfig
+from swaprl.homes import HOMES, by_fractions, totals
+from swaprl.plan.formulas import parameter_elements
 from swaprl.presets import get_preset
 
 GiB = 2**30
@@ -31,6 +33,7 @@ def transformers_parameters(preset: str, layers: int | None = None) -> int:
 def test_the_planners_parameter_count_is_the_transformers_models(preset):
     assert get_preset(preset).num_parameters() == transformers_parameters(preset)
     assert get_preset(preset).num_parameters(2) == transformers_parameters(preset, layers=2)
+    assert sum(parameter_elements(get_preset(preset))) == get_preset(preset).num_parameters()
 
 
 # Small configs of every architecture the planner reads, with the fields that change the count set both ways.
@@ -57,6 +60,8 @@ def test_a_config_json_of_each_architecture_is_counted_as_transformers_builds_it
         model = AutoModelForCausalLM.from_config(config)
     planned = sp.load_model(tmp_path)
     assert planned.num_parameters() == sum(p.numel() for p in model.parameters()), name
+    # the split homes parameters in the optimizer's order: the planner's list of them is transformers' own
+    assert parameter_elements(planned) == [p.numel() for p in model.parameters()], name
     assert sp.main([str(tmp_path), "--cluster", "1xH100", "--prompts", "4", "--prompt-tokens", "32",
                     "--completion-tokens", "32", "--json"]) == 0
 
@@ -137,12 +142,30 @@ def close(actual: float, expected: float, rel: float = 0.01) -> bool:
     return abs(actual - expected) <= rel * abs(expected)
 
 
-def assert_split_fits(p: sp.Plan) -> dict[str, int]:
-    """The three checks of the chosen split, recomputed from the numbers the plan reports; the homes' bytes."""
+def state_sizes(p: sp.Plan) -> list[int]:
+    """Each parameter's states on one GPU, for a plan whose shard degree divides every parameter (as FSDP2 shards
+    72B's over 8 ranks): its elements' share times the bytes per parameter of its states."""
+    per = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1}[p.inputs["optimizer"]] * (
+        4 if p.inputs["optimizer_dtype"] == "float32" else 2) + 4 * p.inputs["master_weights"]
+    elements = parameter_elements(dataclasses.replace(get_preset(p.model), num_hidden_layers=p.layers))
+    shard = p.inputs["shard_degree"]
+    assert all(n % shard == 0 for n in elements)
+    return [n // shard * per for n in elements]
+
+
+def assert_split_fits(p: sp.Plan, *, chosen: bool = True) -> dict[str, int]:
+    """The three checks of the split, recomputed from the numbers the plan reports; the homes' bytes. A split the
+    planner chose (`chosen`) gives each home exactly its fraction of the states; a pinned one whole parameters, each
+    in the home its middle byte falls in, so that each home ends within half the largest parameter of its fraction."""
     homes, split = p.state_bytes, p.settings.optimizer_states
     states, gpn = sum(homes.values()), p.inputs["cluster"]["gpus_per_node"]
     assert set(homes) == set(split) == {"device", "swap", "host"} and abs(sum(split.values()) - 1) < 1e-9
-    assert all(abs(homes[h] - split[h] * states) <= 1 for h in homes) and all(b >= 0 for b in homes.values())
+    assert all(b >= 0 for b in homes.values())
+    tolerance = 1 if chosen else max(state_sizes(p)) / 2
+    edge, held = 0.0, 0
+    for h in HOMES:
+        edge, held = edge + split[h] * states, held + homes[h]
+        assert abs(held - edge) <= tolerance, (h, held, edge)
     # generate: the device home stays on the GPU next to a KV cache of one whole sequence at least
     r = p.inputs["rollout"]
     assert p.gpu["generate"]["optimizer"] == homes["device"]
@@ -207,13 +230,15 @@ def test_72b_on_8xh200_fits_with_bf16_optimizer_states():
     assert swapped.ok and swapped.waves == p.waves == 1 and swapped.kv_cache_bytes > 1.7 * p.kv_cache_bytes
     assert swapped.moved_bytes == 2 * train["optimizer"]
     assert p.verdict.startswith("fits") and "checkpointing=on" in p.verdict
-    # the search: the candidates that stream nothing first, each group from the least moving up; checkpointing off
-    # leaves too little of train for all the states, so those candidates stream and come last
+    # the search: the candidates that stream nothing first, each group from the least moving up, in units of the
+    # largest parameter's states out and back (the embedding's shard: where a home's edge falls moves no more);
+    # checkpointing off leaves too little of train for all the states, so those candidates stream and come last
     assert len(p.candidates) == 24 and p.candidates[0].settings == p.settings
     streams = [c.settings.optimizer_states["host"] > 0 for c in p.candidates]
     assert streams == sorted(streams) and not streams[0]
+    grain = 2 * 152064 * 8192 * 4 // 8
     for group in (False, True):
-        moved = [c.moved_bytes for c, s in zip(p.candidates, streams) if s == group]
+        moved = [round(c.moved_bytes / grain) for c, s in zip(p.candidates, streams) if s == group]
         assert moved == sorted(moved)
     assert all(c.settings.optimizer_states["host"] > 0 for c in p.candidates if not c.settings.activation_checkpointing)
 
@@ -228,12 +253,18 @@ def test_72b_with_fp32_states_fits_one_8xh200_node_keeping_on_the_device_what_a_
     assert close(states, 72.7e9 * 8 / 8)
     assert p.host_budget_bytes == 560 * GiB - (56 * GiB + 8 * 6 * GiB)  # the margin: 10% + 6 GiB per GPU
     assert close(8 * states - p.host_budget_bytes, 85.7 * GiB)  # what the node cannot pin
-    # the host alone would keep 17% on the device; a full wave of the rollout's KV cache leaves room for 62%
+    # the host alone would keep 17% on the device; beside a full wave of the rollout's KV cache and a quarter more,
+    # generate holds the states of the parameters in order up to the first that does not fit: 63% of the bytes
+    sizes = state_sizes(p)
+    room = p.kv_cache_bytes + homes["device"] - 1.25 * 256 * p.kv_bytes_per_token * 1536
+    kept = next(k for k in range(len(sizes)) if sum(sizes[:k + 1]) > room)
+    assert homes == {"device": sum(sizes[:kept]), "swap": sum(sizes[kept:]), "host": 0}
+    assert 0.17 < homes["device"] / states < 0.63 < (homes["device"] + sizes[kept]) / states
     assert homes["host"] == 0 and p.host_pinned_bytes < 0.5 * p.host_budget_bytes
-    assert p.settings.optimizer_states == {"device": 0.62, "swap": 0.38, "host": 0.0}
+    split = {h: n / states for h, n in homes.items()}
+    assert p.settings.optimizer_states == split
     config = p.swap_config()
-    assert config["optimizer_states"] == {"device": 0.62, "swap": 0.38, "host": 0.0}
-    assert SwapConfig(**config).state_split() == config["optimizer_states"]
+    assert config["optimizer_states"] == split and SwapConfig(**config).state_split() == split
     # the KV cache gives up the device share, and still holds the rollout in one wave, with a quarter to spare
     bf16 = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, settings={"optimizer_states": "swap"},
                    optimizer_dtype="bfloat16")
@@ -241,11 +272,12 @@ def test_72b_with_fp32_states_fits_one_8xh200_node_keeping_on_the_device_what_a_
     assert p.kv_cache_bytes >= 1.25 * 256 * p.kv_bytes_per_token * 1536
     assert p.moved_bytes == 2 * homes["swap"]
     # it says so: the split, the KV cache and the bytes per step
-    assert p.verdict.startswith("fits with optimizer states split") and "device=0.62,swap=0.38" in p.verdict
+    assert p.verdict.startswith("fits with optimizer states split")
+    assert f"device={split['device']!r},swap={split['swap']!r};" in p.verdict
     assert f"{p.kv_cache_bytes / GiB:.2f} GiB of KV cache per GPU" in p.verdict
     assert f"{p.moved_bytes / GiB:.2f} GiB per GPU over PCIe per step" in p.verdict
     table = p.table()
-    assert "states    per GPU device 41.98 GiB (0.62), swap 25.73 GiB (0.38), host 0.00 GiB (0.00)" in table
+    assert "states    per GPU device 42.62 GiB (0.63), swap 25.09 GiB (0.37), host 0.00 GiB (0.00)" in table
     assert "fewer than the model's context" not in table  # 500k tokens: any max_model_len fits
     assert f"copies    {p.moved_bytes / GiB:.2f} GiB per GPU per step" in table and "DOES NOT FIT" not in table
     assert sp.Plan.from_json(p.to_json()) == p
@@ -403,11 +435,13 @@ def test_fsdp_trainers_may_stream_their_states_and_bad_homes_name_the_fix():
 def test_a_pinned_split_is_planned_as_given():
     split = {"device": 0.25, "swap": 0.5, "host": 0.25}
     p = sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT, settings={"optimizer_states": split})
-    homes = assert_split_fits(p)
+    homes = assert_split_fits(p, chosen=False)
     assert p.settings.optimizer_states == split and p.swap_config()["optimizer_states"] == split
     assert all(c.settings.optimizer_states == split for c in p.candidates)
     assert p.inputs["pinned_settings"] == {"optimizer_states": split}
-    assert homes["device"] == round(0.25 * sum(homes.values())) and homes["host"] == round(0.25 * sum(homes.values()))
+    # the bytes the runtime puts in each home: whole parameters, each where its middle byte falls
+    sizes = state_sizes(p)
+    assert homes == totals(sizes, by_fractions(sizes, split))
     assert "optimizer_states=device=0.25,swap=0.5,host=0.25" in p.verdict
 
 
@@ -498,6 +532,37 @@ def test_a_share_of_a_node_uses_all_three_homes_and_every_candidate_is_a_swapcon
     for c in p.candidates:
         config = SwapConfig(**c.settings.swap_config())
         assert config.state_split() == c.settings.optimizer_states
+
+
+def test_the_printed_split_gives_the_runtime_the_homes_the_planner_chose():
+    """The planner decides whole parameters' homes (`homes.decide`) and prints their fractions; the runtime reads
+    them back (`parse_optimizer_states`, `SwapConfig`) and homes each rank's FSDP2 shards by the middle-byte rule
+    (`homes.by_fractions` on the parameters' bytes): the same parameters land in the same homes, to the byte."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from swaprl.checkpoints import hf_config
+    from swaprl.config import format_optimizer_states, parse_optimizer_states
+
+    share = dataclasses.replace(sp.get_cluster("8xH200"), gpus_per_node=2, host_memory_bytes=140 * GiB)
+    plans = [sp.plan("qwen2.5-72b", cluster="8xH200", tp=4, rollout=ROLLOUT),
+             sp.plan("qwen2.5-72b", cluster=share, layers=20, rollout=ROLLOUT)]
+    for p in plans:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config("qwen2.5-72b", layers=p.layers), dtype=torch.bfloat16)
+        shard = p.inputs["shard_degree"]
+        # rank 0's shard of each parameter, as FSDP2 cuts them: dim 0 in `shard` chunks
+        local = [-(-q.shape[0] // shard) * q[0].numel() * q.element_size() for q in model.parameters()]
+        printed = format_optimizer_states(p.swap_config()["optimizer_states"])
+        assert f"optimizer_states={printed}" in p.settings.describe() and printed in p.settings.label()
+        split = SwapConfig(optimizer_states=parse_optimizer_states(printed)).state_split()
+        # every digit of the fractions comes back: an edge after a small parameter (a norm, a bias) would move it
+        # into the next home were the fraction rounded by more than half of it
+        assert split == p.settings.optimizer_states
+        runtime = by_fractions(local, split)
+        # the homes are runs in order: the same bytes in each are the same parameters
+        assert totals(state_sizes(p), runtime) == p.state_bytes, p.inputs["cluster"]["gpus_per_node"]
+    assert all(plans[1].state_bytes.values())  # all three homes, two edges to get right
 
 
 def test_small_models_keep_their_states_on_the_device_unless_the_rollout_needs_the_room():

@@ -15,6 +15,7 @@ from .formulas import (
     copies,
     home_bytes,
     kv_bytes_per_token,
+    largest_state_bytes,
     phase_bytes,
     pinned_bytes,
     sequences_per_engine,
@@ -98,9 +99,14 @@ def _search(s: Spec) -> tuple[Settings | None, Settings, dict, list[Candidate]]:
         results.append((st, ev, Candidate(settings=st, moved_bytes=ev["moved"], fits=ev["fits"],
                                           overflow_bytes=ev["overflow"], verdict=ev["verdict"])))
 
+    # The homes end at parameters' edges: traffic that differs by less than the largest parameter's states out and
+    # back is where an edge fell, not a difference between the settings, which the axes' order then decides.
+    grain = 2 * largest_state_bytes(s)
+
     def key(result: tuple) -> tuple:
         st, ev, _ = result
-        return (st.optimizer_states["host"] > 0, ev["moved"], CHECKPOINTING.index(st.activation_checkpointing),
+        return (st.optimizer_states["host"] > 0, round(ev["moved"] / grain),
+                CHECKPOINTING.index(st.activation_checkpointing),
                 GRADS.index(st.grads), PARAM_POLICIES.index(st.params), SLEEP_LEVELS.index(st.sleep_level))
 
     results.sort(key=key)
