@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-dtype", help="default: the param dtype")
     parser.add_argument("--optimizer-dtype", default="float32")
     parser.add_argument("--master-weights", action="store_true",
-                        help="fp32 master copy of the bf16 parameters, kept with the states in host memory "
-                             "(SwapConfig(master_weights=True))")
+                        help="fp32 master copy of the bf16 parameters, kept with their states in the homes the split "
+                             "gives them (SwapConfig(master_weights=True))")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(STATES_PER_PARAMETER))
     parser.add_argument("--compute-dtype", default="bfloat16")
     parser.add_argument("--engine-dtype", default="bfloat16")

@@ -84,8 +84,6 @@ def _candidates(s: Spec) -> list[Settings]:
     values = [(pinned[k],) if k in pinned else v for k, v in axes.items()]
     points = [Settings(grads=g, params=p, sleep_level=lvl, activation_checkpointing=ac)
               for g, p, lvl, ac in itertools.product(*values)]
-    if s.master_weights:  # the runtime keeps the fp32 masters and their states in host memory, nowhere else
-        pinned.setdefault("optimizer_states", {"device": 0.0, "swap": 0.0, "host": 1.0})
     return [dataclasses.replace(st, optimizer_states=pinned.get("optimizer_states") or choose_split(s, st))
             for st in points]
 
