@@ -84,6 +84,32 @@ def test_the_commands_a_new_user_types_answer(tmp_path, capsys):
     assert "reads no hub" in capsys.readouterr().err
 
 
+def test_tp_auto_picks_the_size_with_the_lowest_predicted_step_cost():
+    """`--tp auto` plans every size and keeps the fitting one whose step costs least by §Cost: the rollout's decode
+    (each step reads one rank's weights and its sequences' KV cache at the GPU's memory bandwidth), the PCIe copies
+    and the weight sync. For 72B on 8xH200 every size from 2 fits the rollout in one wave; TP 8 reads the least
+    weights per rank, and its smaller engine weights leave the most room for states on the device."""
+    auto = sp.plan("qwen2.5-72b", cluster="8xH200", rollout=ROLLOUT)
+    sizes = {tp: sp.plan("qwen2.5-72b", cluster="8xH200", tp=tp, rollout=ROLLOUT)
+             for tp in (1, 2, 4, 8)}
+    fitting = {tp: p for tp, p in sizes.items() if p.ok}
+    assert set(fitting) == {2, 4, 8} and all(p.waves == 1 for p in fitting.values())
+    for tp, p in fitting.items():  # the cost recomputed from what each plan reports
+        weights, bandwidth = p.gpu["generate"]["engine_weights"], 4.8e12  # the H200 datasheet's
+        kv_read = p.sequences_per_engine * p.kv_bytes_per_token * (512 + 1024 / 2)
+        assert p.step_cost["decode_s"] == pytest.approx(1024 * (p.waves * weights + kv_read) / bandwidth)
+        assert p.step_cost["copies_s"] == p.copy_seconds and p.step_cost["sync_s"] == 2 * weights / bandwidth
+        assert p.step_cost["total_s"] == pytest.approx(sum(v for k, v in p.step_cost.items() if k != "total_s"))
+    cheapest = min(fitting, key=lambda tp: fitting[tp].step_cost["total_s"])
+    assert auto.inputs["tp_auto"]["chosen"] == auto.inputs["tp"] == cheapest == 8
+    assert auto.step_cost == fitting[8].step_cost and auto.settings == fitting[8].settings
+    why = auto.inputs["tp_auto"]["why"]
+    assert why.startswith("tp=8: of the sizes that fit, the lowest predicted step cost")
+    assert all(term in why for term in ("rollout decode", "PCIe copies", "weight sync"))
+    assert f"tp=4 fits, 37.5 GiB of KV per GPU, one wave, {fitting[4].step_cost['total_s']:.2f} s" in auto.table()
+    assert "cost      " in auto.table() and sizes[1].step_cost is None
+
+
 @pytest.mark.parametrize("config, message", [
     ([1, 2], "holds a list"),
     ({"model_type": "llama", "hidden_size": "4096"}, "hidden_size='4096'"),

@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-memory-gib", type=float)
     parser.add_argument("--shard-degree", type=int, help="FSDP shard degree (default: all GPUs)")
     parser.add_argument("--tp", type=_tp, default="auto",
-                        help="vLLM tensor-parallel size, or auto (the default): the size that fits with the fewest "
-                             "rollout waves, the smallest of those")
+                        help="vLLM tensor-parallel size, or auto (the default): of the sizes that fit, the one with the "
+                             "lowest predicted step cost (docs/plan.md, Cost)")
     parser.add_argument("--layers", type=int, help="cut the model to this many layers")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per step, global (default 64)")
     parser.add_argument("--completions", type=int, default=8, help="completions per prompt (default 8)")

@@ -307,3 +307,19 @@ def copies(s: Spec, st: Settings, homes: dict[str, int]) -> tuple[int, float]:
     rate = s.cluster.copy_bytes_per_s
     return switches + 2 * homes["host"], switches / rate + homes["host"] / rate
 
+
+
+def step_cost(s: Spec, st: Settings, homes: dict[str, int], waves: int) -> dict[str, float]:
+    """§Cost: the predicted seconds of the parts of a step that differ between the plans `--tp auto` and
+    `--precision auto` compare, to rank them (not a step time): the rollout's decode, each step reading one engine
+    rank's weights and its running sequences' KV cache at the GPU's memory bandwidth; the PCIe copies (`copies`);
+    the weight sync, one copy of the rank's engine weights on the device."""
+    r, bandwidth = s.rollout, s.cluster.memory_bandwidth_bytes_per_s
+    weights = engine_weight_bytes(s)
+    kv_token = kv_bytes_per_token(s.model, s.tp, dtype_bytes(s.kv_dtype)[1])
+    # each completion token's step reads the weights once per wave, and the KV cache of the wave's sequences at
+    # their length then: over a completion, the prompt and half the completion on average
+    kv_read = sequences_per_engine(s) * kv_token * (r.prompt_tokens + r.completion_tokens / 2)
+    decode = r.completion_tokens * (waves * weights + kv_read) / bandwidth
+    terms = {"decode_s": decode, "copies_s": copies(s, st, homes)[1], "sync_s": 2 * weights / bandwidth}
+    return {**terms, "total_s": sum(terms.values())}

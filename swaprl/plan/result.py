@@ -14,6 +14,12 @@ from .inputs import Settings
 _TABLE_CANDIDATES = 6  # candidates a table lists when none fits (JSON has all)
 
 
+def describe_cost(cost: dict[str, float]) -> str:
+    """A step cost's terms in words (§Cost)."""
+    return (f"{cost['total_s']:.2f} s = rollout decode {cost['decode_s']:.2f} s + PCIe copies "
+            f"{cost['copies_s']:.2f} s + weight sync {cost['sync_s']:.2f} s")
+
+
 @dataclass(kw_only=True, slots=True)
 class Candidate:
     """The verdict on one point of the search space."""
@@ -75,6 +81,10 @@ class Plan:
     """The verdict of the same step with fp32 master weights (fp32 parameters and gradients, FSDP2's
     MixedPrecisionPolicy computing in bf16: 16 bytes per parameter with AdamW), when the trainer's parameters are
     below fp32 and it keeps no master copy; None otherwise (§Trainer state)."""
+    step_cost: dict[str, float] | None = None
+    """The predicted seconds that rank this plan against the other sizes and precisions (§Cost): "decode_s" (the
+    rollout's decode at the GPU's memory bandwidth), "copies_s" (`copy_seconds`), "sync_s" (the weight sync on the
+    device) and their "total_s"; None when nothing fits. A ranking, not a step time."""
 
     @property
     def ok(self) -> bool:
@@ -173,7 +183,9 @@ class Plan:
                   *short_context,
                   (f"copies    {gib(self.moved_bytes)} GiB per GPU per step, both ways ({gib(streamed)} of it "
                    f"streamed by the optimizer step): {self.copy_seconds:.2f} s at "
-                   f"{c['copy_bytes_per_s'] / 1e9:.0f} GB/s"), ""]
+                   f"{c['copy_bytes_per_s'] / 1e9:.0f} GB/s"),
+                  *([f"cost      {describe_cost(self.step_cost)} (a prediction that ranks plans, not a step time)"]
+                    if self.step_cost else []), ""]
         chosen = next((k for k, cand in enumerate(self.candidates) if cand.settings == self.settings), None)
         if chosen is not None:
             shown = self.candidates[:chosen + 1]

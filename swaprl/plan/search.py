@@ -21,11 +21,12 @@ from .formulas import (
     sequences_per_engine,
     staging_bytes,
     state_bytes_per_param,
+    step_cost,
 )
 from .hardware import CLUSTERS, Cluster, GiB, get_cluster, gib
 from .inputs import CHECKPOINTING, GRADS, SLEEP_LEVELS, Rollout, Settings, Spec, divisors
 from .model import dtype_bytes, load_model
-from .result import Candidate, Plan
+from .result import Candidate, Plan, describe_cost
 
 _HOST_MARGIN_FRACTION = 0.10  # of host memory kept for the OS, page cache and data
 _HOST_MARGIN_PER_GPU = 6 * GiB  # resident memory of one GPU process (torch, CUDA libraries, vLLM, tokenizer)
@@ -190,7 +191,7 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
         accelerate's FSDP2 wraps TRL's model) or "split" (the embedding and an untied lm_head as units of their own:
         `swaprl.distributed.shard_causal_lm`, the examples'); it sets the unsharded working set (§Activations).
     tp: vLLM tensor-parallel size (inside one node), or "auto" (the default): of the sizes the node and the model
-        allow, the one that fits with the fewest rollout waves, the smallest of those; `inputs["tp_auto"]` says
+        allow, the one that fits with the lowest predicted step cost (§Cost); `inputs["tp_auto"]` says
         what each size gave (§Search).
     param_dtype, grad_dtype (default: param_dtype), optimizer_dtype: dtypes of the trainer's parameter shards,
         gradients and optimizer states; master_weights adds an fp32 copy of low-precision parameters.
@@ -261,8 +262,9 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
 
 
 def _auto_tp(fields: dict) -> Plan:
-    """§Search: plan every tensor-parallel size the node and the model allow; keep the one that fits with the fewest
-    rollout waves (the smallest of those), or, when none fits, the closest miss; say what each gave."""
+    """§Search: plan every tensor-parallel size the node and the model allow; keep the one that fits with the lowest
+    predicted step cost (§Cost; the smaller size at equal cost), or, when none fits, the closest miss; say what each
+    gave."""
     plans, tried = {}, {}
     Spec(tp=1, **fields)  # what is wrong whatever the size (one rank always splits the heads): said as it is
     for tp in divisors(fields["cluster"].gpus_per_node):
@@ -274,16 +276,16 @@ def _auto_tp(fields: dict) -> Plan:
         plans[tp] = _build(spec, suggest=False)
         p = plans[tp]
         tried[tp] = (f"fits, {p.kv_cache_bytes / GiB:.1f} GiB of KV per GPU, "
-                     f"{'one wave' if p.waves == 1 else f'{p.waves} waves'}" if p.ok else "does not fit")
+                     f"{'one wave' if p.waves == 1 else f'{p.waves} waves'}, {p.step_cost['total_s']:.2f} s"
+                     if p.ok else "does not fit")
     if not plans:
         raise ValueError(f"no tensor-parallel size fits the model on {fields['cluster'].gpus_per_node} GPUs a node: "
                          + "; ".join(f"tp={t}: {why}" for t, why in tried.items()))
     fitting = [t for t, p in plans.items() if p.ok]
     if fitting:
-        chosen = min(fitting, key=lambda t: (plans[t].waves or float("inf"), t))
-        why = (f"tp={chosen}: the smallest size that fits with the fewest rollout waves"
-               + (f" (tp={min(fitting)} fits too, in {plans[min(fitting)].waves} waves)" if chosen != min(fitting)
-                  else ""))
+        chosen = min(fitting, key=lambda t: (plans[t].step_cost["total_s"], t))
+        why = (f"tp={chosen}: of the sizes that fit, the lowest predicted step cost, "
+               f"{describe_cost(plans[chosen].step_cost)}")
         result = _build(Spec(tp=chosen, **fields))  # with the fp32-master line of the chosen size
     else:
         chosen = min(plans, key=lambda t: sum(next(c.overflow_bytes for c in plans[t].candidates
@@ -335,9 +337,11 @@ def _build(s: Spec, *, suggest: bool = True) -> Plan:
     if chosen is not None:
         verdict = _fit_summary(s, chosen, ev)
         suggestions = []
+        cost = step_cost(s, chosen, ev["homes"], waves)
     else:
         verdict = f"nothing fits; closest: {shown.describe()}: {ev['verdict']}"
         suggestions = _suggestions(s) if suggest else []
+        cost = None
     m = s.model
     inputs = {
         "cluster": dataclasses.asdict(s.cluster), "rollout": dataclasses.asdict(s.rollout),
@@ -360,5 +364,5 @@ def _build(s: Spec, *, suggest: bool = True) -> Plan:
                 kv_cache_bytes=ev["kv_room"], kv_bytes_per_token=ev["kv_token"], concurrent_sequences=ev["concurrent"],
                 sequences_per_engine=per_engine, waves=waves, state_bytes=ev["homes"], moved_bytes=ev["moved"],
                 copy_seconds=ev["seconds"], candidates=candidates, verdict=verdict, suggestions=suggestions,
-                full_precision=_full_precision(s) if suggest else None)
+                full_precision=_full_precision(s) if suggest else None, step_cost=cost)
 
