@@ -20,6 +20,15 @@ def describe_cost(cost: dict[str, float]) -> str:
             f"{cost['copies_s']:.2f} s + weight sync {cost['sync_s']:.2f} s")
 
 
+def describe_precision(inputs: dict) -> str:
+    """How the trainer keeps its weights, in words (§Trainer state)."""
+    if inputs["master_weights"]:
+        return f"{inputs['param_dtype']} parameters, an fp32 master copy of each kept with its states"
+    if inputs["param_dtype"] == "float32":
+        return f"fp32 parameter shards and {inputs['grad_dtype']} gradients, {inputs['compute_dtype']} compute"
+    return f"{inputs['param_dtype']} parameters updated in place, no fp32 copy"
+
+
 @dataclass(kw_only=True, slots=True)
 class Candidate:
     """The verdict on one point of the search space."""
@@ -85,6 +94,9 @@ class Plan:
     """The predicted seconds that rank this plan against the other sizes and precisions (§Cost): "decode_s" (the
     rollout's decode at the GPU's memory bandwidth), "copies_s" (`copy_seconds`), "sync_s" (the weight sync on the
     device) and their "total_s"; None when nothing fits. A ranking, not a step time."""
+    precision: str | None = None
+    """How the trainer keeps its weights (§Trainer state): "master-weights", "fp32-params" or "bf16" (in
+    `inputs["precision"]` too; `inputs["precision_auto"]` says why, when `precision="auto"` chose it)."""
 
     @property
     def ok(self) -> bool:
@@ -125,6 +137,13 @@ class Plan:
         r = i["rollout"]
         # The answer first, in one line; then why (the tensor-parallel size chosen, the changes that would fit).
         lines = [f"verdict   {self.verdict}"]
+        if "precision_auto" in i:
+            lines.append(f"precision auto: {i['precision_auto']['why']}; "
+                         + ", ".join(i["precision_auto"]["tried"].values()))
+        elif self.precision:
+            lines.append(f"precision {self.precision} (as asked): {describe_precision(i)}" + (
+                "; updates below the parameters' resolution are lost (RL at lr ~1e-6 needs --precision auto)"
+                if self.precision == "bf16" else ""))
         if "tp_auto" in i:
             lines.append(f"tp        auto: {i['tp_auto']['why']}; " + ", ".join(
                 f"tp={t} {what}" for t, what in i["tp_auto"]["tried"].items()))
