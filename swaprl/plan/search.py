@@ -334,11 +334,14 @@ def _auto_precision(plans: dict[str, Plan], suggest: Callable[[str, int], list[s
     if fitting:
         chosen = min(fitting, key=lambda mode: (plans[mode].step_cost["total_s"], PRECISE.index(mode)))
         why = f"{chosen} ({describe_precision(plans[chosen].inputs)}): "
-        if len(fitting) == 1:
+        other = next((mode for mode in fitting if mode != chosen), None)
+        mine, theirs = plans[chosen].step_cost, other and plans[other].step_cost
+        if other is None:
             why += "the only precise mode that fits"
+        elif mine["total_s"] == theirs["total_s"]:
+            why += (f"the precise modes that fit have the same predicted step cost, {mine['total_s']:.2f} s, and "
+                    f"{chosen} comes first at equal cost")
         else:  # the term that sets them apart the most
-            other = next(mode for mode in fitting if mode != chosen)
-            mine, theirs = plans[chosen].step_cost, plans[other].step_cost
             term = max(_COST_TERMS, key=lambda k: theirs[k] - mine[k])
             why += (f"of the precise modes that fit, the lowest predicted step cost, {mine['total_s']:.2f} s against "
                     f"{theirs['total_s']:.2f} s for {other}, mostly in the {_COST_TERMS[term]} ({mine[term]:.2f} s "
