@@ -164,6 +164,22 @@ def test_72b_on_8xh200_tp4_fits_with_fp32_masters_and_16_gib_of_kv_cache(capsys)
     assert all(homes.values()) and p.swap_config()["master_weights"] is True
 
 
+def test_the_docs_quote_what_the_default_command_prints():
+    """docs/plan.md's figures for `swaprl plan qwen2.5-72b --cluster 8xH200` are the ones it prints."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "plan.md").read_text()
+    p = sp.plan("qwen2.5-72b", cluster="8xH200", rollout=ROLLOUT)
+    assert p.precision == "fp32-params" and p.inputs["tp"] == 8
+    intro = doc[doc.index("With the defaults (`--precision auto`"):doc.index("The exit status")]
+    assert f"keeps {p.settings.optimizer_states['device']:.0%}" in intro and "vLLM at TP 8" in intro
+    assert f"{p.kv_cache_bytes / GiB:.2f} GiB of KV cache per GPU" in intro
+    assert f"{p.moved_bytes / GiB:.2f} GiB over PCIe" in intro
+    costs = {tp: sp.plan("qwen2.5-72b", cluster="8xH200", rollout=ROLLOUT, tp=tp).step_cost["total_s"]
+             for tp in (2, 4, 8)}
+    assert f"The predicted costs are {costs[2]:.2f}, {costs[4]:.2f} and {costs[8]:.2f} s." in doc
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"precision": "fp64"}, "precision='fp64'; use one of auto, master-weights, fp32-params, bf16"),
     ({"precision": "bf16", "master_weights": True}, "precision='bf16' but master_weights=True asks for"),
