@@ -87,9 +87,9 @@ class Plan:
     verdict: str
     suggestions: list[str] = field(default_factory=list)
     full_precision: str | None = None
-    """The verdict of the same step with fp32 master weights (fp32 parameters and gradients, FSDP2's
-    MixedPrecisionPolicy computing in bf16: 16 bytes per parameter with AdamW), when the trainer's parameters are
-    below fp32 and it keeps no master copy; None otherwise (§Trainer state)."""
+    """The verdict of the same step with fp32 parameters (fp32 parameters and gradients, FSDP2's
+    MixedPrecisionPolicy computing in bf16: 16 bytes per parameter with AdamW), when the precision is "bf16" (the
+    trainer's parameters below fp32, no master copy); None otherwise (§Trainer state)."""
     step_cost: dict[str, float] | None = None
     """The predicted seconds that rank this plan against the other sizes and precisions (§Cost): "decode_s" (the
     rollout's decode at the GPU's memory bandwidth), "copies_s" (`copy_seconds`), "sync_s" (the weight sync on the

@@ -335,8 +335,9 @@ def _auto_precision(plans: dict[str, Plan], suggest: Callable[[str, int], list[s
         chosen = min(fitting, key=lambda mode: (plans[mode].step_cost["total_s"], PRECISE.index(mode)))
         why = f"{chosen} ({describe_precision(plans[chosen].inputs)}): "
         other = next((mode for mode in fitting if mode != chosen), None)
-        mine, theirs = plans[chosen].step_cost, other and plans[other].step_cost
-        if other is None:
+        mine = plans[chosen].step_cost
+        theirs = plans[other].step_cost if other else None
+        if theirs is None:
             why += "the only precise mode that fits"
         elif mine["total_s"] == theirs["total_s"]:
             why += (f"the precise modes that fit have the same predicted step cost, {mine['total_s']:.2f} s, and "
