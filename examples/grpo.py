@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "of their bytes such as device=0.3,swap=0.3,host=0.4 (what `swaprl plan` prints)")
     ap.add_argument("--master-weights", action="store_true",
                     help="fp32 master weights for the --dtype (bf16) parameters, kept with their fp32 AdamW states "
-                         "in host memory and updated there by the streamed step (SwapConfig.master_weights; "
+                         "in whatever home --optimizer-states gives them (SwapConfig.master_weights; "
                          "`swaprl plan --master-weights`)")
     ap.add_argument("--fp32-params", action="store_true",
                     help="fp32 parameters, and so fp32 AdamW states, with --dtype compute: FSDP2's "

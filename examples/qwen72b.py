@@ -1,8 +1,15 @@
 """Qwen2.5-72B GRPO with swaprl: print the memory plan, refuse if it cannot fit, else run the GRPO loop.
 
 Whatever the machine, the first thing printed is the plan of the target this example stands for: the full model
-on one 8 x H200 node with fp32 AdamW states (`swaprl plan qwen2.5-72b --cluster 8xH200 --tp 4`). Then comes the
-plan of what this machine runs, and the run.
+on one 8 x H200 node, two engines of TP 4, in fp32 precision with fp32 AdamW states (`swaprl plan qwen2.5-72b
+--cluster 8xH200 --tp 4`), with the precise mode the planner picks and why. Then comes the plan of what this machine
+runs, and the run.
+
+It trains in fp32 precision by default, since RL fine-tuning's updates at lr ~1e-6 are mostly lost on bf16
+parameters: the plan compares fp32 master weights beside bf16 parameters (`--master-weights`) with fp32 parameter
+shards under bf16 compute (`--fp32-params`) and the loop runs the one that fits with the lowest predicted step
+cost (docs/plan.md, Cost); either flag pins its mode, and `--bf16-only` trains bf16 parameters and AdamW states
+with no fp32 copy, as this example did before.
 
     python examples/qwen72b.py                          # no GPU: the same loop on the tiny preset, on the CPU
     python examples/qwen72b.py --layers 2               # one GPU: 72B's layer shapes cut to 2 of its 80 layers
@@ -10,8 +17,8 @@ plan of what this machine runs, and the run.
     torchrun --nproc-per-node 8 examples/qwen72b.py --layers 80 --tp 4    # the full model on one 8-GPU node
     torchrun --nproc-per-node 2 examples/qwen72b.py --layers 20 --tp 1 --host-memory-gib 140
         # one GPU's share of that node on two: each GPU holds the engine weights of TP 4 at full depth, 1/8 of the
-        # trainer, and 70 GiB of host memory (add --master-weights for fp32 master weights, kept with the AdamW
-        # states in host memory)
+        # trainer, and 70 GiB of host memory (add --master-weights to pin fp32 master weights, kept with their
+        # AdamW states wherever the plan's split homes them)
 
 The loop is `examples/grpo.py` (colocated vLLM when it is installed and a GPU is present, else the embedded engine):
 prompts -> rollouts -> a verifiable reward -> a policy-gradient step, with `with phase("generate")` and
@@ -41,6 +48,7 @@ import grpo  # noqa: E402  (the loop itself)
 
 from swaprl import plan as planner  # noqa: E402
 from swaprl.config import format_optimizer_states  # noqa: E402
+from swaprl.plan.result import describe_precision  # noqa: E402
 
 
 # The mission: Qwen2.5-72B, full-parameter, trained and served on the same GPUs of one 8-GPU node.
@@ -48,7 +56,7 @@ TARGET = ["qwen2.5-72b", "--cluster", "8xH200", "--tp", "4"]
 
 
 def print_target() -> None:
-    """The target's verdicts (bf16 parameters, then fp32 parameters), in a few lines before this run's plan."""
+    """The target's precision and verdict, in a few lines before this run's plan."""
     parser = argparse.ArgumentParser()
     planner.add_arguments(parser)
     target = planner.from_args(parser.parse_args(TARGET))
@@ -56,10 +64,15 @@ def print_target() -> None:
     print(f"the target: Qwen2.5-72B, all {target.layers} layers, on one 8 x H200 node, vLLM TP 4, "
           f"{r['prompts']} prompts x {r['completions_per_prompt']} completions of {r['prompt_tokens']} + "
           f"{r['completion_tokens']} tokens per step (`swaprl plan {' '.join(TARGET)}` for the whole plan)")
-    print(f"  bf16 parameters, fp32 AdamW states: {target.verdict}")
-    if target.full_precision:
-        print(f"  fp32 parameters (--param-dtype float32): {target.full_precision}")
-    print("\nthis run:")
+    print(f"  precision {why_precision(target)}")
+    print(f"  {target.verdict}")
+
+
+def why_precision(p: planner.Plan, pinned: str | None = None) -> str:
+    """The plan's precision mode and why it is the one: what `--precision auto` found, or the flag that pinned it."""
+    if "precision_auto" in p.inputs:
+        return f"chosen by the plan: {p.inputs['precision_auto']['why']}"
+    return f"{p.precision} ({describe_precision(p.inputs)}), as {pinned or 'asked'}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,13 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="default: 256 on a GPU, 32 on the CPU")
     ap.add_argument("--tp", type=int, default=None,
                     help="vLLM tensor-parallel size under torchrun (default: the GPUs of a node)")
-    ap.add_argument("--master-weights", action="store_true",
-                    help="fp32 master weights of the bf16 parameters, kept with their fp32 AdamW states in host "
-                         "memory and updated there by the streamed step (`swaprl plan --master-weights`; default: "
-                         "bf16 parameters and AdamW states)")
-    ap.add_argument("--fp32-params", action="store_true",
-                    help="fp32 parameter shards (and so fp32 AdamW states) under bf16 compute, on the GPU: 16 bytes "
-                         "per parameter there (`swaprl plan --param-dtype float32`)")
+    precision = ap.add_mutually_exclusive_group()
+    precision.add_argument("--master-weights", action="store_true",
+                           help="pin fp32 master weights of the bf16 parameters, kept with their fp32 AdamW states in "
+                                "the homes the plan's split gives them (`swaprl plan --master-weights`; default: the "
+                                "precise mode the plan picks)")
+    precision.add_argument("--fp32-params", action="store_true",
+                           help="pin fp32 parameter shards (and fp32 AdamW states) under bf16 compute: 16 bytes per "
+                                "parameter with the states (`swaprl plan --param-dtype float32`; default: the "
+                                "precise mode the plan picks)")
+    precision.add_argument("--bf16-only", action="store_true",
+                           help="bf16 parameters and AdamW states updated in place, no fp32 copy: updates below "
+                                "bf16's resolution are lost (`swaprl plan --precision bf16`; what this example "
+                                "trained before fp32 precision)")
     ap.add_argument("--host-memory-gib", type=float, default=None,
                     help="host memory per node to plan for (default: the machine's); each rank's runtime then holds "
                          "at most its share of the plan's pinned budget (SwapConfig.host_budget_bytes)")
@@ -134,21 +153,23 @@ def main(argv: list[str] | None = None) -> int:
     # What the loop does, pinned: the parameters stay on the GPU (FSDP2 shards cannot be swapped), the gradients are
     # freed, activation checkpointing is on; the plan chooses the optimizer states' split and the sleep level.
     pinned = {"params": "keep", "grads": "free", "activation_checkpointing": True}
-    # The loop's compute and parameters: bf16 on a GPU (and under master weights, which are for bf16 parameters)
-    dtype = "bfloat16" if on_gpu or args.master_weights else "float32"
+    # The precision: the plan's precise mode unless a flag pins one; the loop computes in bf16 in every mode.
+    precision = ("master-weights" if args.master_weights else "fp32-params" if args.fp32_params else
+                 "bf16" if args.bf16_only else "auto")
+    pinned_by = next((f"--{flag.replace('_', '-')} pins it" for flag in ("master_weights", "fp32_params", "bf16_only")
+                      if getattr(args, flag)), None)
     # The loop's micro batch is planned too (its activations): the most sequences per forward/backward, up to 8,
     # that the plan fits; the loop then runs with that micro batch.
     for micro in (8, 4, 2, 1):
         the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers, tp=tp, settings=pinned,
                                 fsdp_units="split",  # examples/grpo.py shards with shard_causal_lm
                                 micro_batch_tokens=micro * rollout.sequence_tokens, release_other=release,
-                                param_dtype="float32" if args.fp32_params else dtype,
-                                master_weights=args.master_weights,
-                                optimizer_dtype="float32" if args.master_weights or args.fp32_params else dtype)
+                                precision=precision, optimizer_dtype="bfloat16" if args.bf16_only else "float32")
         if the_plan.ok:
             break
     if rank == 0:
         print_target()
+        print(f"\nthis run: precision {why_precision(the_plan, pinned_by)}")
         print(the_plan.table())
     if not the_plan.ok:
         if rank == 0:
@@ -173,10 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         if step is not None:
             loop += [flag, str(step)]
     chosen = the_plan.swap_config()
-    if chosen.get("master_weights"):
-        loop += ["--master-weights"] + ([] if on_gpu else ["--dtype", "bfloat16"])
-    if args.fp32_params:
-        loop += ["--fp32-params"] + ([] if on_gpu else ["--dtype", "bfloat16"])
+    # the mode the plan chose, as the loop's flags; on the CPU the loop's default dtype is float32
+    loop += {"master-weights": ["--master-weights"], "fp32-params": ["--fp32-params"], "bf16": []}[the_plan.precision]
+    loop += [] if on_gpu else ["--dtype", "bfloat16"]
     budget = the_plan.host_budget_bytes / cluster.gpus_per_node / 2**30  # the ranks of a node share it
     loop += ["--optimizer-states", format_optimizer_states(chosen["optimizer_states"]),
              "--sleep-level", str(chosen["sleep_level"]), "--host-budget-gib", f"{budget:.3f}"]

@@ -288,7 +288,14 @@ def parse_optimizer_states(text: str) -> str | dict[str, float]:
 
 
 def format_optimizer_states(value: str | Mapping[str, float]) -> str:
-    """`value` in the command-line form `parse_optimizer_states` reads, homes holding nothing left out."""
+    """`value` in the command-line form `parse_optimizer_states` reads, homes holding nothing left out. Each
+    fraction is written so that it reads back as the same float: a split the planner chose ends its homes at a
+    parameter's edge, and a rounded fraction could move a small parameter there into the next home."""
     if isinstance(value, str):
         return value
-    return ",".join(f"{home}={fraction:g}" for home, fraction in value.items() if fraction)
+    return ",".join(f"{home}={_exact(fraction)}" for home, fraction in value.items() if fraction)
+
+
+def _exact(fraction: float) -> str:
+    short = f"{fraction:g}"
+    return short if float(short) == fraction else repr(float(fraction))

@@ -108,27 +108,47 @@ def test_qwen72b_example_plans_then_runs_on_the_tiny_preset(tmp_path, capsys):
 
     assert qwen72b.main(["--steps", "2", "--out", str(tmp_path / "q")]) == 0
     out = capsys.readouterr().out
-    # First the target's plan (the full model on one 8 x H200 node, whatever this machine is), then this run's.
-    target = out.index("the target: Qwen2.5-72B, all 80 layers, on one 8 x H200 node")
-    assert "bf16 parameters, fp32 AdamW states: fits" in out and "fp32 parameters (--param-dtype float32):" in out
-    assert target < out.index("this run:") < out.index("model     tiny") < out.index("per GPU (GiB)")
+    # First the target's plan (the full model on one 8 x H200 node, whatever this machine is), with the precise
+    # mode the planner picks for it and why, then this run's.
+    lines = out.splitlines()
+    assert lines[0].startswith("the target: Qwen2.5-72B, all 80 layers, on one 8 x H200 node")
+    assert lines[1].startswith("  precision chosen by the plan: fp32-params (fp32 parameter shards")
+    assert "the lowest predicted step cost" in lines[1] and lines[2].startswith("  fits with")
+    run = out.index("this run: precision chosen by the plan: ")
+    assert run < out.index("model     tiny") < out.index("per GPU (GiB)")
+    # the loop trains in the mode the plan chose: fp32 parameters under bf16 compute
+    metrics = json.loads((tmp_path / "q" / "metrics.json").read_text())
+    chosen = out[run:].split("chosen by the plan: ", 1)[1].split(" ", 1)[0]
+    assert chosen in ("fp32-params", "master-weights")
+    assert metrics["args"]["fp32_params"] == (chosen == "fp32-params")
+    assert metrics["args"]["master_weights"] == (chosen == "master-weights")
+    assert metrics["args"]["dtype"] == "bfloat16"
     assert (tmp_path / "q" / "report" / "report.md").exists()
     sys.modules.pop("grpo", None)
 
 
 def test_qwen72b_example_runs_the_master_weights_its_plan_chose(tmp_path, capsys):
-    """--master-weights means the planner's mode: bf16 parameters, the fp32 masters with the states in host memory;
-    the loop runs exactly that (every step streams the masters and their states)."""
+    """--master-weights pins the planner's mode: bf16 parameters, the fp32 masters with their states in the homes
+    the plan's split gives them; the loop runs exactly that split. --bf16-only is the example's old default."""
     import qwen72b
 
     assert qwen72b.main(["--steps", "2", "--master-weights", "--out", str(tmp_path / "q")]) == 0
     out = capsys.readouterr().out
-    assert "adamw states float32 + fp32 master" in out and "optimizer_states=host" in out
+    assert "this run: precision master-weights (bfloat16 parameters, an fp32 master copy of each kept with its " \
+           "states), as --master-weights pins it" in out
+    assert "adamw states float32 + fp32 master" in out
     metrics = json.loads((tmp_path / "q" / "metrics.json").read_text())
     assert metrics["args"]["master_weights"] and metrics["args"]["dtype"] == "bfloat16"
-    events = [json.loads(line) for line in (tmp_path / "q" / "profile.jsonl").read_text().splitlines()]
-    streamed = [e for e in events if e.get("transition") == "optimizer.step"]
-    assert len(streamed) == 2 and streamed[-1]["h2d_bytes"] == streamed[-1]["d2h_bytes"] > 0
+    settings = out.split("\nsettings  ", 1)[1].split("\n", 1)[0]
+    assert settings.endswith("optimizer_states=device=1")  # the tiny model's states and masters fit the device
+    assert metrics["args"]["optimizer_states"] == {"device": 1.0, "swap": 0.0, "host": 0.0}
+    sys.modules.pop("grpo", None)
+    assert qwen72b.main(["--steps", "1", "--bf16-only", "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "this run: precision bf16 (bfloat16 parameters updated in place, no fp32 copy), as --bf16-only" in out
+    assert "params bfloat16, grads bfloat16, adamw states bfloat16, compute" in out
+    metrics = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert not metrics["args"]["master_weights"] and not metrics["args"]["fp32_params"]
     sys.modules.pop("grpo", None)
 
 

@@ -7,12 +7,15 @@
 `train` (the engine asleep) and `generate` (the engine awake with weights and KV cache). The optimizer states are
 split over three homes: "device" (on the GPU in both phases), "swap" (in pinned host memory for `generate` only)
 and "host" (in pinned host memory in both phases, streamed through the GPU by the optimizer step). For every point
-of the search (gradients, parameters, sleep level, checkpointing) the planner picks the split: on the device what
-the host cannot hold and what `generate` holds beside a full wave of the rollout's KV cache, swapped as much of the
-rest as `train` holds, the remainder streamed. It tries the
+of the search (gradients, parameters, sleep level, checkpointing) the planner homes the states by the runtime's own
+policy (`swaprl.homes`) on the room it predicts: on the device what the host cannot hold and what `generate` holds
+beside a full wave of the rollout's KV cache, swapped as much of the rest as `train` holds, the remainder streamed.
+It tries the
 points from the one that moves the fewest bytes between host and GPU to the most aggressive, those that stream
 nothing first, and picks the first under which both phases and the host fit; when none does, the verdict names the
-phase that overflows, by how much, and the single changes that would make it fit.
+phase that overflows, by how much, and the single changes that would make it fit. By default it plans both precise
+modes (fp32 masters beside bf16 parameters, or fp32 parameter shards) and every tensor-parallel size, and keeps the
+fitting one with the lowest predicted step cost.
 
 Every formula and constant is written out once, in docs/plan.md; the functions below cite its sections (§).
 

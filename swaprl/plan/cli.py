@@ -23,7 +23,7 @@ from .hardware import (
 )
 from .inputs import GRADS, SLEEP_LEVELS, Rollout
 from .result import Plan
-from .search import plan
+from .search import PRECISIONS, plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,20 +40,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-memory-gib", type=float)
     parser.add_argument("--shard-degree", type=int, help="FSDP shard degree (default: all GPUs)")
     parser.add_argument("--tp", type=_tp, default="auto",
-                        help="vLLM tensor-parallel size, or auto (the default): the size that fits with the fewest "
-                             "rollout waves, the smallest of those")
+                        help="vLLM tensor-parallel size, or auto (the default): of the sizes that fit, the one with "
+                             "the lowest predicted step cost (docs/plan.md, Cost)")
     parser.add_argument("--layers", type=int, help="cut the model to this many layers")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per step, global (default 64)")
     parser.add_argument("--completions", type=int, default=8, help="completions per prompt (default 8)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--completion-tokens", type=int, default=1024)
     parser.add_argument("--micro-batch-tokens", type=int, help="trainer tokens per micro batch (default: 1 sequence)")
-    parser.add_argument("--param-dtype", default="bfloat16")
+    parser.add_argument("--precision", default="auto", choices=PRECISIONS,
+                        help="how the trainer keeps its weights: auto (the default) plans the precise modes, "
+                             "master-weights (bf16 parameters, an fp32 master copy of each with its states) and "
+                             "fp32-params (fp32 parameter shards, bf16 compute), and keeps the one that fits with the "
+                             "lowest predicted step cost; bf16: bf16 parameters updated in place, no fp32 copy")
+    parser.add_argument("--param-dtype", help="the trainer's parameter shards (default: as --precision says; float32 "
+                        "pins fp32-params, a lower one without --master-weights pins bf16)")
     parser.add_argument("--grad-dtype", help="default: the param dtype")
     parser.add_argument("--optimizer-dtype", default="float32")
     parser.add_argument("--master-weights", action="store_true",
-                        help="fp32 master copy of the bf16 parameters, kept with the states in host memory "
-                             "(SwapConfig(master_weights=True))")
+                        help="fp32 master copy of the bf16 parameters, kept with their states in the homes the split "
+                             "gives them (SwapConfig(master_weights=True))")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(STATES_PER_PARAMETER))
     parser.add_argument("--compute-dtype", default="bfloat16")
     parser.add_argument("--engine-dtype", default="bfloat16")
@@ -147,7 +153,8 @@ def from_args(args: argparse.Namespace) -> Plan:
         fsdp_units=args.fsdp_units, tp=args.tp,
         rollout=Rollout(prompts=args.prompts, completions_per_prompt=args.completions,
                         prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens),
-        micro_batch_tokens=args.micro_batch_tokens, param_dtype=args.param_dtype, grad_dtype=args.grad_dtype,
+        micro_batch_tokens=args.micro_batch_tokens, precision=args.precision, param_dtype=args.param_dtype,
+        grad_dtype=args.grad_dtype,
         optimizer_dtype=args.optimizer_dtype, master_weights=args.master_weights, optimizer=args.optimizer,
         compute_dtype=args.compute_dtype, engine_dtype=args.engine_dtype, kv_dtype=args.kv_dtype,
         engine_max_batched_tokens=args.max_num_batched_tokens, engine_max_seqs=args.max_num_seqs,

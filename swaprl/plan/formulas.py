@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from ..config import MEMORY_CATEGORIES as CATEGORIES
 from ..config import KV_WAVE_HEADROOM, STATES_PER_PARAMETER
+from ..homes import Capacity, Room, by_fractions, decide, totals
 from ..presets import Preset
 from .hardware import MiB
 from .inputs import STREAM_CHUNK_BYTES, Settings, Spec
@@ -159,12 +160,49 @@ def staging_bytes(s: Spec, streamed: int) -> int:
     return streamed if chunk >= streamed else 2 * chunk
 
 
+def parameter_elements(m: Preset) -> list[int]:
+    """§Split: the elements of each parameter in the order a transformers causal LM's `model.parameters()` gives
+    them, the optimizer's: the embedding; per layer q, k, v and o (each weight, then its bias), the q/k norms, the
+    MLP's gate, up and down (Phi-3: o, the fused qkv and gate_up, down), the layer's norms; the final norm; the
+    lm_head unless tied."""
+    part, h, i = m.layer_parameters(), m.hidden_size, m.intermediate_size
+
+    def with_bias(whole: int, weight: int) -> list[int]:
+        return [weight] + ([whole - weight] if whole > weight else [])
+
+    if m.model_type == "phi3":  # Phi3Attention registers o_proj before its fused qkv_proj; no biases
+        layer = [part["o"], part["q"] + part["k"] + part["v"], 2 * h * i, i * h]
+    else:
+        layer = [*with_bias(part["q"], h * m.q_dim), *with_bias(part["k"], h * m.kv_dim),
+                 *with_bias(part["v"], h * m.kv_dim), *with_bias(part["o"], m.q_dim * h)]
+        layer += [part["qk_norm"] // 2] * 2 if part["qk_norm"] else []
+        mlp_bias = part["mlp"] > 3 * h * i  # gate and up biases of i, down's of h
+        layer += [*with_bias(h * i + i * mlp_bias, h * i), *with_bias(h * i + i * mlp_bias, h * i),
+                  *with_bias(i * h + h * mlp_bias, i * h)]
+    layer += [h] * (part["norms"] // h)
+    embed = m.vocab_size * h
+    return [embed, *layer * m.num_hidden_layers, h] + ([] if m.tie_word_embeddings else [embed])
+
+
+def state_sizes(s: Spec) -> list[int]:
+    """§Split: each parameter's optimizer-state bytes on one GPU (masters included), in the optimizer's order: FSDP2
+    gives each rank an equal share of every parameter, counted here to the byte so that they add up to the states
+    of §Trainer state exactly."""
+    per, shard = state_bytes_per_param(s), s.shard_degree
+    out, elements, held = [], 0, 0
+    for n in parameter_elements(s.model):
+        elements += n
+        upto = -(-elements * per // shard)
+        out.append(upto - held)
+        held = upto
+    return out
+
+
 def home_bytes(s: Spec, split: Mapping[str, float]) -> dict[str, int]:
-    """§Split: the optimizer states of one GPU by home; the homes' bytes add up to the states' exactly."""
-    total = trainer_state(s)["optimizer"]
-    device = round(split["device"] * total)
-    host = total - device if split["swap"] == 0 else min(round(split["host"] * total), total - device)
-    return {"device": device, "swap": total - device - host, "host": host}
+    """§Split: the optimizer states of one GPU by home, as the runtime homes a split: whole parameters, each in the
+    home its middle byte falls in (`homes.by_fractions`)."""
+    sizes = state_sizes(s)
+    return totals(sizes, by_fractions(sizes, split))
 
 
 def engine_weight_bytes(s: Spec) -> int:
@@ -222,31 +260,41 @@ def wave_kv_bytes(s: Spec, one_sequence: int) -> int:
     return int(min(sequences_per_engine(s), s.engine_max_seqs) * one_sequence * KV_WAVE_HEADROOM)
 
 
-def choose_split(s: Spec, st: Settings) -> dict[str, float]:
-    """§Split: on the device what the host cannot hold and what `generate` holds beside one full wave of the
-    rollout's KV cache, swapped as much of the rest as `train` holds, the remainder streamed ("host"); whole
-    percents, rounded towards fitting. Where a home's edge falls inside the states, half the largest parameter's
-    states are kept free on both sides of it: the runtime gives each parameter one home, whichever its middle byte
-    falls in (`placement.assign_homes`)."""
+def generate_room(s: Spec, phases: dict[str, dict[str, int]]) -> int:
+    """§Split: what `generate` leaves the optimizer states and the KV cache on one GPU, by the runtime's one room
+    formula (`homes.Room.for_new`), with the GPU's free memory predicted and the engine's reserve kept."""
+    held = sum(v for c, v in phases["generate"].items() if c not in ("optimizer", "kv_cache"))
+    return Room(free=s.cluster.gpu_memory_bytes - held, reserve=s.engine_reserve_bytes).for_new()
+
+
+def split_capacity(s: Spec, st: Settings, sizes: list[int]) -> Capacity:
+    """§Split: the room of the homes under `st`, for `homes.decide`. "device": what the host cannot hold (to the
+    end of the parameter it falls in) or what `generate` holds beside a full wave of the rollout's KV cache,
+    whichever is more, but never so much that less than one sequence of KV cache is left. "resident" (the device
+    and swap homes in `train`): what `train` leaves, less the staging chunks when any state streams."""
     phases, budget = phase_bytes(s, st), budgets(s)
-    total = trainer_state(s)["optimizer"]
-    edge = -(-largest_state_bytes(s) // 2)
-
-    def percent_within(room: int) -> int:  # the whole percents of the states that fit `room`
-        return 100 if total <= room else max((room - edge) * 100 // total, 0)
-
+    total = sum(sizes)
     host_room = (budget["host"] - pinned_bytes(phases)) // s.cluster.gpus_per_node
-    # train holds the device and swap homes, and two staging chunks whenever any state streams
-    train_room = budget["train"] - sum(phases["train"].values())
-    resident = 100 if total <= train_room else percent_within(train_room - staging_bytes(s, total))
-    generate_free = budget["generate"] - sum(phases["generate"].values())
-    device = 0 if total <= host_room else -(-(total - host_room + edge) * 100 // total)
+    need, host_edge = total - host_room, 0
+    for size in sizes if need > 0 else ():
+        host_edge += size
+        if host_edge >= need:
+            break
+    room = generate_room(s, phases)
     # a swapped byte crosses the link twice a step; KV cache beyond a full wave carries no sequence
-    device = max(device, percent_within(generate_free - wave_kv_bytes(s, budget["one_sequence"])))
-    # more than the GPU holds in either phase stays over the host's budget, where the verdict reports it
-    device = min(device, resident, percent_within(generate_free - budget["one_sequence"]))
-    swap = resident - device
-    return {"device": device / 100, "swap": swap / 100, "host": (100 - resident) / 100}
+    device = min(max(host_edge, room - wave_kv_bytes(s, budget["one_sequence"])), room - budget["one_sequence"])
+    train_room = budget["train"] - sum(phases["train"].values())
+    resident = train_room if total <= train_room else train_room - staging_bytes(s, total)
+    return Capacity(device=device, resident=resident)
+
+
+def choose_split(s: Spec, st: Settings) -> dict[str, float]:
+    """§Split: the homes `homes.decide` gives the parameters in the room `split_capacity` predicts, as the fraction
+    of the states' bytes each holds (exact: `homes.by_fractions` gives the runtime the same homes back)."""
+    sizes = state_sizes(s)
+    held = totals(sizes, decide(sizes, split_capacity(s, st, sizes)))
+    total = sum(held.values())
+    return {home: n / total for home, n in held.items()}
 
 
 def copies(s: Spec, st: Settings, homes: dict[str, int]) -> tuple[int, float]:
@@ -259,3 +307,19 @@ def copies(s: Spec, st: Settings, homes: dict[str, int]) -> tuple[int, float]:
     rate = s.cluster.copy_bytes_per_s
     return switches + 2 * homes["host"], switches / rate + homes["host"] / rate
 
+
+
+def step_cost(s: Spec, st: Settings, homes: dict[str, int], waves: int) -> dict[str, float]:
+    """§Cost: the predicted seconds of the parts of a step that differ between the plans `--tp auto` and
+    `--precision auto` compare, to rank them (not a step time): the rollout's decode, each step reading one engine
+    rank's weights and its running sequences' KV cache at the GPU's memory bandwidth; the PCIe copies (`copies`);
+    the weight sync, one copy of the rank's engine weights on the device."""
+    r, bandwidth = s.rollout, s.cluster.memory_bandwidth_bytes_per_s
+    weights = engine_weight_bytes(s)
+    kv_token = kv_bytes_per_token(s.model, s.tp, dtype_bytes(s.kv_dtype)[1])
+    # each completion token's step reads the weights once per wave, and the KV cache of the wave's sequences at
+    # their length then: over a completion, the prompt and half the completion on average
+    kv_read = sequences_per_engine(s) * kv_token * (r.prompt_tokens + r.completion_tokens / 2)
+    decode = r.completion_tokens * (waves * weights + kv_read) / bandwidth
+    terms = {"decode_s": decode, "copies_s": copies(s, st, homes)[1], "sync_s": 2 * weights / bandwidth}
+    return {**terms, "total_s": sum(terms.values())}

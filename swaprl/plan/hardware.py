@@ -23,6 +23,7 @@ MAX_GPUS = 2**20
 MAX_GPU_MEMORY_BYTES = 4096 * GiB
 MAX_HOST_MEMORY_BYTES = 65536 * GiB
 MAX_COPY_BYTES_PER_S = 10_000e9
+MAX_MEMORY_BANDWIDTH_BYTES_PER_S = 1e15
 COUNT_LIMIT = SIZE_LIMIT - 1
 """The most of anything counted (nodes, prompts, tokens, sequences): the bound a config.json's sizes keep."""
 
@@ -55,6 +56,9 @@ def check_gpus(nodes: int, gpus_per_node: int, *, names: tuple[str, str]) -> Non
 # 55.1 host-to-device), assumed for one H200 too (the same PCIe generation).
 _NODE_COPY_RATE = 36e9
 _ONE_GPU_COPY_RATE = 55e9
+# Memory bandwidth of one GPU: NVIDIA's datasheet figures, not measured here (§Clusters). It prices the reads of a
+# decode step in the step cost (§Cost), which ranks plans; it decides nothing about fitting.
+_H100_SXM_BANDWIDTH = 3.35e12
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,6 +76,9 @@ class Cluster:
     copy_bytes_per_s: float = _NODE_COPY_RATE
     """Pinned host <-> GPU copy rate of one GPU, per direction, while every GPU of the node copies both ways at once
     (the default is the slowest measured, §Clusters); it prices the bytes a step moves, not whether it fits."""
+    memory_bandwidth_bytes_per_s: float = _H100_SXM_BANDWIDTH
+    """One GPU's memory bandwidth (the datasheet's; default the H100 SXM's): it prices the weights and KV cache each
+    decode step reads in the step cost that ranks plans (§Cost), not whether a plan fits."""
 
     def __post_init__(self) -> None:
         # No bound on the GPUs in all here, only in Spec (check_gpus): when nothing fits, the planner builds a
@@ -85,6 +92,9 @@ class Cluster:
                      MAX_HOST_MEMORY_BYTES, integer=True)
         check_number(self.copy_bytes_per_s, "Cluster.copy_bytes_per_s",
                      "a positive number of bytes per second, e.g. 36e9", MAX_COPY_BYTES_PER_S)
+        check_number(self.memory_bandwidth_bytes_per_s, "Cluster.memory_bandwidth_bytes_per_s",
+                     "a positive number of bytes per second, e.g. 4.8e12 (an H200's datasheet figure)",
+                     MAX_MEMORY_BANDWIDTH_BYTES_PER_S)
 
     @property
     def gpus(self) -> int:
@@ -99,16 +109,19 @@ class GPU:
     copy_bytes_per_s: float
     measured: bool
     """Its memory figure was read off such a GPU (nvidia-smi); else the vendor's figure less the same driver share."""
+    memory_bandwidth_bytes_per_s: float = _H100_SXM_BANDWIDTH
+    """The datasheet's memory bandwidth (NVIDIA's figure for the SXM module where there are several)."""
 
 
 # cudaMemGetInfo totals: nvidia-smi's total less the 480 MiB the driver keeps (measured on the H100, assumed for the
 # others); one GPU's copy rate measured on the H100, the PCIe generation's for the others (§Clusters).
 GPUS: dict[str, GPU] = {
-    "H100": GPU((81559 - 480) * MiB, _ONE_GPU_COPY_RATE, measured=True),
-    "H200": GPU((143771 - 480) * MiB, _ONE_GPU_COPY_RATE, measured=True),
-    "A100": GPU((81920 - 480) * MiB, 25e9, measured=False),  # the 80 GB card; PCIe 4
-    "B200": GPU((183359 - 480) * MiB, _ONE_GPU_COPY_RATE, measured=False),
-    "L40S": GPU((46068 - 480) * MiB, 25e9, measured=False),  # PCIe 4
+    "H100": GPU((81559 - 480) * MiB, _ONE_GPU_COPY_RATE, measured=True, memory_bandwidth_bytes_per_s=3.35e12),
+    "H200": GPU((143771 - 480) * MiB, _ONE_GPU_COPY_RATE, measured=True, memory_bandwidth_bytes_per_s=4.8e12),
+    "A100": GPU((81920 - 480) * MiB, 25e9, measured=False,  # the 80 GB card; PCIe 4
+                memory_bandwidth_bytes_per_s=2.039e12),
+    "B200": GPU((183359 - 480) * MiB, _ONE_GPU_COPY_RATE, measured=False, memory_bandwidth_bytes_per_s=8e12),
+    "L40S": GPU((46068 - 480) * MiB, 25e9, measured=False, memory_bandwidth_bytes_per_s=0.864e12),  # PCIe 4
 }
 HOST_BYTES_PER_GPU = 128 * GiB
 """Host memory a cluster named `NxGPU` is given per GPU of a node, unless it is one of `CLUSTERS` (which carry the
@@ -120,7 +133,7 @@ def _cluster(gpus_per_node: int, gpu: str, *, host_memory_bytes: int | None = No
     rate = kind.copy_bytes_per_s if gpus_per_node == 1 else min(_NODE_COPY_RATE, kind.copy_bytes_per_s)
     host = HOST_BYTES_PER_GPU * gpus_per_node if host_memory_bytes is None else host_memory_bytes
     return Cluster(gpus_per_node=gpus_per_node, gpu_memory_bytes=kind.memory_bytes, host_memory_bytes=host,
-                   nodes=nodes, copy_bytes_per_s=rate)
+                   nodes=nodes, copy_bytes_per_s=rate, memory_bandwidth_bytes_per_s=kind.memory_bandwidth_bytes_per_s)
 
 
 # The machines measured here, with their host memory (a real node may have more or less: --host-memory-gib).

@@ -178,11 +178,6 @@ class Spec:
         if self.master_weights and self.param_dtype == "float32":
             raise ValueError("master_weights=True keeps an fp32 copy of low-precision parameters, but "
                              "param_dtype is already float32; drop master_weights or use param_dtype='bfloat16'")
-        split = dict(self.pinned).get("optimizer_states")
-        if self.master_weights and split is not None and split["host"] != 1.0:
-            raise ValueError(f"optimizer_states={format_optimizer_states(split)} with master_weights=True: the fp32 "
-                             "masters live in host memory with their states, updated by the streamed step (what the "
-                             "runtime runs, SwapConfig.master_weights); use --optimizer-states host or leave it out")
         tokens = self.rollout.sequence_tokens
         if tokens > m.max_position_embeddings:  # first: it also bounds the default micro batch, one sequence
             raise ValueError(f"prompt_tokens + completion_tokens = {tokens} exceeds {m.name}'s "

@@ -14,6 +14,21 @@ from .inputs import Settings
 _TABLE_CANDIDATES = 6  # candidates a table lists when none fits (JSON has all)
 
 
+def describe_cost(cost: dict[str, float]) -> str:
+    """A step cost's terms in words (§Cost)."""
+    return (f"{cost['total_s']:.2f} s = rollout decode {cost['decode_s']:.2f} s + PCIe copies "
+            f"{cost['copies_s']:.2f} s + weight sync {cost['sync_s']:.2f} s")
+
+
+def describe_precision(inputs: dict) -> str:
+    """How the trainer keeps its weights, in words (§Trainer state)."""
+    if inputs["master_weights"]:
+        return f"{inputs['param_dtype']} parameters, an fp32 master copy of each kept with its states"
+    if inputs["param_dtype"] == "float32":
+        return f"fp32 parameter shards and {inputs['grad_dtype']} gradients, {inputs['compute_dtype']} compute"
+    return f"{inputs['param_dtype']} parameters updated in place, no fp32 copy"
+
+
 @dataclass(kw_only=True, slots=True)
 class Candidate:
     """The verdict on one point of the search space."""
@@ -72,9 +87,16 @@ class Plan:
     verdict: str
     suggestions: list[str] = field(default_factory=list)
     full_precision: str | None = None
-    """The verdict of the same step with fp32 master weights (fp32 parameters and gradients, FSDP2's
-    MixedPrecisionPolicy computing in bf16: 16 bytes per parameter with AdamW), when the trainer's parameters are
-    below fp32 and it keeps no master copy; None otherwise (§Trainer state)."""
+    """The verdict of the same step with fp32 parameters (fp32 parameters and gradients, FSDP2's
+    MixedPrecisionPolicy computing in bf16: 16 bytes per parameter with AdamW), when the precision is "bf16" (the
+    trainer's parameters below fp32, no master copy); None otherwise (§Trainer state)."""
+    step_cost: dict[str, float] | None = None
+    """The predicted seconds that rank this plan against the other sizes and precisions (§Cost): "decode_s" (the
+    rollout's decode at the GPU's memory bandwidth), "copies_s" (`copy_seconds`), "sync_s" (the weight sync on the
+    device) and their "total_s"; None when nothing fits. A ranking, not a step time."""
+    precision: str | None = None
+    """How the trainer keeps its weights (§Trainer state): "master-weights", "fp32-params" or "bf16" (in
+    `inputs["precision"]` too; `inputs["precision_auto"]` says why, when `precision="auto"` chose it)."""
 
     @property
     def ok(self) -> bool:
@@ -115,6 +137,13 @@ class Plan:
         r = i["rollout"]
         # The answer first, in one line; then why (the tensor-parallel size chosen, the changes that would fit).
         lines = [f"verdict   {self.verdict}"]
+        if "precision_auto" in i:
+            lines.append(f"precision auto: {i['precision_auto']['why']}; "
+                         + ", ".join(i["precision_auto"]["tried"].values()))
+        elif self.precision:
+            lines.append(f"precision {self.precision} (as asked): {describe_precision(i)}" + (
+                "; updates below the parameters' resolution are lost (RL at lr ~1e-6 needs --precision auto)"
+                if self.precision == "bf16" else ""))
         if "tp_auto" in i:
             lines.append(f"tp        auto: {i['tp_auto']['why']}; " + ", ".join(
                 f"tp={t} {what}" for t, what in i["tp_auto"]["tried"].items()))
@@ -173,7 +202,9 @@ class Plan:
                   *short_context,
                   (f"copies    {gib(self.moved_bytes)} GiB per GPU per step, both ways ({gib(streamed)} of it "
                    f"streamed by the optimizer step): {self.copy_seconds:.2f} s at "
-                   f"{c['copy_bytes_per_s'] / 1e9:.0f} GB/s"), ""]
+                   f"{c['copy_bytes_per_s'] / 1e9:.0f} GB/s"),
+                  *([f"cost      {describe_cost(self.step_cost)} (a prediction that ranks plans, not a step time)"]
+                    if self.step_cost else []), ""]
         chosen = next((k for k, cand in enumerate(self.candidates) if cand.settings == self.settings), None)
         if chosen is not None:
             shown = self.candidates[:chosen + 1]

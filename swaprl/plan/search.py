@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
+from collections.abc import Callable
 
 from ..config import PARAM_POLICIES, default_reserve_bytes
 from ..presets import Preset
@@ -15,16 +17,18 @@ from .formulas import (
     copies,
     home_bytes,
     kv_bytes_per_token,
+    largest_state_bytes,
     phase_bytes,
     pinned_bytes,
     sequences_per_engine,
     staging_bytes,
     state_bytes_per_param,
+    step_cost,
 )
 from .hardware import CLUSTERS, Cluster, GiB, get_cluster, gib
 from .inputs import CHECKPOINTING, GRADS, SLEEP_LEVELS, Rollout, Settings, Spec, divisors
 from .model import dtype_bytes, load_model
-from .result import Candidate, Plan
+from .result import Candidate, Plan, describe_cost, describe_precision
 
 _HOST_MARGIN_FRACTION = 0.10  # of host memory kept for the OS, page cache and data
 _HOST_MARGIN_PER_GPU = 6 * GiB  # resident memory of one GPU process (torch, CUDA libraries, vLLM, tokenizer)
@@ -83,8 +87,6 @@ def _candidates(s: Spec) -> list[Settings]:
     values = [(pinned[k],) if k in pinned else v for k, v in axes.items()]
     points = [Settings(grads=g, params=p, sleep_level=lvl, activation_checkpointing=ac)
               for g, p, lvl, ac in itertools.product(*values)]
-    if s.master_weights:  # the runtime keeps the fp32 masters and their states in host memory, nowhere else
-        pinned.setdefault("optimizer_states", {"device": 0.0, "swap": 0.0, "host": 1.0})
     return [dataclasses.replace(st, optimizer_states=pinned.get("optimizer_states") or choose_split(s, st))
             for st in points]
 
@@ -98,9 +100,14 @@ def _search(s: Spec) -> tuple[Settings | None, Settings, dict, list[Candidate]]:
         results.append((st, ev, Candidate(settings=st, moved_bytes=ev["moved"], fits=ev["fits"],
                                           overflow_bytes=ev["overflow"], verdict=ev["verdict"])))
 
+    # The homes end at parameters' edges: traffic that differs by less than the largest parameter's states out and
+    # back is where an edge fell, not a difference between the settings, which the axes' order then decides.
+    grain = 2 * largest_state_bytes(s)
+
     def key(result: tuple) -> tuple:
         st, ev, _ = result
-        return (st.optimizer_states["host"] > 0, ev["moved"], CHECKPOINTING.index(st.activation_checkpointing),
+        return (st.optimizer_states["host"] > 0, round(ev["moved"] / grain),
+                CHECKPOINTING.index(st.activation_checkpointing),
                 GRADS.index(st.grads), PARAM_POLICIES.index(st.params), SLEEP_LEVELS.index(st.sleep_level))
 
     results.sort(key=key)
@@ -128,8 +135,14 @@ def _suggestions(s: Spec) -> list[str]:
                 alternatives.append((f"shard_degree={d}", {"shard_degree": d}))
     if dtype_bytes(s.optimizer_dtype)[1] > 2:
         alternatives.append(("optimizer_dtype='bfloat16'", {"optimizer_dtype": "bfloat16"}))
-    if s.master_weights:
-        alternatives.append(("master_weights=False", {"master_weights": False}))
+    fp32 = {"param_dtype": "float32", "grad_dtype": "float32"}
+    low = {"param_dtype": "bfloat16", "grad_dtype": "bfloat16"}
+    if s.master_weights:  # the other precise mode, then none
+        alternatives += [("precision='fp32-params'", {"master_weights": False, **fp32}),
+                         ("precision='bf16' (no fp32 copy)", {"master_weights": False})]
+    elif dtype_bytes(s.param_dtype)[1] >= 4:
+        alternatives += [("precision='master-weights'", {"master_weights": True, **low}),
+                         ("precision='bf16' (no fp32 copy)", low)]
     if dtype_bytes(s.kv_dtype)[1] > 1:
         alternatives.append(("kv_dtype='float8'", {"kv_dtype": "float8"}))
     if s.micro_batch_tokens // 2 >= r.sequence_tokens:  # a micro batch holds whole sequences
@@ -159,14 +172,15 @@ def _suggestions(s: Spec) -> list[str]:
             continue
         if (chosen := fits_with({**a, **b})) is not None:
             out.append(f"would fit with {label_a} and {label_b} ({chosen.describe()})")
-    nothing = ("no change tried (more TP, more nodes or shard degree, bf16 optimizer states, fp8 KV, a smaller micro "
-               "batch, half the completions; alone or two together) is enough; use a bigger cluster")
+    nothing = ("no change tried (more TP, more nodes or shard degree, bf16 optimizer states, another precision, fp8 "
+               "KV, a smaller micro batch, half the completions; alone or two together) is enough; use a bigger "
+               "cluster")
     return out[:_SUGGESTIONS] or [nothing]
 
 
 def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: Rollout,
          shard_degree: int | None = None, fsdp_units: str = "root", tp: int | str = "auto",
-         param_dtype: str = "bfloat16",
+         precision: str = "auto", param_dtype: str | None = None,
          grad_dtype: str | None = None,
          optimizer_dtype: str = "float32", master_weights: bool = False, optimizer: str = "adamw",
          compute_dtype: str = "bfloat16", engine_dtype: str = "bfloat16", kv_dtype: str | None = None,
@@ -186,10 +200,17 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
         accelerate's FSDP2 wraps TRL's model) or "split" (the embedding and an untied lm_head as units of their own:
         `swaprl.distributed.shard_causal_lm`, the examples'); it sets the unsharded working set (§Activations).
     tp: vLLM tensor-parallel size (inside one node), or "auto" (the default): of the sizes the node and the model
-        allow, the one that fits with the fewest rollout waves, the smallest of those; `inputs["tp_auto"]` says
+        allow, the one that fits with the lowest predicted step cost (§Cost); `inputs["tp_auto"]` says
         what each size gave (§Search).
-    param_dtype, grad_dtype (default: param_dtype), optimizer_dtype: dtypes of the trainer's parameter shards,
-        gradients and optimizer states; master_weights adds an fp32 copy of low-precision parameters.
+    precision: how the trainer keeps its weights in fp32 (§Trainer state). "auto" (the default): of the precise modes,
+        "master-weights" (bf16 parameters, an fp32 master copy of each with its states) and "fp32-params" (fp32
+        parameter shards and gradients under bf16 compute), the one that fits with the lowest predicted step cost
+        (§Cost); `inputs["precision_auto"]` says what each gave. "bf16": parameters below fp32 updated in place, no
+        fp32 copy (updates below their resolution are lost). `master_weights=True` or a `param_dtype` pin the mode
+        they name (fp32: "fp32-params"; below fp32 without masters: "bf16").
+    param_dtype, grad_dtype (default: param_dtype), optimizer_dtype: dtypes of the trainer's parameter shards
+        (default: as `precision` says, bfloat16 but for "fp32-params"), gradients and optimizer states;
+        master_weights adds an fp32 copy of low-precision parameters.
     optimizer: "adamw"/"adam" (2 states per parameter), "sgd" (momentum) or "lion" (1 state).
     compute_dtype: dtype of activations and of FSDP's unsharded parameters.
     engine_dtype, kv_dtype (default: engine_dtype): vLLM's weights and KV cache.
@@ -215,8 +236,8 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
         raise TypeError(f"rollout must be a Rollout(prompts=..., completions_per_prompt=..., prompt_tokens=..., "
                         f"completion_tokens=...), got {rollout!r}")
     spec_model = load_model(model, layers=layers)
-    param_dtype = dtype_bytes(param_dtype)[0]
-    grad_dtype = dtype_bytes(grad_dtype or param_dtype)[0]
+    modes = _precisions(precision, None if param_dtype is None else dtype_bytes(param_dtype), bool(master_weights))
+    low = "bfloat16" if param_dtype is None or dtype_bytes(param_dtype)[1] >= 4 else dtype_bytes(param_dtype)[0]
     engine_dtype = dtype_bytes(engine_dtype)[0]
     settings = dict(settings or {})
     unknown = set(settings) - {"optimizer", "optimizer_states", "grads", "params", "sleep_level",
@@ -233,14 +254,20 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     if not isinstance(processes_per_gpu, int) or processes_per_gpu not in (1, 2):
         raise ValueError(f"processes_per_gpu={processes_per_gpu!r}; use 1 (the engine inside the trainer's process) "
                          "or 2 (an engine process beside each trainer process)")
+    # Numbers at all, before the int() and float() below would overflow on an infinity or fail unnamed on NaN; the
+    # ranges are Spec's to check.
+    for name, value in (("engine_reserve_bytes", engine_reserve_bytes), ("host_margin_bytes", host_margin_bytes),
+                        ("gpu_utilization_cap", gpu_utilization_cap)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value)):
+            raise ValueError(f"{name}={value!r}; give a finite number ({name.replace('_', ' ')})")
     if host_margin_bytes is None:
         host_margin_bytes = int(cluster.host_memory_bytes * _HOST_MARGIN_FRACTION
                                 + cluster.gpus_per_node * processes_per_gpu * _HOST_MARGIN_PER_GPU)
         host_margin_bytes = min(host_margin_bytes, cluster.host_memory_bytes - 1)
     fields = dict(model=spec_model, cluster=cluster, rollout=rollout,
               shard_degree=cluster.gpus if shard_degree is None else shard_degree, fsdp_units=fsdp_units,
-              param_dtype=param_dtype, grad_dtype=grad_dtype, optimizer_dtype=dtype_bytes(optimizer_dtype)[0],
-              master_weights=bool(master_weights), optimizer=str(optimizer).lower(),
+              optimizer_dtype=dtype_bytes(optimizer_dtype)[0], optimizer=str(optimizer).lower(),
               compute_dtype=dtype_bytes(compute_dtype)[0], engine_dtype=engine_dtype,
               kv_dtype=dtype_bytes(kv_dtype or engine_dtype)[0],
               micro_batch_tokens=rollout.sequence_tokens if micro_batch_tokens is None else micro_batch_tokens,
@@ -251,14 +278,100 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
                                        else engine_reserve_bytes),
               host_margin_bytes=int(host_margin_bytes),
               pinned=tuple(sorted(settings.items())))
-    if tp != "auto":
-        return _build(Spec(tp=tp, **fields))
-    return _auto_tp(fields)
+
+    def of(mode: str) -> dict:  # the inputs of one precision mode
+        weights = "float32" if mode == "fp32-params" else low
+        return {**fields, "param_dtype": weights, "grad_dtype": dtype_bytes(grad_dtype or weights)[0],
+                "master_weights": mode == "master-weights"}
+
+    def build(mode: str, *, suggest: bool) -> Plan:
+        if tp != "auto":
+            return _build(Spec(tp=tp, **of(mode)), suggest=suggest)
+        return _auto_tp(of(mode), suggest=suggest)
+
+    if len(modes) == 1:
+        result = build(modes[0], suggest=True)
+        result.precision = result.inputs["precision"] = modes[0]
+        return result
+    return _auto_precision({mode: build(mode, suggest=False) for mode in modes},
+                           lambda mode, tp_size: _suggestions(Spec(tp=tp_size, **of(mode))))
 
 
-def _auto_tp(fields: dict) -> Plan:
-    """§Search: plan every tensor-parallel size the node and the model allow; keep the one that fits with the fewest
-    rollout waves (the smallest of those), or, when none fits, the closest miss; say what each gave."""
+PRECISIONS = ("auto", "master-weights", "fp32-params", "bf16")
+"""§Trainer state: `plan(precision=...)`, `--precision`. The precise modes keep every weight's update in fp32."""
+PRECISE = ("fp32-params", "master-weights")  # compared by "auto", in this order at equal cost
+_COST_TERMS = {"decode_s": "rollout's decode", "copies_s": "PCIe copies", "sync_s": "weight sync"}  # §Cost
+
+
+def _precisions(precision: str, param_dtype: tuple[str, int] | None, master_weights: bool) -> tuple[str, ...]:
+    """The precision modes to plan: the one asked for, the one `master_weights` or `param_dtype` names, or both
+    precise modes; a ValueError naming the fix where they disagree."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; use one of {', '.join(PRECISIONS)} ('auto': the precise mode, "
+                         "master-weights or fp32-params, with the lowest predicted step cost)")
+    fp32 = param_dtype is not None and param_dtype[1] >= 4
+    if master_weights and fp32:
+        raise ValueError("master_weights=True keeps an fp32 copy of low-precision parameters, but param_dtype is "
+                         f"already {param_dtype[0]}; drop master_weights (precision='fp32-params') or use "
+                         "param_dtype='bfloat16'")
+    named = ("master-weights" if master_weights else None if param_dtype is None else
+             "fp32-params" if fp32 else "bf16")
+    if precision == "auto":
+        return (named,) if named else PRECISE
+    # bf16 parameters (given or not) are what master-weights keeps beside its fp32 copies
+    agrees = named in (None, precision) or (precision == "master-weights" and named == "bf16")
+    if not agrees:
+        asked = "master_weights=True" if master_weights else f"param_dtype={param_dtype[0]!r}"
+        raise ValueError(f"precision={precision!r} but {asked} asks for {named!r}; drop one of them, or give "
+                         f"precision={named!r}")
+    return (precision,)
+
+
+def _auto_precision(plans: dict[str, Plan], suggest: Callable[[str, int], list[str]]) -> Plan:
+    """§Trainer state: of the precise modes' plans, the one that fits with the lowest predicted step cost (§Cost),
+    or, when none fits, the closest miss with the changes that would make it fit (`suggest(mode, tp)`); say what
+    each gave."""
+    def summary(mode: str) -> str:
+        p = plans[mode]
+        if not p.ok:  # the verdict's checks that fail, without the closest candidate's settings
+            return f"{mode} does not fit ({p.verdict.split(': ', 2)[-1]})"
+        return (f"{mode} fits at tp={p.inputs['tp']}, {p.kv_cache_bytes / GiB:.1f} GiB of KV per GPU, "
+                f"{p.step_cost['total_s']:.2f} s")
+
+    fitting = [mode for mode in plans if plans[mode].ok]
+    if fitting:
+        chosen = min(fitting, key=lambda mode: (plans[mode].step_cost["total_s"], PRECISE.index(mode)))
+        why = f"{chosen} ({describe_precision(plans[chosen].inputs)}): "
+        other = next((mode for mode in fitting if mode != chosen), None)
+        mine = plans[chosen].step_cost
+        theirs = plans[other].step_cost if other else None
+        if theirs is None:
+            why += "the only precise mode that fits"
+        elif mine["total_s"] == theirs["total_s"]:
+            why += (f"the precise modes that fit have the same predicted step cost, {mine['total_s']:.2f} s, and "
+                    f"{chosen} comes first at equal cost")
+        else:  # the term that sets them apart the most
+            term = max(_COST_TERMS, key=lambda k: theirs[k] - mine[k])
+            why += (f"of the precise modes that fit, the lowest predicted step cost, {mine['total_s']:.2f} s against "
+                    f"{theirs['total_s']:.2f} s for {other}, mostly in the {_COST_TERMS[term]} ({mine[term]:.2f} s "
+                    f"against {theirs[term]:.2f} s)")
+    else:
+        chosen = min(plans, key=lambda mode: sum(next(c.overflow_bytes for c in plans[mode].candidates
+                                                      if c.settings == plans[mode].shown).values()))
+        why = (f"{chosen} ({describe_precision(plans[chosen].inputs)}): no precise mode fits, this one misses by "
+               "the least")
+        plans[chosen].suggestions = suggest(chosen, plans[chosen].inputs["tp"])
+    result = plans[chosen]
+    result.precision = result.inputs["precision"] = chosen
+    result.inputs["precision_auto"] = {"chosen": chosen, "why": why,
+                                       "tried": {mode: summary(mode) for mode in plans}}
+    return result
+
+
+def _auto_tp(fields: dict, *, suggest: bool = True) -> Plan:
+    """§Search: plan every tensor-parallel size the node and the model allow; keep the one that fits with the lowest
+    predicted step cost (§Cost; the smaller size at equal cost), or, when none fits, the closest miss; say what each
+    gave."""
     plans, tried = {}, {}
     Spec(tp=1, **fields)  # what is wrong whatever the size (one rank always splits the heads): said as it is
     for tp in divisors(fields["cluster"].gpus_per_node):
@@ -270,22 +383,22 @@ def _auto_tp(fields: dict) -> Plan:
         plans[tp] = _build(spec, suggest=False)
         p = plans[tp]
         tried[tp] = (f"fits, {p.kv_cache_bytes / GiB:.1f} GiB of KV per GPU, "
-                     f"{'one wave' if p.waves == 1 else f'{p.waves} waves'}" if p.ok else "does not fit")
+                     f"{'one wave' if p.waves == 1 else f'{p.waves} waves'}, {p.step_cost['total_s']:.2f} s"
+                     if p.ok else "does not fit")
     if not plans:
         raise ValueError(f"no tensor-parallel size fits the model on {fields['cluster'].gpus_per_node} GPUs a node: "
                          + "; ".join(f"tp={t}: {why}" for t, why in tried.items()))
     fitting = [t for t, p in plans.items() if p.ok]
     if fitting:
-        chosen = min(fitting, key=lambda t: (plans[t].waves or float("inf"), t))
-        why = (f"tp={chosen}: the smallest size that fits with the fewest rollout waves"
-               + (f" (tp={min(fitting)} fits too, in {plans[min(fitting)].waves} waves)" if chosen != min(fitting)
-                  else ""))
-        result = _build(Spec(tp=chosen, **fields))  # with the fp32-master line of the chosen size
+        chosen = min(fitting, key=lambda t: (plans[t].step_cost["total_s"], t))
+        why = (f"tp={chosen}: of the sizes that fit, the lowest predicted step cost, "
+               f"{describe_cost(plans[chosen].step_cost)}")
+        result = _build(Spec(tp=chosen, **fields), suggest=suggest)  # with the fp32 line of the chosen size
     else:
         chosen = min(plans, key=lambda t: sum(next(c.overflow_bytes for c in plans[t].candidates
                                                    if c.settings == plans[t].shown).values()))
         why = f"tp={chosen}: no size fits, this one misses by the least"
-        result = _build(Spec(tp=chosen, **fields))  # with the changes that would make it fit
+        result = _build(Spec(tp=chosen, **fields), suggest=suggest)  # with the changes that would make it fit
     result.inputs["tp_auto"] = {"chosen": chosen, "why": why, "tried": {str(t): v for t, v in tried.items()}}
     return result
 
@@ -331,9 +444,11 @@ def _build(s: Spec, *, suggest: bool = True) -> Plan:
     if chosen is not None:
         verdict = _fit_summary(s, chosen, ev)
         suggestions = []
+        cost = step_cost(s, chosen, ev["homes"], waves)
     else:
         verdict = f"nothing fits; closest: {shown.describe()}: {ev['verdict']}"
         suggestions = _suggestions(s) if suggest else []
+        cost = None
     m = s.model
     inputs = {
         "cluster": dataclasses.asdict(s.cluster), "rollout": dataclasses.asdict(s.rollout),
@@ -356,5 +471,5 @@ def _build(s: Spec, *, suggest: bool = True) -> Plan:
                 kv_cache_bytes=ev["kv_room"], kv_bytes_per_token=ev["kv_token"], concurrent_sequences=ev["concurrent"],
                 sequences_per_engine=per_engine, waves=waves, state_bytes=ev["homes"], moved_bytes=ev["moved"],
                 copy_seconds=ev["seconds"], candidates=candidates, verdict=verdict, suggestions=suggestions,
-                full_precision=_full_precision(s) if suggest else None)
+                full_precision=_full_precision(s) if suggest else None, step_cost=cost)
 
