@@ -162,10 +162,25 @@ def check_args(args) -> None:
     """Refuse, before anything loads, settings that cannot train (each error names the flag and the fix)."""
     problems = []
     for name, low in (("steps", 1), ("prompts", 1), ("completions", 2), ("max_tokens", 1), ("micro_batch", 1),
-                      ("updates", 1), ("save_steps", 0)):
-        if getattr(args, name) < low:
-            problems.append(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least {low}"
+                      ("updates", 1), ("save_steps", 0), ("prompt_tokens", 1), ("tp", 1), ("warmup", 0),
+                      ("max_model_len", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            problems.append(f"--{name.replace('_', '-')} {value}: give at least {low}"
                             + (" (a GRPO group needs two completions to compare)" if name == "completions" else ""))
+    for name, default in (("host_budget_gib", "what the OS reports available"),
+                          ("kv_cache_gib", "sized from the memory free when the engine starts")):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value * 2**30 >= 1):  # NaN too
+            problems.append(f"--{name.replace('_', '-')} {value}: give a finite size in GiB above 0, e.g. 8, or "
+                            f"leave the flag out ({default})")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        problems.append(f"--gpu-memory-utilization {args.gpu_memory_utilization}: give a fraction in (0, 1], e.g. "
+                        "0.5, or leave the flag out (sized from the free memory)")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        problems.append(f"--lr {args.lr}: give a finite learning rate above 0, e.g. 1e-5")
+    if not 0 <= args.seed <= 2**31 - 1:
+        problems.append(f"--seed {args.seed}: give a seed from 0 to {2**31 - 1}")
     if not 0 < args.clip < 1:
         problems.append(f"--clip {args.clip}: give a ratio bound in (0, 1), e.g. 0.2")
     if not args.tis_cap >= 1:  # NaN too
@@ -206,6 +221,9 @@ def check_args(args) -> None:
             bounds = []
         if len(bounds) != 2:
             problems.append(f"--verify-tolerance {args.verify_tolerance}: give two numbers, MAX,MEAN (e.g. 1,0.05)")
+        elif not all(math.isfinite(b) and b > 0 for b in bounds):
+            problems.append(f"--verify-tolerance {args.verify_tolerance}: give two positive numbers, MAX,MEAN "
+                            "(e.g. 1,0.05)")
     for flag, step in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
         if step is not None and not (args.out and 0 <= step < args.steps):
             problems.append(f"{flag} {step}: give a step from 0 to --steps - 1 ({args.steps - 1}), and --out DIR "
@@ -536,8 +554,8 @@ def main(argv: list[str] | None = None) -> dict:
                                # only where a tolerance judges it
                                mismatch_probe=args.verify_tolerance is not None,
                                overlap_optimizer_reload=swapped,
-                               host_budget_bytes=(int(args.host_budget_gib * 2**30) if args.host_budget_gib
-                                                  else None),
+                               host_budget_bytes=(int(args.host_budget_gib * 2**30)
+                                                  if args.host_budget_gib is not None else None),
                                gpu_memory_utilization=args.gpu_memory_utilization)
     # Built by attach, once the host buffers have started page-locking in the background: the locking runs under the
     # engine's start rather than before the first step.
