@@ -478,6 +478,18 @@ def write_calls(calls: cProfile.Profile, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    undo: list = []  # what a failure closes, the last opened first: a run that fails leaves nothing attached
+    try:
+        return _run(argv, undo)
+    except BaseException:
+        for close in reversed(undo):
+            with contextlib.suppress(Exception):
+                close()
+        raise
+
+
+def _run(argv: list[str] | None, undo: list) -> dict:
+    """main(), which puts in `undo` what it opens (and takes out what it closes)."""
     args = build_parser().parse_args(argv)
     rank, world, device = init_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -560,11 +572,13 @@ def main(argv: list[str] | None = None) -> dict:
     # Built by attach, once the host buffers have started page-locking in the background: the locking runs under the
     # engine's start rather than before the first step.
     rt = swaprl.attach(model, optimizer, lambda: make_engine(args, path, config, optimizer), config=config)
-    # Closed before the report is written, whether or not the runtime is detached at the end.
+    engine = rt.engine
+    undo += [engine.close, swaprl.detach]
     # A resumed run records beside the run it goes on from: that run's profile (one killed, perhaps) is kept.
     stem = "profile" if resumed_state is None else f"profile.resumed-{resumed_state['step']}"
     profiler = attach_profiler(rt, out / f"{stem}.jsonl") if out else None
-    engine = rt.engine
+    if profiler is not None:  # closed before the report is written, whether or not the runtime is detached
+        undo.append(profiler.close)
     log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__,
              str(dtype).removeprefix("torch.") + (" with fp32 master weights" if args.master_weights else ""),
              f" computing in {args.dtype}" if args.fp32_params else "", device,
@@ -580,6 +594,9 @@ def main(argv: list[str] | None = None) -> dict:
     def device_used() -> int | None:
         return memory.device_used_bytes(torch.device(device)) if cuda else None
 
+    def history_off() -> None:  # torch's memory history, recorded in --memory-step
+        torch.cuda.memory._record_memory_history(enabled=None)
+
     first = 0
     if resumed is not None:  # after attach: the states load where their homes are, the masters with them
         state = resumed_state
@@ -594,6 +611,7 @@ def main(argv: list[str] | None = None) -> dict:
         first = state["step"]
         log.info("resumed from %s: step %d", resumed, first)
     reporter = Reporter(args.report_to, out, vars(args), rank == 0, first, args.steps)
+    undo.append(reporter.close)
     metrics_lines = out / "metrics.jsonl" if out else None
     if metrics_lines and rank == 0:  # one line per step: those after the checkpoint are done again
         kept = metrics_lines.read_text().splitlines()[:first] if resumed is not None and metrics_lines.exists() \
@@ -601,117 +619,111 @@ def main(argv: list[str] | None = None) -> dict:
         metrics_lines.write_text("".join(line + "\n" for line in kept))
 
     steps = []
-    trace = None  # torch's profiler while it records --trace-step
-    try:  # a run that stops on an error gives the trainer back, as one that ends does
-        for step in range(first, args.steps):
-            if task is None:
-                prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
-            else:
-                drawn = problems.take(args.prompts)
-                prompts = [tasks.encode(tokenizer, p) for p in drawn]
-            switch["s"] = 0.0
-            calls = None  # Python's profiler, in the traced step's two switches only
-            if step == args.memory_step:
-                torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
-            if step == args.trace_step:
-                trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                    [torch.profiler.ProfilerActivity.CUDA] if cuda else []))
-                trace.start()
-                calls = cProfile.Profile()
-            t0 = time.perf_counter()
-            with entered("generate", calls):
-                tg = time.perf_counter()
-                # The engine's log-probabilities of the tokens it sampled come with the rollout (vLLM: from the sampling
-                # pass itself): the importance weights' denominators.
-                completions, engine_lp = rt.engine.generate_scored(prompts, swaprl.Sampling(
-                    max_tokens=args.max_tokens, n=args.completions, seed=args.seed + step))
-                gen_s = time.perf_counter() - tg
-                used_generate = device_used()
-            if task is None:
-                rewards, correct = [reward(c) for c in completions], None
-            else:
-                texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-                problem_of = [drawn[i // args.completions] for i in range(len(completions))]
-                rewards = [tasks.scored(score, t, p) for t, p in zip(texts, problem_of)]
-                correct = statistics.fmean(tasks.correct(t, p) for t, p in zip(texts, problem_of))
-            stats: dict = {}
-            with entered("train", calls):
-                tt = time.perf_counter()
-                loss, train_tokens = train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id,
-                                              autocast, stats, reference)
-                if cuda:
-                    torch.cuda.synchronize()
-                train_s = time.perf_counter() - tt
-                used_train = device_used()
-            total = time.perf_counter() - t0
-            if step == args.memory_step:
-                torch.cuda.memory._dump_snapshot(str(out / f"memory.step{step}{f'.rank{rank}' if world > 1 else ''}"
-                                                         ".pickle"))
-                torch.cuda.memory._record_memory_history(enabled=None)
-            if step == args.trace_step:
-                trace.stop()
-                name = f"trace.step{step}{f'.rank{rank}' if world > 1 else ''}"
-                trace.export_chrome_trace(str(out / f"{name}.json"))
-                trace = None
-                write_calls(calls, out / f"{name}.switches.txt")
-            rollout_tokens = sum(map(len, completions))
-            mean_reward = statistics.fmean(rewards)
-            if world > 1:  # every rank's rollouts: the step's loss, reward and tokens
-                loss, mean_reward, rollout_tokens, train_tokens = all_ranks_sum([loss, mean_reward, rollout_tokens,
-                                                                                 train_tokens], device)
-                loss, mean_reward = loss / world, mean_reward / world
-                rollout_tokens, train_tokens = int(rollout_tokens), int(train_tokens)
-                if correct is not None:
-                    correct = all_ranks_sum([correct], device)[0] / world
-            check = rt.last_sync.max_abs_diff if rt.last_sync else None
-            sync = rt.last_sync.as_dict() if rt.last_sync else None
-            rec = {"step": step, "step_s": total, "generate_s": gen_s, "train_s": train_s, "switch_s": switch["s"],
-                   "rollout_tokens": rollout_tokens, "train_tokens": train_tokens, "loss": loss, "reward": mean_reward,
-                   "correct": correct, **stats, "sync_max_abs_diff": check, "sync": sync,
-                   # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
-                   "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
-            steps.append(rec)
-            figures = {k: rec[k] for k in ("loss", "reward", "correct", *stats, "rollout_tokens", "step_s",
-                                           "generate_s", "train_s", "switch_s") if rec[k] is not None}
+    for step in range(first, args.steps):
+        if task is None:
+            prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
+        else:
+            drawn = problems.take(args.prompts)
+            prompts = [tasks.encode(tokenizer, p) for p in drawn]
+        switch["s"] = 0.0
+        calls = None  # Python's profiler, in the traced step's two switches only
+        if step == args.memory_step:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
+            undo.append(history_off)
+        if step == args.trace_step:
+            trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+            trace.start()
+            undo.append(trace.stop)
+            calls = cProfile.Profile()
+        t0 = time.perf_counter()
+        with entered("generate", calls):
+            tg = time.perf_counter()
+            # The engine's log-probabilities of the tokens it sampled come with the rollout (vLLM: from the sampling
+            # pass itself): the importance weights' denominators.
+            completions, engine_lp = rt.engine.generate_scored(prompts, swaprl.Sampling(
+                max_tokens=args.max_tokens, n=args.completions, seed=args.seed + step))
+            gen_s = time.perf_counter() - tg
+            used_generate = device_used()
+        if task is None:
+            rewards, correct = [reward(c) for c in completions], None
+        else:
+            texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+            problem_of = [drawn[i // args.completions] for i in range(len(completions))]
+            rewards = [tasks.scored(score, t, p) for t, p in zip(texts, problem_of)]
+            correct = statistics.fmean(tasks.correct(t, p) for t, p in zip(texts, problem_of))
+        stats: dict = {}
+        with entered("train", calls):
+            tt = time.perf_counter()
+            loss, train_tokens = train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id,
+                                          autocast, stats, reference)
             if cuda:
-                figures["device_used_end_of_train_gib"] = used_train / 2**30
-            reporter.step(step, figures)
-            if metrics_lines and rank == 0:
-                with metrics_lines.open("a") as f:
-                    f.write(json.dumps({k: rec[k] for k in ("step", "loss", "reward", "correct", *stats,
-                                                            "rollout_tokens", "train_tokens", "step_s",
-                                                            "switch_s")}) + "\n")
-            if args.save_steps and (step + 1) % args.save_steps == 0:
-                checkpoints.save(step + 1, {
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                    "data_position": problems.position if task else None, "args": vars(args),
-                    "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
-                            **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}})
-            said = [f"weights {sync['weights']}"] if sync else []
-            said += [f"probe max|dlogp| {check:.3g}"] if check is not None else []
-            if "mismatch_mean_abs_dlogp" in stats:
-                said.append(f"rollout mean|dlogp| {stats['mismatch_mean_abs_dlogp']:.3g}")
-            log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
-                     "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
-                     rollout_tokens, mean_reward, "".join(", " + x for x in said))
-    except BaseException:
-        history_off = (lambda: torch.cuda.memory._record_memory_history(enabled=None)) \
-            if args.memory_step is not None else None
-        for close in (trace.stop if trace else None, history_off, reporter.close,
-                      profiler.close if profiler else None, swaprl.detach, engine.close):
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    close()
-        raise
-    reporter.close()
-    if profiler is not None:
-        profiler.close()
+                torch.cuda.synchronize()
+            train_s = time.perf_counter() - tt
+            used_train = device_used()
+        total = time.perf_counter() - t0
+        if step == args.memory_step:
+            torch.cuda.memory._dump_snapshot(str(out / f"memory.step{step}{f'.rank{rank}' if world > 1 else ''}"
+                                                     ".pickle"))
+            history_off()
+            undo.remove(history_off)
+        if step == args.trace_step:
+            trace.stop()
+            undo.remove(trace.stop)
+            name = f"trace.step{step}{f'.rank{rank}' if world > 1 else ''}"
+            trace.export_chrome_trace(str(out / f"{name}.json"))
+            write_calls(calls, out / f"{name}.switches.txt")
+        rollout_tokens = sum(map(len, completions))
+        mean_reward = statistics.fmean(rewards)
+        if world > 1:  # every rank's rollouts: the step's loss, reward and tokens
+            loss, mean_reward, rollout_tokens, train_tokens = all_ranks_sum([loss, mean_reward, rollout_tokens,
+                                                                             train_tokens], device)
+            loss, mean_reward = loss / world, mean_reward / world
+            rollout_tokens, train_tokens = int(rollout_tokens), int(train_tokens)
+            if correct is not None:
+                correct = all_ranks_sum([correct], device)[0] / world
+        check = rt.last_sync.max_abs_diff if rt.last_sync else None
+        sync = rt.last_sync.as_dict() if rt.last_sync else None
+        rec = {"step": step, "step_s": total, "generate_s": gen_s, "train_s": train_s, "switch_s": switch["s"],
+               "rollout_tokens": rollout_tokens, "train_tokens": train_tokens, "loss": loss, "reward": mean_reward,
+               "correct": correct, **stats, "sync_max_abs_diff": check, "sync": sync,
+               # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
+               "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
+        steps.append(rec)
+        figures = {k: rec[k] for k in ("loss", "reward", "correct", *stats, "rollout_tokens", "step_s",
+                                       "generate_s", "train_s", "switch_s") if rec[k] is not None}
+        if cuda:
+            figures["device_used_end_of_train_gib"] = used_train / 2**30
+        reporter.step(step, figures)
+        if metrics_lines and rank == 0:
+            with metrics_lines.open("a") as f:
+                f.write(json.dumps({k: rec[k] for k in ("step", "loss", "reward", "correct", *stats,
+                                                        "rollout_tokens", "train_tokens", "step_s",
+                                                        "switch_s")}) + "\n")
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            checkpoints.save(step + 1, {
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                "data_position": problems.position if task else None, "args": vars(args),
+                "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
+                        **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}})
+        said = [f"weights {sync['weights']}"] if sync else []
+        said += [f"probe max|dlogp| {check:.3g}"] if check is not None else []
+        if "mismatch_mean_abs_dlogp" in stats:
+            said.append(f"rollout mean|dlogp| {stats['mismatch_mean_abs_dlogp']:.3g}")
+        log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
+                 "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
+                 rollout_tokens, mean_reward, "".join(", " + x for x in said))
+    for close in (reporter.close, profiler.close if profiler is not None else None):
+        if close is not None:
+            close()
+            undo.remove(close)
     if not rt.status()["optimizer_homes"]["host"]:
         swaprl.detach()
     # else: detach() would bring the host-resident states back to the GPU for plain torch, and they were put on the
     # host (by the config, or by "auto" at the first step) because they do not fit there; the process ends here,
-    # which releases everything.
+    # which releases everything. (A failure from here on still detaches: it is left in `undo`.)
     engine.close()
+    undo.remove(engine.close)
 
     timed = steps[args.warmup:] or steps
     med = {k: statistics.median(s[k] for s in timed) if timed else None
