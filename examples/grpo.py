@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import pstats
-import shutil
 import statistics
 import tempfile
 import time
@@ -45,6 +44,7 @@ from swaprl import memory
 from swaprl.profile import attach_profiler
 from swaprl.config import parse_optimizer_states
 
+import run_files  # (beside this file: checkpoints and the files a resume rewrites)
 import tasks  # noqa: E402  (beside this file: the task data and rewards)
 
 log = logging.getLogger("grpo")
@@ -252,6 +252,24 @@ def check_resumable(state: dict, args) -> None:
                          f"asks for no more; give --steps above {state['step']} to go on")
 
 
+def read_checkpoint(path: Path, rank: int, step: int) -> dict:
+    """This rank's state in the checkpoint at `path`, whose manifest checks passed. Tensors come back on the host:
+    the optimizer's load puts each state where its home is."""
+    f = path / f"rank{rank}.pt"
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise SystemExit(f"--resume: {f} matches its manifest, yet torch cannot read it ({type(exc).__name__}: "
+                         f"{exc}); was it written by another torch version? Resume with that one, or start a new "
+                         "run with another --out") from exc
+    if not (isinstance(state, dict) and {"model", "optimizer", "rng", "step"} <= state.keys()
+            and state["step"] == step):
+        raise SystemExit(f"--resume: {f} is not grpo.py's checkpoint of step {step} (it holds "
+                         f"{sorted(state) if isinstance(state, dict) else type(state).__name__}); start a new run "
+                         "with another --out")
+    return state
+
+
 def report_to(text: str) -> str:
     unknown = {k.strip() for k in text.split(",")} - {"none", "tensorboard", "wandb", ""}
     if unknown:
@@ -353,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "OUT/memory.stepN[.rankR].pickle (drag it onto pytorch.org/memory_viz; "
                          "benchmarks/memory_streams.py splits the free cached blocks at its peak by stream)")
     ap.add_argument("--resume", action="store_true",
-                    help="continue from the newest complete checkpoint under OUT/checkpoints")
+                    help="continue from the newest intact checkpoint under OUT/checkpoints (its files checked "
+                         "against its manifest)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-dir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"),
                     help="where random checkpoints are written (and reused)")
@@ -502,18 +521,19 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     if (args.save_steps or args.resume) and out is None:
         raise SystemExit("--save-steps and --resume keep their checkpoints under --out: give --out DIR")
     check_args(args)
-    checkpoints = Checkpoints(out / "checkpoints", rank, world) if out else None
+    checkpoints = run_files.Checkpoints(out / "checkpoints", rank=rank, world=world) if out else None
     newest = checkpoints.newest() if checkpoints else None
-    resumed = newest if args.resume else None
-    if args.resume and resumed is None:
-        raise SystemExit(f"--resume: no complete checkpoint under {out / 'checkpoints'}; run with --save-steps N "
-                         "first, or drop --resume to start over")
-    resumed_state = checkpoints.load(resumed) if resumed is not None else None
-    if resumed_state is not None:
-        check_resumable(resumed_state, args)
     if newest is not None and not args.resume:  # a fresh run would rewrite the logs that run's resume goes on with
         raise SystemExit(f"{out / 'checkpoints'} holds another run's checkpoints (newest {newest.name}): --resume "
                          "to go on with it, or give a new --out (nothing was deleted)")
+    resumed = resumed_state = None
+    if args.resume:  # the newest intact checkpoint, checked before anything loads
+        try:
+            resumed, manifest = checkpoints.newest_intact()
+        except run_files.CheckpointError as exc:
+            raise SystemExit(str(exc)) from None
+        resumed_state = read_checkpoint(resumed, rank, manifest["step"])
+        check_resumable(resumed_state, args)
     if out and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     name = args.preset + (f"-{args.layers}l" if args.layers else "")
@@ -701,11 +721,20 @@ def _run(argv: list[str] | None, undo: list) -> dict:
                                                         "rollout_tokens", "train_tokens", "step_s",
                                                         "switch_s")}) + "\n")
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            checkpoints.save(step + 1, {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                "data_position": problems.position if task else None, "args": vars(args),
-                "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
-                        **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}})
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                     "data_position": problems.position if task else None, "args": vars(args),
+                     "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
+                             **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}}
+
+            def write(d: Path, state=state) -> list[Path]:
+                torch.save(state, d / f"rank{rank}.pt")
+                return [d / f"rank{rank}.pt"]
+
+            try:
+                checkpoints.save(step + 1, write)
+            except run_files.CheckpointError as exc:
+                raise SystemExit(str(exc)) from None
+            del state
         said = [f"weights {sync['weights']}"] if sync else []
         said += [f"probe max|dlogp| {check:.3g}"] if check is not None else []
         if "mismatch_mean_abs_dlogp" in stats:
@@ -830,51 +859,6 @@ class Reporter:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-class Checkpoints:
-    """Checkpoints under `root`, one directory per step (`step-00000004/`, a file per rank), each written under a
-    temporary name and renamed once every rank's file is complete: a process killed at any point leaves the newest
-    complete checkpoint loadable. The newest two are kept."""
-
-    KEEP = 2
-
-    def __init__(self, root: Path, rank: int, world: int) -> None:
-        self.root, self.rank, self.world = root, rank, world
-
-    def newest(self) -> Path | None:
-        done = sorted(p for p in self.root.glob("step-*") if p.is_dir()) if self.root.exists() else []
-        return done[-1] if done else None
-
-    def save(self, step: int, state: dict) -> Path:
-        final, tmp = self.root / f"step-{step:08d}", self.root / f".step-{step:08d}.tmp"
-        if self.rank == 0:
-            if tmp.exists():  # a save killed before its rename
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        torch.save(state, tmp / f"rank{self.rank}.pt")
-        self._barrier()
-        if self.rank == 0:
-            os.replace(tmp, final)
-            for old in sorted(p for p in self.root.glob("step-*") if p.is_dir())[:-self.KEEP]:
-                shutil.rmtree(old)
-            log.info("checkpoint %s written", final)
-        self._barrier()
-        return final
-
-    def load(self, path: Path) -> dict:
-        saved = len(list(path.glob("rank*.pt")))
-        if saved != self.world:  # each rank saved its own shards: another number of ranks would train on others'
-            raise SystemExit(f"--resume: {path} was written by {saved} rank(s) and this run has {self.world}; "
-                             f"resume with the same number (torchrun --nproc-per-node {saved}), or start a new run "
-                             "with another --out")
-        # Tensors come back on the host: the optimizer's load puts each state where its home is.
-        return torch.load(path / f"rank{self.rank}.pt", map_location="cpu", weights_only=False)
-
-    def _barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
 
 
 def all_ranks_sum(values: list[float], device: str) -> list[float]:

@@ -423,15 +423,16 @@ def test_a_checkpoint_resumes_only_with_the_number_of_ranks_that_wrote_it(tmp_pa
     """Each rank saves its own shards: a resume on another number of ranks is refused with the number to use, and
     the checkpoint is left as it was."""
     import grpo
+    import run_files
 
     grpo.main(["--engine", "hf", "--steps", "2", "--save-steps", "2", "--out", str(tmp_path / "o"),
                "--checkpoint-dir", str(tmp_path / "ck")])
-    newest = grpo.Checkpoints(tmp_path / "o" / "checkpoints", 0, 1).newest()
+    newest = run_files.Checkpoints(tmp_path / "o" / "checkpoints").newest()
     before = sorted(p.name for p in newest.iterdir())
-    with pytest.raises(SystemExit, match=r"written by 1 rank\(s\) and this run has 2; resume with the same number "
-                                         r"\(torchrun --nproc-per-node 1\)"):
-        grpo.Checkpoints(tmp_path / "o" / "checkpoints", 0, 2).load(newest)
-    assert sorted(p.name for p in newest.iterdir()) == before == ["rank0.pt"]
+    with pytest.raises(run_files.CheckpointError, match=r"written by 1 rank\(s\) and this run has 2; resume with the "
+                                                        r"same number \(torchrun --nproc-per-node 1\)"):
+        run_files.Checkpoints(tmp_path / "o" / "checkpoints", rank=0, world=2).newest_intact()
+    assert sorted(p.name for p in newest.iterdir()) == before == ["manifest.json", "rank0.pt"]
 
 
 def test_checkpoints_are_never_mixed_with_another_run(tmp_path):

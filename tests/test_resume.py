@@ -7,6 +7,12 @@ Real runs on the tiny preset on the CPU. The runs that are killed are forked chi
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -21,6 +27,146 @@ COMMON = ["--engine", "hf", "--warmup", "0"]
 @pytest.fixture(autouse=True)
 def _examples_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
+class Worker:
+    """tests/resume_worker.py: runs grpo.main() in a forked child per job."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.jobs = root, 0
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, str(TESTS / "resume_worker.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+
+    def run(self, out: Path, *argv: str, kill_after: int | None = None, fsize: int | None = None) -> dict:
+        """grpo.main(argv + --out out); the result has the exit status or signal, the child's output (`log`) and
+        the changes it made under `out` (`ops`, with ["phase", name] markers)."""
+        self.jobs += 1
+        log, ops = self.root / f"job{self.jobs}.log", self.root / f"job{self.jobs}.ops"
+        job = {"argv": [*COMMON, "--checkpoint-dir", str(self.root / "ck"), "--out", str(out), *argv],
+               "log": str(log), "ops": str(ops), "watch": str(out), "kill_after": kill_after, "fsize": fsize}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"tests/resume_worker.py ended (exit status {self.proc.wait()}); its error is in the "
+                               "captured stderr")
+        result = json.loads(answer)
+        result["log"] = log.read_text() if log.exists() else ""
+        result["ops"] = [json.loads(x) for x in ops.read_text().splitlines()] if ops.exists() else []
+        return result
+
+    def ok(self, out: Path, *argv: str, **kw) -> dict:
+        result = self.run(out, *argv, **kw)
+        assert result["exit"] == 0, result["log"][-4000:]
+        return result
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    w = Worker(tmp_path_factory.mktemp("worker"))
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def runs(worker, tmp_path_factory):
+    """Four steps straight through ("straight"), and the first three of them saved at step 2 ("saved": a run killed
+    after its third step's line, so metrics.jsonl has a line past the checkpoint, which a resume does again)."""
+    root = tmp_path_factory.mktemp("runs")
+    worker.ok(root / "straight", "--steps", "4")
+    worker.ok(root / "saved", "--steps", "3", "--save-steps", "2")
+    worker.ok(root / "saved1", "--steps", "2", "--save-steps", "1")
+    return root
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def lines(out: Path) -> list[str]:
+    path = out / "metrics.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def figures(out: Path) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["reward"]) for r in map(json.loads, lines(out))]
+
+
+def files(path: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `path`: its size and CRC-32."""
+    return {str(f.relative_to(path)): (f.stat().st_size, zlib.crc32(f.read_bytes()))
+            for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+# ------------------------------------------------------------------------------------------- 2. damaged checkpoints
+def flip_a_bit(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "a flipped bit": (flip_a_bit, "checksum"),
+    "truncated": (lambda f: f.write_bytes(f.read_bytes()[:-1000]), "bytes"),
+    "empty": (lambda f: f.write_bytes(b""), "0 bytes"),
+    "a foreign file": (lambda f: f.write_text('{"not": "a checkpoint"}'), "bytes"),
+    "a missing rank file": (lambda f: f.unlink(), "missing"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_an_intact_one(tmp_path, worker, runs, damage):
+    """The newest checkpoint's rank file damaged after it was written: the resume names the file and what is wrong
+    with it, goes on from the checkpoint before, and trains as the run that was never damaged, bit for bit."""
+    out = copy(runs / "saved1", tmp_path / "out")  # checkpoints at steps 1 and 2
+    spoil, why = DAMAGE[damage]
+    spoil(out / "checkpoints" / "step-00000002" / "rank0.pt")
+    resumed = worker.ok(out, "--steps", "4", "--resume")
+    warning = next((x for x in resumed["log"].splitlines() if "step-00000002" in x and "rank0.pt" in x), "")
+    assert why in warning and "resuming from step-00000001" in resumed["log"], resumed["log"][-3000:]
+    assert json.loads((out / "metrics.json").read_text())["resumed_from"] == 1
+    assert figures(out) == figures(runs / "straight")
+
+
+def test_a_resume_with_no_intact_checkpoint_says_what_is_wrong_with_each(tmp_path, worker, runs):
+    out = copy(runs / "saved1", tmp_path / "out")
+    flip_a_bit(out / "checkpoints" / "step-00000002" / "rank0.pt")
+    (out / "checkpoints" / "step-00000001" / "rank0.pt").write_bytes(b"")
+    before = files(out / "checkpoints")
+    refused = worker.run(out, "--steps", "4", "--resume")
+    assert refused["exit"] == 2, refused["log"][-3000:]
+    said = refused["log"].split("SystemExit: ", 1)[-1]
+    assert "no intact checkpoint" in said and "step-00000002/rank0.pt" in said and "checksum" in said, said
+    assert "step-00000001/rank0.pt" in said and "0 bytes" in said, said
+    assert files(out / "checkpoints") == before  # nothing was deleted or moved
+
+
+def test_a_checkpoint_without_a_manifest_is_refused_with_its_format(tmp_path, worker, runs):
+    """A checkpoint of the format before manifests (or one that lost it) is not resumed from blindly."""
+    out = copy(runs / "saved1", tmp_path / "out")
+    for manifest in (out / "checkpoints").glob("step-*/manifest.json"):
+        manifest.unlink()
+    refused = worker.run(out, "--steps", "4", "--resume")
+    assert refused["exit"] == 2, refused["log"][-3000:]
+    assert "no manifest.json" in refused["log"] and "format" in refused["log"], refused["log"][-3000:]
+
+
+def test_after_resuming_past_a_damaged_checkpoint_the_next_save_sets_it_aside(tmp_path, worker, runs):
+    """The damaged checkpoint is kept for a look, under a name no resume takes; the run saves that step anew."""
+    out = copy(runs / "saved1", tmp_path / "out")
+    flip_a_bit(out / "checkpoints" / "step-00000002" / "rank0.pt")
+    worker.ok(out, "--steps", "3", "--save-steps", "1", "--resume")
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step-00000002", "step-00000002.damaged", "step-00000003"], names
+    resumed = worker.ok(out, "--steps", "4", "--resume")
+    assert "step-00000002.damaged" not in resumed["log"] and "damaged" not in resumed["log"].lower()
+    assert figures(out) == figures(runs / "straight")
 
 
 # ------------------------------------------------------------------------------------------- 6. nothing left attached
