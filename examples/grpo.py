@@ -726,9 +726,8 @@ def _run(argv: list[str] | None, undo: list) -> dict:
                      "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
                              **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}}
 
-            def write(d: Path, state=state) -> list[Path]:
-                torch.save(state, d / f"rank{rank}.pt")
-                return [d / f"rank{rank}.pt"]
+            def write(d: Path, state=state) -> list[Path]:  # through a Python file: a failure has its errno
+                return [run_files.write_with(d / f"rank{rank}.pt", lambda f: torch.save(state, f))]
 
             try:
                 checkpoints.save(step + 1, write)

@@ -1,5 +1,5 @@
-"""The files a run leaves under --out, written so that neither a kill at any point nor a damaged file passes for a
-good one: examples/grpo.py's checkpoints.
+"""The files a run leaves under --out, written so that neither a kill at any point, nor a full disk, nor a damaged
+file passes for a good one: examples/grpo.py's checkpoints.
 
 - `replace_file` writes a file whole, beside its final name, and renames it there: a process killed at any point
   leaves the old one or the new one, never a cut one; fsynced before the rename, so that a machine losing power
@@ -20,16 +20,19 @@ large model's shards costs seconds, not minutes. The sizes, also in the manifest
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import json
 import logging
 import os
 import re
+import resource
 import shutil
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,21 @@ def replace_file(path: Path, data: str | bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_with(path: Path, save: Callable[[BinaryIO], object]) -> Path:
+    """`save(file)` into `path` opened here, for serializers that take a file object (torch.save): its writes then
+    go through Python and fail with the OSError's errno (torch's own file writer says only "unexpected pos")."""
+    try:
+        with open(path, "wb") as f:
+            save(f)
+            f.flush()
+    except Exception as exc:
+        cause = _os_error(exc)
+        if cause is not None and cause.errno is not None:
+            raise OSError(cause.errno, cause.strerror, str(path)) from exc
+        raise
+    return path
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -164,7 +182,7 @@ class Checkpoints:
         """Checkpoint `step`: `write(dir)` puts this rank's files in a temporary directory and returns them; once
         every rank's are on disk, rank 0 writes the manifest, renames the directory to `step-NNNNNNNN` and removes
         the oldest beyond `keep`. A failure on any rank removes the temporary directory, leaves the earlier
-        checkpoints as they were, and raises CheckpointError."""
+        checkpoints as they were, and raises CheckpointError naming the file, the cause and the fix."""
         final, tmp = self.root / f"step-{step:08d}", self.root / f".step-{step:08d}.tmp"
 
         def prepare() -> None:
@@ -216,7 +234,7 @@ class Checkpoints:
             try:
                 result = fn()
             except Exception as exc:  # noqa: BLE001  (whatever the writer raises: every rank must hear of it)
-                failed = f"{type(exc).__name__}: {exc}"
+                failed = describe_failure(exc, tmp)
         errors = [e for e in self._all(failed) if e is not None]
         if errors:
             removed = "was removed"
@@ -243,3 +261,56 @@ class Checkpoints:
 
     def _gathered(self, problems: list[str]) -> list[str]:
         return list(dict.fromkeys(p for part in self._all(problems) for p in part))
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The first OSError with an errno in `exc`'s chain (causes and contexts)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def describe_failure(exc: BaseException, where: Path) -> str:
+    """"cannot write PATH: CAUSE; FIX" for a write under `where` that raised `exc`: the cause from the errno in
+    its chain, or, for a writer that reports none, from what the file system and the limits say."""
+    os_error = _os_error(exc)
+    path = Path(os_error.filename) if os_error is not None and os_error.filename else where
+    code = os_error.errno if os_error is not None else _likely_errno(where)
+    directory = path.parent if path != where else where.parent
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    writable = f"make {directory} writable for this user, or give another --out"
+    file_size = (f"this process's RLIMIT_FSIZE, `ulimit -f`, is {limit} bytes" if limit != resource.RLIM_INFINITY
+                 else "the file system's largest file")
+    larger = ("raise the limit (ulimit -f unlimited) before the run, or give an --out on a file system that takes "
+              "larger files")
+    causes = {
+        errno.ENOSPC: ("disk full (ENOSPC)", f"free space on the file system of {directory}, or give another --out"),
+        errno.EDQUOT: ("the disk quota is used up (EDQUOT)", "free space within the quota, or give another --out"),
+        errno.EFBIG: (f"the file-size limit (EFBIG: {file_size})", larger),
+        errno.EACCES: ("permission denied (EACCES)", writable),
+        errno.EPERM: ("operation not permitted (EPERM)", writable),
+        errno.EROFS: ("the file system is read-only (EROFS)", "give an --out on a writable file system"),
+    }
+    if code in causes:
+        cause, fix = causes[code]
+        return f"cannot write {path}: {cause}; {fix}"
+    detail = f"{os.strerror(code)} ({errno.errorcode.get(code, code)})" if code else f"{type(exc).__name__}: {exc}"
+    return f"cannot write {path}: {detail}; check that the file system of {directory} has room and takes writes"
+
+
+def _likely_errno(where: Path) -> int | None:
+    """For a writer whose error has no errno: what the process's limits and the file system say."""
+    with contextlib.suppress(OSError):
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and where.exists() and any(
+                f.stat().st_size >= limit for f in where.rglob("*") if f.is_file()):
+            return errno.EFBIG
+        if shutil.disk_usage(where if where.exists() else where.parent).free < READ_BYTES:
+            return errno.ENOSPC
+        if not os.access(where if where.exists() else where.parent, os.W_OK):
+            return errno.EACCES
+    return None

@@ -169,6 +169,49 @@ def test_after_resuming_past_a_damaged_checkpoint_the_next_save_sets_it_aside(tm
     assert figures(out) == figures(runs / "straight")
 
 
+# ------------------------------------------------------------------------------------------- 5. saves that fail
+def test_a_save_past_the_file_size_limit_names_the_path_and_the_cause(tmp_path, worker, runs):
+    """Under a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) the checkpoint cannot be written: the error names
+    the file, the limit and the fix; the half-written checkpoint is gone and the earlier ones are as they were."""
+    out = copy(runs / "saved1", tmp_path / "out")
+    before = files(out / "checkpoints")
+    failed = worker.run(out, "--steps", "4", "--save-steps", "1", "--resume", fsize=1 << 20)
+    assert failed["exit"] == 2, failed["log"][-3000:]
+    said = failed["log"].split("SystemExit: ", 1)[-1]
+    assert str(out / "checkpoints") in said and "rank0.pt" in said, said
+    assert "file-size limit" in said and "EFBIG" in said and "ulimit -f" in said, said
+    assert files(out / "checkpoints") == before
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_a_save_that_fails_for_want_of_room_or_rights_says_so(tmp_path):
+    """The checkpoint layer under any serializer: a writer that fails with ENOSPC or EACCES gets an error naming the
+    path, the cause and the fix; its temporary directory is removed and the earlier checkpoint kept."""
+    import errno
+
+    import run_files
+
+    root = tmp_path / "checkpoints"
+    checkpoints = run_files.Checkpoints(root, rank=0, world=1)
+
+    def good(d: Path) -> list[Path]:
+        (d / "rank0.pt").write_bytes(b"state")
+        return [d / "rank0.pt"]
+
+    checkpoints.save(1, good)
+    for code, cause, fix in ((errno.ENOSPC, "disk full", "free space"), (errno.EACCES, "permission", "writable")):
+        def bad(d: Path, code=code) -> list[Path]:
+            (d / "rank0.pt").write_bytes(b"sta")
+            raise OSError(code, os.strerror(code), str(d / "rank0.pt"))
+
+        with pytest.raises(run_files.CheckpointError) as failed:
+            checkpoints.save(2, bad)
+        said = str(failed.value)
+        assert str(root / ".step-00000002.tmp" / "rank0.pt") in said and cause in said and fix in said, said
+        assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+    assert checkpoints.newest_intact()[0].name == "step-00000001"
+
+
 # ------------------------------------------------------------------------------------------- 6. nothing left attached
 def test_a_run_that_fails_after_attaching_leaves_nothing_attached(tmp_path, monkeypatch):
     """main() whose profile cannot be opened (a full disk): the error comes out, the runtime is detached, and the
