@@ -270,6 +270,22 @@ def read_checkpoint(path: Path, rank: int, step: int) -> dict:
     return state
 
 
+def lines_before(path: Path, step: int) -> list[str]:
+    """The lines of metrics.jsonl for the steps before `step`, one per step: what a run resumed at `step` keeps (a
+    line cut by a kill, always the last, is not one)."""
+    kept: dict[int, str] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            at = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(at, int) and at < step:
+            kept.setdefault(at, line)
+    if missing := sorted(set(range(step)) - set(kept)):
+        log.warning("%s lacks the lines of steps %s; the resumed run goes on without them", path, missing)
+    return [kept[k] for k in sorted(kept)]
+
+
 def report_to(text: str) -> str:
     unknown = {k.strip() for k in text.split(",")} - {"none", "tensorboard", "wandb", ""}
     if unknown:
@@ -634,9 +650,7 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     undo.append(reporter.close)
     metrics_lines = out / "metrics.jsonl" if out else None
     if metrics_lines and rank == 0:  # one line per step: those after the checkpoint are done again
-        kept = metrics_lines.read_text().splitlines()[:first] if resumed is not None and metrics_lines.exists() \
-            else []
-        metrics_lines.write_text("".join(line + "\n" for line in kept))
+        run_files.replace_file(metrics_lines, "".join(line + "\n" for line in lines_before(metrics_lines, first)))
 
     steps = []
     for step in range(first, args.steps):
@@ -716,11 +730,12 @@ def _run(argv: list[str] | None, undo: list) -> dict:
             figures["device_used_end_of_train_gib"] = used_train / 2**30
         reporter.step(step, figures)
         if metrics_lines and rank == 0:
-            with metrics_lines.open("a") as f:
-                f.write(json.dumps({k: rec[k] for k in ("step", "loss", "reward", "correct", *stats,
-                                                        "rollout_tokens", "train_tokens", "step_s",
-                                                        "switch_s")}) + "\n")
+            run_files.append_line(metrics_lines, json.dumps({k: rec[k] for k in (
+                "step", "loss", "reward", "correct", *stats, "rollout_tokens", "train_tokens", "step_s",
+                "switch_s")}))
         if args.save_steps and (step + 1) % args.save_steps == 0:
+            if metrics_lines and rank == 0:  # the lines of the steps it holds are on disk before the checkpoint is
+                run_files.fsync_file(metrics_lines)
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
                      "data_position": problems.position if task else None, "args": vars(args),
                      "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
@@ -764,12 +779,13 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     if world > 1:
         dist.barrier()  # every rank's profile is complete
     if out and rank == 0:  # one report over the profiles of all ranks (profile.rank{N}.jsonl under torchrun)
-        (out / "metrics.json").write_text(json.dumps(summary, indent=1, default=str))
+        run_files.replace_file(out / "metrics.json", json.dumps(summary, indent=1, default=str))
         try:
             from swaprl.profile.report import load_run, write_report
 
             names = [f"{stem}.jsonl"] if world == 1 else [f"{stem}.rank{r}.jsonl" for r in range(world)]
-            write_report([load_run(out / n) for n in names], out / stem.replace("profile", "report"))
+            runs = [load_run(out / n) for n in names]
+            run_files.replace_dir(out / stem.replace("profile", "report"), lambda d: write_report(runs, d))
         except ImportError:
             log.info("report module unavailable; the profiles are in %s", out)
     if rank == 0:

@@ -1,9 +1,9 @@
 """The files a run leaves under --out, written so that neither a kill at any point, nor a full disk, nor a damaged
-file passes for a good one: examples/grpo.py's checkpoints.
+file passes for a good one: examples/grpo.py's checkpoints and the files it rewrites.
 
-- `replace_file` writes a file whole, beside its final name, and renames it there: a process killed at any point
-  leaves the old one or the new one, never a cut one; fsynced before the rename, so that a machine losing power
-  does not leave a renamed empty file either.
+- `replace_file` and `replace_dir` write a file or a directory whole, beside its final name, and rename it there:
+  a process killed at any point leaves the old one or the new one, never a cut one; fsynced before the rename, so
+  that a machine losing power does not leave a renamed empty file either.
 - `Checkpoints`: one directory per step, written under a temporary name and renamed once every rank's files and the
   manifest are on disk. The manifest lists each file with its size and CRC-32; a resume checks them before it reads
   anything, and goes on from the newest checkpoint that is intact, saying what is wrong with each newer one.
@@ -74,6 +74,34 @@ def replace_file(path: Path, data: str | bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def replace_dir(path: Path, fill: Callable[[Path], object]) -> None:
+    """Fill a directory in `.NAME.tmp` beside `path` with `fill(dir)`, then rename it to `path` (an older one of that
+    name is moved aside first and removed after)."""
+    tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+    for stale in (tmp, old):  # a run killed while it wrote
+        if stale.exists():
+            shutil.rmtree(stale)
+    tmp.mkdir()
+    fill(tmp)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def append_line(path: Path, line: str) -> None:
+    """One line at the end of `path` (a kill can cut only this line, the last; a reader skips it)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def write_with(path: Path, save: Callable[[BinaryIO], object]) -> Path:

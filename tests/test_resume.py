@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import zlib
@@ -102,6 +103,68 @@ def files(path: Path) -> dict[str, tuple[int, int]]:
     """Every file under `path`: its size and CRC-32."""
     return {str(f.relative_to(path)): (f.stat().st_size, zlib.crc32(f.read_bytes()))
             for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+# ------------------------------------------------------------------------------------------- 1. killed resumes
+def test_a_resume_killed_at_any_point_of_its_start_keeps_every_earlier_line_and_checkpoint(tmp_path, worker, runs):
+    """A resume killed right after each change it makes to --out before its first step (each one killed resume
+    going on from what the previous one left), then one that runs through: the lines of the steps before the
+    checkpoint and the checkpoint itself are as they were after every kill, and the run ends as one that was never
+    interrupted, bit for bit."""
+    saved, resume = runs / "saved", ["--steps", "4", "--resume"]
+    probe = worker.ok(copy(saved, tmp_path / "probe"), *resume)
+    start = probe["ops"].index(["phase", "generate"])  # the changes of the resume's start
+    assert start >= 2, probe["ops"]
+    kept, checkpoint = lines(saved)[:2], files(saved / "checkpoints")
+    out = copy(saved, tmp_path / "out")
+    for k in range(1, start + 1):
+        killed = worker.run(out, *resume, kill_after=k)
+        assert killed["signal"] == signal.SIGKILL, killed["log"][-3000:]
+        assert lines(out)[:2] == kept, (k, killed["ops"])
+        assert files(out / "checkpoints") == checkpoint, (k, killed["ops"])
+    worker.ok(out, *resume)
+    assert figures(out) == figures(runs / "straight")
+    assert len(set(figures(out))) == 4
+
+
+def test_a_run_killed_at_any_point_of_a_save_resumes_bit_for_bit(tmp_path, worker, runs):
+    """Killed right after each change of its first save (the step's line, the rank file, the manifest, the
+    renames), then resumed: the earlier lines are as they were, the resume goes on from the checkpoint before or
+    the new one, and the run ends as one never interrupted, bit for bit."""
+    saved, resume = runs / "saved", ["--steps", "4", "--save-steps", "1", "--resume"]
+    ops = worker.ok(copy(saved, tmp_path / "probe"), *resume)["ops"]
+    train = ops.index(["phase", "train"])
+    after = ops.index(["phase", "generate"], train)  # the first save is between these
+    assert ["replace", "checkpoints/.step-00000003.tmp", "checkpoints/step-00000003"] in ops[train:after], ops
+    changes = [i for i, op in enumerate(ops) if op[0] != "phase"]
+    for k in [k for k, i in enumerate(changes, 1) if train < i < after]:
+        out = copy(saved, tmp_path / f"out{k}")
+        killed = worker.run(out, *resume, kill_after=k)
+        assert killed["signal"] == signal.SIGKILL, killed["log"][-3000:]
+        assert lines(out)[:2] == lines(saved)[:2], k
+        worker.ok(out, *resume)
+        assert json.loads((out / "metrics.json").read_text())["resumed_from"] in (2, 3), k
+        assert figures(out) == figures(runs / "straight"), k
+
+
+def test_a_run_killed_while_it_writes_its_summary_and_report_leaves_none_half_written(tmp_path, worker, runs):
+    """Killed right after each change it makes once its last step is done (metrics.json, the report): the
+    metrics.json there is whole (this run's or the previous run's), and a report directory is there whole or not
+    at all."""
+    saved, resume = runs / "saved", ["--steps", "3", "--resume"]
+    ops = worker.ok(copy(saved, tmp_path / "probe"), *resume)["ops"]
+    last = max(i for i, op in enumerate(ops) if op == ["phase", "train"])
+    changes = [i for i, op in enumerate(ops) if op[0] != "phase"]  # the k-th change is ops[changes[k - 1]]
+    ends = [k for k, i in enumerate(changes, 1) if i > last]
+    assert len(ends) >= 2, ops
+    for k in ends:
+        out = copy(saved, tmp_path / f"out{k}")
+        killed = worker.run(out, *resume, kill_after=k)
+        assert killed["signal"] == signal.SIGKILL, killed["log"][-3000:]
+        summary = json.loads((out / "metrics.json").read_text())  # whole
+        assert summary["steps"], k
+        for report in out.glob("report*"):  # (the one being written is .report*.tmp)
+            assert {"report.md", "report.html"} <= {f.name for f in report.iterdir()}, (k, report)
 
 
 # ------------------------------------------------------------------------------------------- 2. damaged checkpoints
