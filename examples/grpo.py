@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import cProfile
 import io
+import itertools
 import json
 import logging
 import math
@@ -284,6 +285,23 @@ def lines_before(path: Path, step: int) -> list[str]:
     if missing := sorted(set(range(step)) - set(kept)):
         log.warning("%s lacks the lines of steps %s; the resumed run goes on without them", path, missing)
     return [kept[k] for k in sorted(kept)]
+
+
+def run_stem(out: Path, first: int | None, world: int) -> str:
+    """The name of this run's profile and report: "profile" (report/), "profile.resumed-N" for a resume at step N,
+    and ".runK" after either for the K-th run of that name, so that no run writes over another's files."""
+    base = "profile" if first is None else f"profile.resumed-{first}"
+
+    def taken(stem: str) -> bool:
+        return (any(out.glob(f"{stem}.jsonl*")) or any(out.glob(f"{stem}.rank*.jsonl*"))
+                or (out / stem.replace("profile", "report", 1)).exists())
+
+    stem = next(s for k in itertools.count(1) if not taken(s := base + (f".run{k}" if k > 1 else "")))
+    if world > 1:  # rank 0's, before any rank writes its profile
+        chosen = [stem]
+        dist.broadcast_object_list(chosen, src=0)
+        stem = chosen[0]
+    return stem
 
 
 def report_to(text: str) -> str:
@@ -552,6 +570,8 @@ def _run(argv: list[str] | None, undo: list) -> dict:
         check_resumable(resumed_state, args)
     if out and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+    # This run's profile and report, under names no earlier run of this directory took.
+    stem = run_stem(out, resumed_state["step"] if resumed_state else None, world) if out else None
     name = args.preset + (f"-{args.layers}l" if args.layers else "")
     path = Path(args.model) if args.model else Path(args.checkpoint_dir) / name
     if not args.model and rank == 0:
@@ -610,8 +630,6 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     rt = swaprl.attach(model, optimizer, lambda: make_engine(args, path, config, optimizer), config=config)
     engine = rt.engine
     undo += [engine.close, swaprl.detach]
-    # A resumed run records beside the run it goes on from: that run's profile (one killed, perhaps) is kept.
-    stem = "profile" if resumed_state is None else f"profile.resumed-{resumed_state['step']}"
     profiler = attach_profiler(rt, out / f"{stem}.jsonl") if out else None
     if profiler is not None:  # closed before the report is written, whether or not the runtime is detached
         undo.append(profiler.close)
@@ -776,6 +794,9 @@ def _run(argv: list[str] | None, undo: list) -> dict:
                "torch": torch.__version__, "swaprl": swaprl.__version__, "median": med,
                "switch_fraction": med["switch_s"] / med["step_s"] if timed else None, "steps": steps,
                "resumed_from": first if resumed is not None else None}
+    if out:
+        names = [f"{stem}.jsonl"] if world == 1 else [f"{stem}.rank{r}.jsonl" for r in range(world)]
+        summary.update(profiles=names, report=stem.replace("profile", "report", 1))
     if world > 1:
         dist.barrier()  # every rank's profile is complete
     if out and rank == 0:  # one report over the profiles of all ranks (profile.rank{N}.jsonl under torchrun)
@@ -783,9 +804,8 @@ def _run(argv: list[str] | None, undo: list) -> dict:
         try:
             from swaprl.profile.report import load_run, write_report
 
-            names = [f"{stem}.jsonl"] if world == 1 else [f"{stem}.rank{r}.jsonl" for r in range(world)]
             runs = [load_run(out / n) for n in names]
-            run_files.replace_dir(out / stem.replace("profile", "report"), lambda d: write_report(runs, d))
+            run_files.replace_dir(out / summary["report"], lambda d: write_report(runs, d))
         except ImportError:
             log.info("report module unavailable; the profiles are in %s", out)
     if rank == 0:

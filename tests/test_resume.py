@@ -232,6 +232,24 @@ def test_after_resuming_past_a_damaged_checkpoint_the_next_save_sets_it_aside(tm
     assert figures(out) == figures(runs / "straight")
 
 
+# ------------------------------------------------------------------------------------------- 3. every run's profile
+def test_every_run_keeps_its_own_profile_and_report(tmp_path, worker, runs):
+    """Two resumes from the same checkpoint (the first wrote none): each has a profile and a report of its own, and
+    metrics.json names the one of the run it sums up."""
+    out = copy(runs / "saved", tmp_path / "out")
+    first = worker.ok(out, "--steps", "3", "--resume")
+    profiles = {p.name: p.read_bytes() for p in out.glob("profile*.jsonl")}
+    reports = {p.name: files(p) for p in out.glob("report*")}
+    named = json.loads((out / "metrics.json").read_text())["profiles"][0]
+    assert named in profiles and named != "profile.jsonl", (named, sorted(profiles), first["log"][-2000:])
+    worker.ok(out, "--steps", "3", "--resume")
+    again = json.loads((out / "metrics.json").read_text())["profiles"][0]
+    assert again not in profiles, (again, sorted(profiles))
+    assert {p.name: p.read_bytes() for p in out.glob("profile*.jsonl") if p.name in profiles} == profiles
+    assert {p.name: files(p) for p in out.glob("report*") if p.name in reports} == reports
+    assert len(list(out.glob("report*"))) == len(reports) + 1
+
+
 # ------------------------------------------------------------------------------------------- 5. saves that fail
 def test_a_save_past_the_file_size_limit_names_the_path_and_the_cause(tmp_path, worker, runs):
     """Under a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) the checkpoint cannot be written: the error names
