@@ -17,7 +17,9 @@ log-probabilities of the tokens it sampled (`--tis-cap`), which also give the ro
 `--kl-coef` adds a per-token KL penalty to the policy the run started from (a frozen reference; off by default).
 Each step prints its time split (generate, train, phase switches); `--out` receives metrics.json, a line per step in
 metrics.jsonl (reward, exact answers, loss, clip fraction, importance weights, mismatch), the memory profile and its
-report, and with `--save-steps N` a checkpoint every N steps, from which `--resume` goes on.
+report, and with `--save-steps N` a checkpoint every N steps, from which `--resume` goes on (run_files.py: each
+checkpoint has a manifest of its files' sizes and checksums and of the settings that change the computation, checked
+before a resume reads anything; the files a resume rewrites are written beside and renamed).
 """
 
 from __future__ import annotations
@@ -155,8 +157,36 @@ def optimizer_states(text: str) -> str | dict[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-RESUME_KEEPS = ("task", "dataset", "prompts", "completions", "seed", "dtype", "master_weights", "fp32_params",
-                "preset", "layers", "model", "max_tokens", "lr", "kl_coef")
+COMPUTATION = ("model", "preset", "layers", "engine", "dtype", "master_weights", "fp32_params", "task", "dataset",
+               "reward", "prompts", "completions", "prompt_tokens", "max_tokens", "micro_batch", "updates", "clip",
+               "tis_cap", "kl_coef", "lr", "seed", "tp", "enforce_eager")
+"""The flags that change what a run computes (the model, the data, the objective, the optimizer, the sampling, the
+engine's kernels): a checkpoint records them (`computation`) and a resume refuses a change to any of them. The
+micro-batch is one: it changes the order of the gradients' sums, and a resume is bit for bit."""
+FREE = ("steps", "out", "save_steps", "resume", "report_to", "trace_step", "memory_step", "warmup", "checkpoint_dir",
+        "verify", "verify_tolerance", "sleep_level", "optimizer_states", "host_budget_gib", "gpu_memory_utilization",
+        "kv_cache_gib", "max_model_len", "release_other", "lend_pages")
+"""The flags a resume may change: how long it runs, where its files go, what it records or checks (the probe keeps
+the random streams as it found them), and where memory lives (every home of the optimizer states trains bit for bit
+the same)."""
+
+
+def uses_vllm(args) -> bool:
+    return args.engine == "vllm" or (args.engine == "auto" and torch.cuda.is_available()
+                                     and swaprl.engines.vllm_available())
+
+
+def computation(args) -> dict:
+    """The COMPUTATION flags as this run computes with them: the engine resolved ("auto" is the same engine on the
+    same machine), and those it does not use left out (--prompt-tokens but with --task even-tokens: the prompts'
+    own length otherwise; the vLLM engine's flags with the embedded one)."""
+    settings = {k: getattr(args, k) for k in COMPUTATION}
+    settings["engine"] = "vllm" if uses_vllm(args) else "hf"
+    if args.dataset or args.task != "even-tokens":
+        del settings["prompt_tokens"]
+    if settings["engine"] == "hf":
+        del settings["tp"], settings["enforce_eager"]
+    return settings
 
 
 def check_args(args) -> None:
@@ -236,21 +266,23 @@ def check_args(args) -> None:
         raise SystemExit("; ".join(problems))
 
 
-def check_resumable(state: dict, args) -> None:
-    """A checkpoint resumes the run that wrote it: a setting that changes what it trains on, or how, is refused."""
-    saved = state.get("args") or {}
-    changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {getattr(args, k)!r}" for k in RESUME_KEEPS
-               if k in saved and saved[k] != getattr(args, k)]
+def check_resumable(manifest: dict, settings: dict, args) -> None:
+    """A checkpoint resumes the run that wrote it: a change to a setting of what it computes (`settings`, against
+    those its manifest records) is refused, naming each flag with both values."""
+    saved, step = manifest.get("meta", {}).get("settings", {}), manifest["step"]
+    unset = "(not used)"
+    changed = [f"--{k.replace('_', '-')} {saved.get(k, unset)!r} -> {settings.get(k, unset)!r}"
+               for k in COMPUTATION if saved.get(k, unset) != settings.get(k, unset)]
     if changed:
         raise SystemExit(f"--resume: the checkpoint's run had other settings ({'; '.join(changed)}); resume with "
                          "its settings, or start a new run with another --out")
-    for flag, step in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
-        if step is not None and step < state["step"]:
-            raise SystemExit(f"{flag} {step}: the run resumes at step {state['step']}; give a step from "
-                             f"{state['step']} to --steps - 1 ({args.steps - 1})")
-    if state["step"] >= args.steps:
-        raise SystemExit(f"--resume: the newest checkpoint is at step {state['step']}, and --steps {args.steps} "
-                         f"asks for no more; give --steps above {state['step']} to go on")
+    for flag, at in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
+        if at is not None and at < step:
+            raise SystemExit(f"{flag} {at}: the run resumes at step {step}; give a step from {step} to --steps - 1 "
+                             f"({args.steps - 1})")
+    if step >= args.steps:
+        raise SystemExit(f"--resume: the newest checkpoint is at step {step}, and --steps {args.steps} asks for no "
+                         f"more; give --steps above {step} to go on")
 
 
 def read_checkpoint(path: Path, rank: int, step: int) -> dict:
@@ -406,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "benchmarks/memory_streams.py splits the free cached blocks at its peak by stream)")
     ap.add_argument("--resume", action="store_true",
                     help="continue from the newest intact checkpoint under OUT/checkpoints (its files checked "
-                         "against its manifest)")
+                         "against its manifest; a change to a setting of the computation is refused)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-dir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"),
                     help="where random checkpoints are written (and reused)")
@@ -414,9 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_engine(args, path: Path, config: swaprl.SwapConfig, optimizer: torch.optim.Optimizer):
-    use_vllm = args.engine == "vllm" or (args.engine == "auto" and torch.cuda.is_available()
-                                         and swaprl.engines.vllm_available())
-    if not use_vllm:
+    if not uses_vllm(args):
         return swaprl.engines.HFEngine()
     from swaprl.engines.vllm import VLLMEngine
 
@@ -555,6 +585,7 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     if (args.save_steps or args.resume) and out is None:
         raise SystemExit("--save-steps and --resume keep their checkpoints under --out: give --out DIR")
     check_args(args)
+    settings = computation(args)  # as given: the built-in task sets --prompt-tokens from its prompts below
     checkpoints = run_files.Checkpoints(out / "checkpoints", rank=rank, world=world) if out else None
     newest = checkpoints.newest() if checkpoints else None
     if newest is not None and not args.resume:  # a fresh run would rewrite the logs that run's resume goes on with
@@ -566,8 +597,8 @@ def _run(argv: list[str] | None, undo: list) -> dict:
             resumed, manifest = checkpoints.newest_intact()
         except run_files.CheckpointError as exc:
             raise SystemExit(str(exc)) from None
+        check_resumable(manifest, settings, args)
         resumed_state = read_checkpoint(resumed, rank, manifest["step"])
-        check_resumable(resumed_state, args)
     if out and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     # This run's profile and report, under names no earlier run of this directory took.
@@ -763,7 +794,7 @@ def _run(argv: list[str] | None, undo: list) -> dict:
                 return [run_files.write_with(d / f"rank{rank}.pt", lambda f: torch.save(state, f))]
 
             try:
-                checkpoints.save(step + 1, write)
+                checkpoints.save(step + 1, write, meta={"settings": settings})
             except run_files.CheckpointError as exc:
                 raise SystemExit(str(exc)) from None
             del state

@@ -250,6 +250,54 @@ def test_every_run_keeps_its_own_profile_and_report(tmp_path, worker, runs):
     assert len(list(out.glob("report*"))) == len(reports) + 1
 
 
+# ------------------------------------------------------------------------------------------- 4. settings
+CHANGES = [("--prompt-tokens", "8", "16"), ("--clip", "0.3", "0.2"), ("--tis-cap", "3", "2.0"),
+           ("--updates", "2", "1"), ("--micro-batch", "4", "8"), ("--max-tokens", "8", "16"), ("--lr", "1e-4", "1e-05"),
+           ("--kl-coef", "0.1", "0.0"), ("--seed", "1", "0"), ("--prompts", "3", "2"), ("--completions", "3", "4"),
+           ("--task", "arithmetic", "'even-tokens'"), ("--dtype", "bfloat16", "'float32'"), ("--layers", "1", "None"),
+           ("--engine", "vllm", "'hf'")]
+
+
+@pytest.fixture(scope="module")
+def even_tokens(worker, tmp_path_factory):
+    """A run of --task even-tokens (where --prompt-tokens is the prompts' length) saved at step 1."""
+    out = tmp_path_factory.mktemp("even") / "o"
+    worker.ok(out, "--steps", "1", "--save-steps", "1", "--task", "even-tokens")
+    return out
+
+
+@pytest.mark.parametrize("flag, value, saved", CHANGES, ids=[c[0] for c in CHANGES])
+def test_a_resume_refuses_any_setting_that_changes_what_it_computes(tmp_path, even_tokens, flag, value, saved):
+    import grpo
+
+    out = copy(even_tokens, tmp_path / "o")
+    before = files(out)
+    with pytest.raises(SystemExit) as refused:
+        grpo.main([*COMMON, "--task", "even-tokens", "--steps", "2", "--resume", "--out", str(out),
+                   "--checkpoint-dir", str(tmp_path / "ck"), flag, value])
+    said = str(refused.value)
+    assert f"{flag} {saved} -> " in said and "resume with its settings" in said, said
+    assert files(out) == before
+
+
+def test_a_resume_may_change_what_does_not_change_the_computation(tmp_path, worker, runs):
+    """--steps, --save-steps, --warmup, --report-to, the checks and where the optimizer states live: the resumed
+    run trains as the straight one, bit for bit."""
+    out = copy(runs / "saved", tmp_path / "out")
+    worker.ok(out, "--steps", "4", "--resume", "--save-steps", "1", "--warmup", "1", "--report-to", "tensorboard",
+              "--no-verify", "--optimizer-states", "host", "--sleep-level", "1")
+    assert figures(out) == figures(runs / "straight")
+
+
+def test_every_flag_is_either_kept_by_a_resume_or_free_to_change():
+    """A new flag of grpo.py must say which it is (COMPUTATION or FREE), or a resume would let it change silently."""
+    import grpo
+
+    dests = {a.dest for a in grpo.build_parser()._actions if a.dest != "help"}
+    assert set(grpo.COMPUTATION).isdisjoint(grpo.FREE)
+    assert dests == set(grpo.COMPUTATION) | set(grpo.FREE), dests ^ (set(grpo.COMPUTATION) | set(grpo.FREE))
+
+
 # ------------------------------------------------------------------------------------------- 5. saves that fail
 def test_a_save_past_the_file_size_limit_names_the_path_and_the_cause(tmp_path, worker, runs):
     """Under a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) the checkpoint cannot be written: the error names
