@@ -42,6 +42,8 @@ FORMAT = 2
 MANIFEST = "manifest.json"
 STEP = re.compile(r"step-(\d{8})")
 READ_BYTES = 16 * 2**20
+OLD_FORMAT = (f"no {MANIFEST}: written by a grpo.py of checkpoint format 1 (before manifests), or its manifest was "
+              f"lost; this one resumes format {FORMAT} only")
 
 
 class CheckpointError(RuntimeError):
@@ -154,8 +156,7 @@ class Checkpoints:
         listed = path / MANIFEST
         if not listed.is_file():
             if any(path.glob("rank*.pt")):
-                return [(f"{path}: no {MANIFEST}: written by a grpo.py of checkpoint format 1 (before manifests), "
-                         f"or its manifest was lost; this one resumes format {FORMAT} only")]
+                return [f"{path}: {OLD_FORMAT}"]
             return [f"{path}: no {MANIFEST} (a checkpoint never completed, or not one)"]
         try:
             manifest = json.loads(listed.read_text())
@@ -196,15 +197,17 @@ class Checkpoints:
                 self._damaged = [p for p, _ in seen]
                 return Intact(path, json.loads((path / MANIFEST).read_text()))
             if self.rank == 0:
-                log.warning("--resume: checkpoint %s is damaged, skipped: %s", path.name, "; ".join(found))
+                log.warning("--resume: checkpoint %s is damaged, skipped (the next save sets it aside as %s.damaged): "
+                            "%s", path.name, path.name, "; ".join(found))
             seen.append((path, found))
         if not seen:
             raise CheckpointError(f"--resume: no complete checkpoint under {self.root}; run with --save-steps N "
                                   "first, or drop --resume to start over")
-        raise CheckpointError(f"--resume: no intact checkpoint under {self.root}: "
-                              + "; ".join(p for _, found in seen for p in found)
-                              + ". Put the damaged files back from a copy, or start a new run with another --out "
-                              "(nothing was deleted)")
+        problems = [p for _, found in seen for p in found]
+        fix = ("resume them with the grpo.py that wrote them" if all(p.endswith(OLD_FORMAT) for p in problems)
+               else "put the damaged files back from a copy")
+        raise CheckpointError(f"--resume: no intact checkpoint under {self.root}: {'; '.join(problems)}. To go on, "
+                              f"{fix}, or start a new run with another --out (nothing was deleted)")
 
     def save(self, step: int, write: Callable[[Path], list[Path]], *, meta: dict | None = None) -> Path:
         """Checkpoint `step`: `write(dir)` puts this rank's files in a temporary directory and returns them; once
