@@ -220,6 +220,30 @@ def test_a_checkpoint_without_a_manifest_is_refused_with_its_format(tmp_path, wo
     assert "no manifest.json" in refused["log"] and "format" in refused["log"], refused["log"][-3000:]
 
 
+def test_under_torchrun_a_damaged_file_of_one_rank_sends_every_rank_to_the_checkpoint_before(tmp_path):
+    """Two CPU ranks (FSDP2 over gloo): a flipped bit in rank 1's file of the newest checkpoint, which only rank 1
+    checksums, is learned by both ranks, which resume together from the checkpoint before: step 1 done again is
+    the step 1 of the first run, bit for bit."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = tmp_path / "o"
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(EXAMPLES / "grpo.py"), *COMMON, "--out", str(out), "--checkpoint-dir",
+                               str(tmp_path / "ck"), *extra], env=env, capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    run("--steps", "2", "--save-steps", "1")
+    first = figures(out)
+    flip_a_bit(out / "checkpoints" / "step-00000002" / "rank1.pt")
+    resumed = run("--steps", "3", "--resume")
+    assert "step-00000002/rank1.pt: checksum" in resumed.stderr and "resuming from step-00000001" in resumed.stderr
+    assert json.loads((out / "metrics.json").read_text())["resumed_from"] == 1
+    assert figures(out)[:2] == first and len(figures(out)) == 3
+
+
 def test_after_resuming_past_a_damaged_checkpoint_the_next_save_sets_it_aside(tmp_path, worker, runs):
     """The damaged checkpoint is kept for a look, under a name no resume takes; the run saves that step anew."""
     out = copy(runs / "saved1", tmp_path / "out")
