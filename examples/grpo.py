@@ -17,7 +17,9 @@ log-probabilities of the tokens it sampled (`--tis-cap`), which also give the ro
 `--kl-coef` adds a per-token KL penalty to the policy the run started from (a frozen reference; off by default).
 Each step prints its time split (generate, train, phase switches); `--out` receives metrics.json, a line per step in
 metrics.jsonl (reward, exact answers, loss, clip fraction, importance weights, mismatch), the memory profile and its
-report, and with `--save-steps N` a checkpoint every N steps, from which `--resume` goes on.
+report, and with `--save-steps N` a checkpoint every N steps, from which `--resume` goes on (run_files.py: each
+checkpoint has a manifest of its files' sizes and checksums and of the settings that change the computation, checked
+before a resume reads anything; the files a resume rewrites are written beside and renamed).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import argparse
 import contextlib
 import cProfile
 import io
+import itertools
 import json
 import logging
 import math
 import os
 import pstats
-import shutil
 import statistics
 import tempfile
 import time
@@ -45,6 +47,7 @@ from swaprl import memory
 from swaprl.profile import attach_profiler
 from swaprl.config import parse_optimizer_states
 
+import run_files  # (beside this file: checkpoints and the files a resume rewrites)
 import tasks  # noqa: E402  (beside this file: the task data and rewards)
 
 log = logging.getLogger("grpo")
@@ -154,18 +157,61 @@ def optimizer_states(text: str) -> str | dict[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-RESUME_KEEPS = ("task", "dataset", "prompts", "completions", "seed", "dtype", "master_weights", "fp32_params",
-                "preset", "layers", "model", "max_tokens", "lr", "kl_coef")
+COMPUTATION = ("model", "preset", "layers", "engine", "dtype", "master_weights", "fp32_params", "task", "dataset",
+               "reward", "prompts", "completions", "prompt_tokens", "max_tokens", "micro_batch", "updates", "clip",
+               "tis_cap", "kl_coef", "lr", "seed", "tp", "enforce_eager")
+"""The flags that change what a run computes (the model, the data, the objective, the optimizer, the sampling, the
+engine's kernels): a checkpoint records them (`computation`) and a resume refuses a change to any of them. The
+micro-batch is one: it changes the order of the gradients' sums, and a resume is bit for bit."""
+FREE = ("steps", "out", "save_steps", "resume", "report_to", "trace_step", "memory_step", "warmup", "checkpoint_dir",
+        "verify", "verify_tolerance", "sleep_level", "optimizer_states", "host_budget_gib", "gpu_memory_utilization",
+        "kv_cache_gib", "max_model_len", "release_other", "lend_pages")
+"""The flags a resume may change: how long it runs, where its files go, what it records or checks (the probe keeps
+the random streams as it found them), and where memory lives (every home of the optimizer states trains bit for bit
+the same)."""
+
+
+def uses_vllm(args) -> bool:
+    return args.engine == "vllm" or (args.engine == "auto" and torch.cuda.is_available()
+                                     and swaprl.engines.vllm_available())
+
+
+def computation(args) -> dict:
+    """The COMPUTATION flags as this run computes with them: the engine resolved ("auto" is the same engine on the
+    same machine), and those it does not use left out (--prompt-tokens but with --task even-tokens: the prompts'
+    own length otherwise; the vLLM engine's flags with the embedded one)."""
+    settings = {k: getattr(args, k) for k in COMPUTATION}
+    settings["engine"] = "vllm" if uses_vllm(args) else "hf"
+    if args.dataset or args.task != "even-tokens":
+        del settings["prompt_tokens"]
+    if settings["engine"] == "hf":
+        del settings["tp"], settings["enforce_eager"]
+    return settings
 
 
 def check_args(args) -> None:
     """Refuse, before anything loads, settings that cannot train (each error names the flag and the fix)."""
     problems = []
     for name, low in (("steps", 1), ("prompts", 1), ("completions", 2), ("max_tokens", 1), ("micro_batch", 1),
-                      ("updates", 1), ("save_steps", 0)):
-        if getattr(args, name) < low:
-            problems.append(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least {low}"
+                      ("updates", 1), ("save_steps", 0), ("prompt_tokens", 1), ("tp", 1), ("warmup", 0),
+                      ("max_model_len", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            problems.append(f"--{name.replace('_', '-')} {value}: give at least {low}"
                             + (" (a GRPO group needs two completions to compare)" if name == "completions" else ""))
+    for name, default in (("host_budget_gib", "what the OS reports available"),
+                          ("kv_cache_gib", "sized from the memory free when the engine starts")):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value * 2**30 >= 1):  # NaN too
+            problems.append(f"--{name.replace('_', '-')} {value}: give a finite size in GiB above 0, e.g. 8, or "
+                            f"leave the flag out ({default})")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        problems.append(f"--gpu-memory-utilization {args.gpu_memory_utilization}: give a fraction in (0, 1], e.g. "
+                        "0.5, or leave the flag out (sized from the free memory)")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        problems.append(f"--lr {args.lr}: give a finite learning rate above 0, e.g. 1e-5")
+    if not 0 <= args.seed <= 2**31 - 1:
+        problems.append(f"--seed {args.seed}: give a seed from 0 to {2**31 - 1}")
     if not 0 < args.clip < 1:
         problems.append(f"--clip {args.clip}: give a ratio bound in (0, 1), e.g. 0.2")
     if not args.tis_cap >= 1:  # NaN too
@@ -206,6 +252,9 @@ def check_args(args) -> None:
             bounds = []
         if len(bounds) != 2:
             problems.append(f"--verify-tolerance {args.verify_tolerance}: give two numbers, MAX,MEAN (e.g. 1,0.05)")
+        elif not all(math.isfinite(b) and b > 0 for b in bounds):
+            problems.append(f"--verify-tolerance {args.verify_tolerance}: give two positive numbers, MAX,MEAN "
+                            "(e.g. 1,0.05)")
     for flag, step in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
         if step is not None and not (args.out and 0 <= step < args.steps):
             problems.append(f"{flag} {step}: give a step from 0 to --steps - 1 ({args.steps - 1}), and --out DIR "
@@ -217,21 +266,74 @@ def check_args(args) -> None:
         raise SystemExit("; ".join(problems))
 
 
-def check_resumable(state: dict, args) -> None:
-    """A checkpoint resumes the run that wrote it: a setting that changes what it trains on, or how, is refused."""
-    saved = state.get("args") or {}
-    changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {getattr(args, k)!r}" for k in RESUME_KEEPS
-               if k in saved and saved[k] != getattr(args, k)]
+def check_resumable(manifest: dict, settings: dict, args) -> None:
+    """A checkpoint resumes the run that wrote it: a change to a setting of what it computes (`settings`, against
+    those its manifest records) is refused, naming each flag with both values."""
+    saved, step = manifest.get("meta", {}).get("settings", {}), manifest["step"]
+    unset = "(not used)"
+    changed = [f"--{k.replace('_', '-')} {saved.get(k, unset)!r} -> {settings.get(k, unset)!r}"
+               for k in COMPUTATION if saved.get(k, unset) != settings.get(k, unset)]
     if changed:
         raise SystemExit(f"--resume: the checkpoint's run had other settings ({'; '.join(changed)}); resume with "
                          "its settings, or start a new run with another --out")
-    for flag, step in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
-        if step is not None and step < state["step"]:
-            raise SystemExit(f"{flag} {step}: the run resumes at step {state['step']}; give a step from "
-                             f"{state['step']} to --steps - 1 ({args.steps - 1})")
-    if state["step"] >= args.steps:
-        raise SystemExit(f"--resume: the newest checkpoint is at step {state['step']}, and --steps {args.steps} "
-                         f"asks for no more; give --steps above {state['step']} to go on")
+    for flag, at in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
+        if at is not None and at < step:
+            raise SystemExit(f"{flag} {at}: the run resumes at step {step}; give a step from {step} to --steps - 1 "
+                             f"({args.steps - 1})")
+    if step >= args.steps:
+        raise SystemExit(f"--resume: the newest checkpoint is at step {step}, and --steps {args.steps} asks for no "
+                         f"more; give --steps above {step} to go on")
+
+
+def read_checkpoint(path: Path, rank: int, step: int) -> dict:
+    """This rank's state in the checkpoint at `path`, whose manifest checks passed. Tensors come back on the host:
+    the optimizer's load puts each state where its home is."""
+    f = path / f"rank{rank}.pt"
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise SystemExit(f"--resume: {f} matches its manifest, yet torch cannot read it ({type(exc).__name__}: "
+                         f"{exc}); was it written by another torch version? Resume with that one, or start a new "
+                         "run with another --out") from exc
+    if not (isinstance(state, dict) and {"model", "optimizer", "rng", "step"} <= state.keys()
+            and state["step"] == step):
+        raise SystemExit(f"--resume: {f} is not grpo.py's checkpoint of step {step} (it holds "
+                         f"{sorted(state) if isinstance(state, dict) else type(state).__name__}); start a new run "
+                         "with another --out")
+    return state
+
+
+def lines_before(path: Path, step: int) -> list[str]:
+    """The lines of metrics.jsonl for the steps before `step`, one per step: what a run resumed at `step` keeps (a
+    line cut by a kill, always the last, is not one)."""
+    kept: dict[int, str] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            at = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(at, int) and at < step:
+            kept.setdefault(at, line)
+    if missing := sorted(set(range(step)) - set(kept)):
+        log.warning("%s lacks the lines of steps %s; the resumed run goes on without them", path, missing)
+    return [kept[k] for k in sorted(kept)]
+
+
+def run_stem(out: Path, first: int | None, world: int) -> str:
+    """The name of this run's profile and report: "profile" (report/), "profile.resumed-N" for a resume at step N,
+    and ".runK" after either for the K-th run of that name, so that no run writes over another's files."""
+    base = "profile" if first is None else f"profile.resumed-{first}"
+
+    def taken(stem: str) -> bool:
+        return (any(out.glob(f"{stem}.jsonl*")) or any(out.glob(f"{stem}.rank*.jsonl*"))
+                or (out / stem.replace("profile", "report", 1)).exists())
+
+    stem = next(s for k in itertools.count(1) if not taken(s := base + (f".run{k}" if k > 1 else "")))
+    if world > 1:  # rank 0's, before any rank writes its profile
+        chosen = [stem]
+        dist.broadcast_object_list(chosen, src=0)
+        stem = chosen[0]
+    return stem
 
 
 def report_to(text: str) -> str:
@@ -335,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "OUT/memory.stepN[.rankR].pickle (drag it onto pytorch.org/memory_viz; "
                          "benchmarks/memory_streams.py splits the free cached blocks at its peak by stream)")
     ap.add_argument("--resume", action="store_true",
-                    help="continue from the newest complete checkpoint under OUT/checkpoints")
+                    help="continue from the newest intact checkpoint under OUT/checkpoints (its files checked "
+                         "against its manifest; a change to a setting of the computation is refused)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-dir", default=str(Path(tempfile.gettempdir()) / "swaprl-checkpoints"),
                     help="where random checkpoints are written (and reused)")
@@ -343,9 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_engine(args, path: Path, config: swaprl.SwapConfig, reserve_bytes: int | None):
-    use_vllm = args.engine == "vllm" or (args.engine == "auto" and torch.cuda.is_available()
-                                         and swaprl.engines.vllm_available())
-    if not use_vllm:
+    if not uses_vllm(args):
         return swaprl.engines.HFEngine()
     from swaprl.engines.vllm import VLLMEngine
 
@@ -460,6 +561,18 @@ def write_calls(calls: cProfile.Profile, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    undo: list = []  # what a failure closes, the last opened first: a run that fails leaves nothing attached
+    try:
+        return _run(argv, undo)
+    except BaseException:
+        for close in reversed(undo):
+            with contextlib.suppress(Exception):
+                close()
+        raise
+
+
+def _run(argv: list[str] | None, undo: list) -> dict:
+    """main(), which puts in `undo` what it opens (and takes out what it closes)."""
     args = build_parser().parse_args(argv)
     rank, world, device = init_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -472,20 +585,24 @@ def main(argv: list[str] | None = None) -> dict:
     if (args.save_steps or args.resume) and out is None:
         raise SystemExit("--save-steps and --resume keep their checkpoints under --out: give --out DIR")
     check_args(args)
-    checkpoints = Checkpoints(out / "checkpoints", rank, world) if out else None
+    settings = computation(args)  # as given: the built-in task sets --prompt-tokens from its prompts below
+    checkpoints = run_files.Checkpoints(out / "checkpoints", rank=rank, world=world) if out else None
     newest = checkpoints.newest() if checkpoints else None
-    resumed = newest if args.resume else None
-    if args.resume and resumed is None:
-        raise SystemExit(f"--resume: no complete checkpoint under {out / 'checkpoints'}; run with --save-steps N "
-                         "first, or drop --resume to start over")
-    resumed_state = checkpoints.load(resumed) if resumed is not None else None
-    if resumed_state is not None:
-        check_resumable(resumed_state, args)
     if newest is not None and not args.resume:  # a fresh run would rewrite the logs that run's resume goes on with
         raise SystemExit(f"{out / 'checkpoints'} holds another run's checkpoints (newest {newest.name}): --resume "
                          "to go on with it, or give a new --out (nothing was deleted)")
+    resumed = resumed_state = None
+    if args.resume:  # the newest intact checkpoint, checked before anything loads
+        try:
+            resumed, manifest = checkpoints.newest_intact()
+        except run_files.CheckpointError as exc:
+            raise SystemExit(str(exc)) from None
+        check_resumable(manifest, settings, args)
+        resumed_state = read_checkpoint(resumed, rank, manifest["step"])
     if out and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+    # This run's profile and report, under names no earlier run of this directory took.
+    stem = run_stem(out, resumed_state["step"] if resumed_state else None, world) if out else None
     name = args.preset + (f"-{args.layers}l" if args.layers else "")
     path = Path(args.model) if args.model else Path(args.checkpoint_dir) / name
     if not args.model and rank == 0:
@@ -536,18 +653,18 @@ def main(argv: list[str] | None = None) -> dict:
                                # only where a tolerance judges it
                                mismatch_probe=args.verify_tolerance is not None,
                                overlap_optimizer_reload=swapped,
-                               host_budget_bytes=(int(args.host_budget_gib * 2**30) if args.host_budget_gib
-                                                  else None),
+                               host_budget_bytes=(int(args.host_budget_gib * 2**30)
+                                                  if args.host_budget_gib is not None else None),
                                gpu_memory_utilization=args.gpu_memory_utilization)
     # Built by attach, once the host buffers have started page-locking in the background: the locking runs under the
     # engine's start rather than before the first step.
     rt = swaprl.attach(model, optimizer, lambda reserve_bytes: make_engine(args, path, config, reserve_bytes),
                        config=config)
-    # Closed before the report is written, whether or not the runtime is detached at the end.
-    # A resumed run records beside the run it goes on from: that run's profile (one killed, perhaps) is kept.
-    stem = "profile" if resumed_state is None else f"profile.resumed-{resumed_state['step']}"
-    profiler = attach_profiler(rt, out / f"{stem}.jsonl") if out else None
     engine = rt.engine
+    undo += [engine.close, swaprl.detach]
+    profiler = attach_profiler(rt, out / f"{stem}.jsonl") if out else None
+    if profiler is not None:  # closed before the report is written, whether or not the runtime is detached
+        undo.append(profiler.close)
     log.info("engine %s, trainer %s%s on %s, optimizer states %s", type(engine).__name__,
              str(dtype).removeprefix("torch.") + (" with fp32 master weights" if args.master_weights else ""),
              f" computing in {args.dtype}" if args.fp32_params else "", device,
@@ -563,6 +680,9 @@ def main(argv: list[str] | None = None) -> dict:
     def device_used() -> int | None:
         return memory.device_used_bytes(torch.device(device)) if cuda else None
 
+    def history_off() -> None:  # torch's memory history, recorded in --memory-step
+        torch.cuda.memory._record_memory_history(enabled=None)
+
     first = 0
     if resumed is not None:  # after attach: the states load where their homes are, the masters with them
         state = resumed_state
@@ -577,124 +697,126 @@ def main(argv: list[str] | None = None) -> dict:
         first = state["step"]
         log.info("resumed from %s: step %d", resumed, first)
     reporter = Reporter(args.report_to, out, vars(args), rank == 0, first, args.steps)
+    undo.append(reporter.close)
     metrics_lines = out / "metrics.jsonl" if out else None
     if metrics_lines and rank == 0:  # one line per step: those after the checkpoint are done again
-        kept = metrics_lines.read_text().splitlines()[:first] if resumed is not None and metrics_lines.exists() \
-            else []
-        metrics_lines.write_text("".join(line + "\n" for line in kept))
+        run_files.replace_file(metrics_lines, "".join(line + "\n" for line in lines_before(metrics_lines, first)))
 
     steps = []
-    trace = None  # torch's profiler while it records --trace-step
-    try:  # a run that stops on an error gives the trainer back, as one that ends does
-        for step in range(first, args.steps):
-            if task is None:
-                prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
-            else:
-                drawn = problems.take(args.prompts)
-                prompts = [tasks.encode(tokenizer, p) for p in drawn]
-            switch["s"] = 0.0
-            calls = None  # Python's profiler, in the traced step's two switches only
-            if step == args.memory_step:
-                torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
-            if step == args.trace_step:
-                trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                    [torch.profiler.ProfilerActivity.CUDA] if cuda else []))
-                trace.start()
-                calls = cProfile.Profile()
-            t0 = time.perf_counter()
-            with entered("generate", calls):
-                tg = time.perf_counter()
-                # The engine's log-probabilities of the tokens it sampled come with the rollout (vLLM: from the sampling
-                # pass itself): the importance weights' denominators.
-                completions, engine_lp = rt.engine.generate_scored(prompts, swaprl.Sampling(
-                    max_tokens=args.max_tokens, n=args.completions, seed=args.seed + step))
-                gen_s = time.perf_counter() - tg
-                used_generate = device_used()
-            if task is None:
-                rewards, correct = [reward(c) for c in completions], None
-            else:
-                texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-                problem_of = [drawn[i // args.completions] for i in range(len(completions))]
-                rewards = [tasks.scored(score, t, p) for t, p in zip(texts, problem_of)]
-                correct = statistics.fmean(tasks.correct(t, p) for t, p in zip(texts, problem_of))
-            stats: dict = {}
-            with entered("train", calls):
-                tt = time.perf_counter()
-                loss, train_tokens = train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id,
-                                              autocast, stats, reference)
-                if cuda:
-                    torch.cuda.synchronize()
-                train_s = time.perf_counter() - tt
-                used_train = device_used()
-            total = time.perf_counter() - t0
-            if step == args.memory_step:
-                torch.cuda.memory._dump_snapshot(str(out / f"memory.step{step}{f'.rank{rank}' if world > 1 else ''}"
-                                                         ".pickle"))
-                torch.cuda.memory._record_memory_history(enabled=None)
-            if step == args.trace_step:
-                trace.stop()
-                name = f"trace.step{step}{f'.rank{rank}' if world > 1 else ''}"
-                trace.export_chrome_trace(str(out / f"{name}.json"))
-                trace = None
-                write_calls(calls, out / f"{name}.switches.txt")
-            rollout_tokens = sum(map(len, completions))
-            mean_reward = statistics.fmean(rewards)
-            if world > 1:  # every rank's rollouts: the step's loss, reward and tokens
-                loss, mean_reward, rollout_tokens, train_tokens = all_ranks_sum([loss, mean_reward, rollout_tokens,
-                                                                                 train_tokens], device)
-                loss, mean_reward = loss / world, mean_reward / world
-                rollout_tokens, train_tokens = int(rollout_tokens), int(train_tokens)
-                if correct is not None:
-                    correct = all_ranks_sum([correct], device)[0] / world
-            check = rt.last_sync.max_abs_diff if rt.last_sync else None
-            sync = rt.last_sync.as_dict() if rt.last_sync else None
-            rec = {"step": step, "step_s": total, "generate_s": gen_s, "train_s": train_s, "switch_s": switch["s"],
-                   "rollout_tokens": rollout_tokens, "train_tokens": train_tokens, "loss": loss, "reward": mean_reward,
-                   "correct": correct, **stats, "sync_max_abs_diff": check, "sync": sync,
-                   # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
-                   "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
-            steps.append(rec)
-            figures = {k: rec[k] for k in ("loss", "reward", "correct", *stats, "rollout_tokens", "step_s",
-                                           "generate_s", "train_s", "switch_s") if rec[k] is not None}
+    for step in range(first, args.steps):
+        if task is None:
+            prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
+        else:
+            drawn = problems.take(args.prompts)
+            prompts = [tasks.encode(tokenizer, p) for p in drawn]
+        switch["s"] = 0.0
+        calls = None  # Python's profiler, in the traced step's two switches only
+        if step == args.memory_step:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
+            undo.append(history_off)
+        if step == args.trace_step:
+            trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+            trace.start()
+            undo.append(trace.stop)
+            calls = cProfile.Profile()
+        t0 = time.perf_counter()
+        with entered("generate", calls):
+            tg = time.perf_counter()
+            # The engine's log-probabilities of the tokens it sampled come with the rollout (vLLM: from the sampling
+            # pass itself): the importance weights' denominators.
+            completions, engine_lp = rt.engine.generate_scored(prompts, swaprl.Sampling(
+                max_tokens=args.max_tokens, n=args.completions, seed=args.seed + step))
+            gen_s = time.perf_counter() - tg
+            used_generate = device_used()
+        if task is None:
+            rewards, correct = [reward(c) for c in completions], None
+        else:
+            texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+            problem_of = [drawn[i // args.completions] for i in range(len(completions))]
+            rewards = [tasks.scored(score, t, p) for t, p in zip(texts, problem_of)]
+            correct = statistics.fmean(tasks.correct(t, p) for t, p in zip(texts, problem_of))
+        stats: dict = {}
+        with entered("train", calls):
+            tt = time.perf_counter()
+            loss, train_tokens = train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id,
+                                          autocast, stats, reference)
             if cuda:
-                figures["device_used_end_of_train_gib"] = used_train / 2**30
-            reporter.step(step, figures)
-            if metrics_lines and rank == 0:
-                with metrics_lines.open("a") as f:
-                    f.write(json.dumps({k: rec[k] for k in ("step", "loss", "reward", "correct", *stats,
-                                                            "rollout_tokens", "train_tokens", "step_s",
-                                                            "switch_s")}) + "\n")
-            if args.save_steps and (step + 1) % args.save_steps == 0:
-                checkpoints.save(step + 1, {
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                    "data_position": problems.position if task else None, "args": vars(args),
-                    "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
-                            **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}})
-            said = [f"weights {sync['weights']}"] if sync else []
-            said += [f"probe max|dlogp| {check:.3g}"] if check is not None else []
-            if "mismatch_mean_abs_dlogp" in stats:
-                said.append(f"rollout mean|dlogp| {stats['mismatch_mean_abs_dlogp']:.3g}")
-            log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
-                     "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
-                     rollout_tokens, mean_reward, "".join(", " + x for x in said))
-    except BaseException:
-        history_off = (lambda: torch.cuda.memory._record_memory_history(enabled=None)) \
-            if args.memory_step is not None else None
-        for close in (trace.stop if trace else None, history_off, reporter.close,
-                      profiler.close if profiler else None, swaprl.detach, engine.close):
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    close()
-        raise
-    reporter.close()
-    if profiler is not None:
-        profiler.close()
+                torch.cuda.synchronize()
+            train_s = time.perf_counter() - tt
+            used_train = device_used()
+        total = time.perf_counter() - t0
+        if step == args.memory_step:
+            torch.cuda.memory._dump_snapshot(str(out / f"memory.step{step}{f'.rank{rank}' if world > 1 else ''}"
+                                                     ".pickle"))
+            history_off()
+            undo.remove(history_off)
+        if step == args.trace_step:
+            trace.stop()
+            undo.remove(trace.stop)
+            name = f"trace.step{step}{f'.rank{rank}' if world > 1 else ''}"
+            trace.export_chrome_trace(str(out / f"{name}.json"))
+            write_calls(calls, out / f"{name}.switches.txt")
+        rollout_tokens = sum(map(len, completions))
+        mean_reward = statistics.fmean(rewards)
+        if world > 1:  # every rank's rollouts: the step's loss, reward and tokens
+            loss, mean_reward, rollout_tokens, train_tokens = all_ranks_sum([loss, mean_reward, rollout_tokens,
+                                                                             train_tokens], device)
+            loss, mean_reward = loss / world, mean_reward / world
+            rollout_tokens, train_tokens = int(rollout_tokens), int(train_tokens)
+            if correct is not None:
+                correct = all_ranks_sum([correct], device)[0] / world
+        check = rt.last_sync.max_abs_diff if rt.last_sync else None
+        sync = rt.last_sync.as_dict() if rt.last_sync else None
+        rec = {"step": step, "step_s": total, "generate_s": gen_s, "train_s": train_s, "switch_s": switch["s"],
+               "rollout_tokens": rollout_tokens, "train_tokens": train_tokens, "loss": loss, "reward": mean_reward,
+               "correct": correct, **stats, "sync_max_abs_diff": check, "sync": sync,
+               # Whole-device figures at the end of each phase (torch's own peak counts vLLM's pool even asleep).
+               "device_used_end_of_generate": used_generate, "device_used_end_of_train": used_train}
+        steps.append(rec)
+        figures = {k: rec[k] for k in ("loss", "reward", "correct", *stats, "rollout_tokens", "step_s",
+                                       "generate_s", "train_s", "switch_s") if rec[k] is not None}
+        if cuda:
+            figures["device_used_end_of_train_gib"] = used_train / 2**30
+        reporter.step(step, figures)
+        if metrics_lines and rank == 0:
+            run_files.append_line(metrics_lines, json.dumps({k: rec[k] for k in (
+                "step", "loss", "reward", "correct", *stats, "rollout_tokens", "train_tokens", "step_s",
+                "switch_s")}))
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            if metrics_lines and rank == 0:  # the lines of the steps it holds are on disk before the checkpoint is
+                run_files.fsync_file(metrics_lines)
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                     "data_position": problems.position if task else None, "args": vars(args),
+                     "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
+                             **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}}
+
+            def write(d: Path, state=state) -> list[Path]:  # through a Python file: a failure has its errno
+                return [run_files.write_with(d / f"rank{rank}.pt", lambda f: torch.save(state, f))]
+
+            try:
+                checkpoints.save(step + 1, write, meta={"settings": settings})
+            except run_files.CheckpointError as exc:
+                raise SystemExit(str(exc)) from None
+            del state
+        said = [f"weights {sync['weights']}"] if sync else []
+        said += [f"probe max|dlogp| {check:.3g}"] if check is not None else []
+        if "mismatch_mean_abs_dlogp" in stats:
+            said.append(f"rollout mean|dlogp| {stats['mismatch_mean_abs_dlogp']:.3g}")
+        log.info("step %d: %.2f s (generate %.2f, train %.2f, switches %.3f = %.1f%%), %d rollout tokens, "
+                 "reward %.3f%s", step, total, gen_s, train_s, switch["s"], 100 * switch["s"] / total,
+                 rollout_tokens, mean_reward, "".join(", " + x for x in said))
+    for close in (reporter.close, profiler.close if profiler is not None else None):
+        if close is not None:
+            close()
+            undo.remove(close)
     if not rt.status()["optimizer_homes"]["host"]:
         swaprl.detach()
     # else: detach() would bring the host-resident states back to the GPU for plain torch, and they were put on the
     # host (by the config, or by "auto" at the first step) because they do not fit there; the process ends here,
-    # which releases everything.
+    # which releases everything. (A failure from here on still detaches: it is left in `undo`.)
     engine.close()
+    undo.remove(engine.close)
 
     timed = steps[args.warmup:] or steps
     med = {k: statistics.median(s[k] for s in timed) if timed else None
@@ -704,15 +826,18 @@ def main(argv: list[str] | None = None) -> dict:
                "torch": torch.__version__, "swaprl": swaprl.__version__, "median": med,
                "switch_fraction": med["switch_s"] / med["step_s"] if timed else None, "steps": steps,
                "resumed_from": first if resumed is not None else None}
+    if out:
+        names = [f"{stem}.jsonl"] if world == 1 else [f"{stem}.rank{r}.jsonl" for r in range(world)]
+        summary.update(profiles=names, report=stem.replace("profile", "report", 1))
     if world > 1:
         dist.barrier()  # every rank's profile is complete
     if out and rank == 0:  # one report over the profiles of all ranks (profile.rank{N}.jsonl under torchrun)
-        (out / "metrics.json").write_text(json.dumps(summary, indent=1, default=str))
+        run_files.replace_file(out / "metrics.json", json.dumps(summary, indent=1, default=str))
         try:
             from swaprl.profile.report import load_run, write_report
 
-            names = [f"{stem}.jsonl"] if world == 1 else [f"{stem}.rank{r}.jsonl" for r in range(world)]
-            write_report([load_run(out / n) for n in names], out / stem.replace("profile", "report"))
+            runs = [load_run(out / n) for n in names]
+            run_files.replace_dir(out / summary["report"], lambda d: write_report(runs, d))
         except ImportError:
             log.info("report module unavailable; the profiles are in %s", out)
     if rank == 0:
@@ -801,51 +926,6 @@ class Reporter:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-class Checkpoints:
-    """Checkpoints under `root`, one directory per step (`step-00000004/`, a file per rank), each written under a
-    temporary name and renamed once every rank's file is complete: a process killed at any point leaves the newest
-    complete checkpoint loadable. The newest two are kept."""
-
-    KEEP = 2
-
-    def __init__(self, root: Path, rank: int, world: int) -> None:
-        self.root, self.rank, self.world = root, rank, world
-
-    def newest(self) -> Path | None:
-        done = sorted(p for p in self.root.glob("step-*") if p.is_dir()) if self.root.exists() else []
-        return done[-1] if done else None
-
-    def save(self, step: int, state: dict) -> Path:
-        final, tmp = self.root / f"step-{step:08d}", self.root / f".step-{step:08d}.tmp"
-        if self.rank == 0:
-            if tmp.exists():  # a save killed before its rename
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        torch.save(state, tmp / f"rank{self.rank}.pt")
-        self._barrier()
-        if self.rank == 0:
-            os.replace(tmp, final)
-            for old in sorted(p for p in self.root.glob("step-*") if p.is_dir())[:-self.KEEP]:
-                shutil.rmtree(old)
-            log.info("checkpoint %s written", final)
-        self._barrier()
-        return final
-
-    def load(self, path: Path) -> dict:
-        saved = len(list(path.glob("rank*.pt")))
-        if saved != self.world:  # each rank saved its own shards: another number of ranks would train on others'
-            raise SystemExit(f"--resume: {path} was written by {saved} rank(s) and this run has {self.world}; "
-                             f"resume with the same number (torchrun --nproc-per-node {saved}), or start a new run "
-                             "with another --out")
-        # Tensors come back on the host: the optimizer's load puts each state where its home is.
-        return torch.load(path / f"rank{self.rank}.pt", map_location="cpu", weights_only=False)
-
-    def _barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
 
 
 def all_ranks_sum(values: list[float], device: str) -> list[float]:

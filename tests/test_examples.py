@@ -408,6 +408,29 @@ def test_the_script_starts_vllm_under_its_own_allocator_settings_of_large_pages(
     (["--model", "no/such/dir"], "--model no/such/dir: no config.json there; give a local checkpoint directory"),
     (["--layers", "0"], "--layers 0: give at least 1"),
     (["--verify-tolerance", "abc"], "--verify-tolerance abc: give two numbers, MAX,MEAN"),
+    (["--verify-tolerance", "nan,0.05"], "--verify-tolerance nan,0.05: give two positive numbers, MAX,MEAN"),
+    (["--verify-tolerance", "1,-1"], "--verify-tolerance 1,-1: give two positive numbers, MAX,MEAN"),
+    (["--host-budget-gib", "nan"], "--host-budget-gib nan: give a finite size in GiB above 0"),
+    (["--host-budget-gib", "inf"], "--host-budget-gib inf: give a finite size in GiB above 0"),
+    (["--host-budget-gib", "0"], "--host-budget-gib 0.0: give a finite size in GiB above 0.* or leave the flag out"),
+    (["--host-budget-gib=-2"], "--host-budget-gib -2.0: give a finite size in GiB above 0"),
+    (["--kv-cache-gib", "nan"], "--kv-cache-gib nan: give a finite size in GiB above 0"),
+    (["--kv-cache-gib", "0"], "--kv-cache-gib 0.0: give a finite size in GiB above 0"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization 0.0: give a fraction in \\(0, 1\\]"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: give a fraction in \\(0, 1\\]"),
+    (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization nan: give a fraction in \\(0, 1\\]"),
+    (["--lr", "nan"], "--lr nan: give a finite learning rate above 0"),
+    (["--lr", "inf"], "--lr inf: give a finite learning rate above 0"),
+    (["--lr", "0"], "--lr 0.0: give a finite learning rate above 0"),
+    (["--lr=-1e-5"], "--lr -1e-05: give a finite learning rate above 0"),
+    (["--clip", "nan"], "--clip nan: give a ratio bound in \\(0, 1\\)"),
+    (["--tis-cap", "nan"], "--tis-cap nan: give a truncation of 1 or more"),
+    (["--prompt-tokens", "0"], "--prompt-tokens 0: give at least 1"),
+    (["--max-model-len", "0"], "--max-model-len 0: give at least 1"),
+    (["--tp", "0"], "--tp 0: give at least 1"),
+    (["--warmup=-1"], "--warmup -1: give at least 0"),
+    (["--seed=-1"], "--seed -1: give a seed from 0 to 2147483647"),
+    (["--seed", str(2**40)], f"--seed {2**40}: give a seed from 0 to 2147483647"),
 ])
 def test_settings_that_cannot_train_are_refused_before_anything_loads(tmp_path, extra, message):
     import grpo
@@ -420,15 +443,16 @@ def test_a_checkpoint_resumes_only_with_the_number_of_ranks_that_wrote_it(tmp_pa
     """Each rank saves its own shards: a resume on another number of ranks is refused with the number to use, and
     the checkpoint is left as it was."""
     import grpo
+    import run_files
 
     grpo.main(["--engine", "hf", "--steps", "2", "--save-steps", "2", "--out", str(tmp_path / "o"),
                "--checkpoint-dir", str(tmp_path / "ck")])
-    newest = grpo.Checkpoints(tmp_path / "o" / "checkpoints", 0, 1).newest()
+    newest = run_files.Checkpoints(tmp_path / "o" / "checkpoints").newest()
     before = sorted(p.name for p in newest.iterdir())
-    with pytest.raises(SystemExit, match=r"written by 1 rank\(s\) and this run has 2; resume with the same number "
-                                         r"\(torchrun --nproc-per-node 1\)"):
-        grpo.Checkpoints(tmp_path / "o" / "checkpoints", 0, 2).load(newest)
-    assert sorted(p.name for p in newest.iterdir()) == before == ["rank0.pt"]
+    with pytest.raises(run_files.CheckpointError, match=r"written by 1 rank\(s\) and this run has 2; resume with the "
+                                                        r"same number \(torchrun --nproc-per-node 1\)"):
+        run_files.Checkpoints(tmp_path / "o" / "checkpoints", rank=0, world=2).newest_intact()
+    assert sorted(p.name for p in newest.iterdir()) == before == ["manifest.json", "rank0.pt"]
 
 
 def test_checkpoints_are_never_mixed_with_another_run(tmp_path):
