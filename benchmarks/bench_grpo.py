@@ -534,6 +534,8 @@ def run_loop(spec: dict) -> dict:
             "--micro-batch", str(spec["micro_batch"]), "--lr", str(spec["lr"]), "--seed", str(spec["seed"]),
             "--max-model-len", str(max_model_len(spec)), "--optimizer-states", spec["optimizer_states"],
             "--out", str(out)]
+    if spec["param_dtype"] == "bfloat16":
+        argv.append("--bf16-only")  # the precision ways a and b train in: bf16 parameters and AdamW states
     if spec["smoke"]:
         argv.append("--no-verify")  # the embedded engine shares the trainer's weights: nothing to check
     elif spec["verify_tolerance"]:

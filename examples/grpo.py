@@ -157,9 +157,9 @@ def optimizer_states(text: str) -> str | dict[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-COMPUTATION = ("model", "preset", "layers", "engine", "dtype", "master_weights", "fp32_params", "task", "dataset",
-               "reward", "prompts", "completions", "prompt_tokens", "max_tokens", "micro_batch", "updates", "clip",
-               "tis_cap", "kl_coef", "lr", "seed", "tp", "enforce_eager")
+COMPUTATION = ("model", "preset", "layers", "engine", "dtype", "master_weights", "fp32_params", "bf16_only", "task",
+               "dataset", "reward", "prompts", "completions", "prompt_tokens", "max_tokens", "micro_batch", "updates",
+               "clip", "tis_cap", "kl_coef", "lr", "seed", "tp", "enforce_eager")
 """The flags that change what a run computes (the model, the data, the objective, the optimizer, the sampling, the
 engine's kernels): a checkpoint records them (`computation`) and a resume refuses a change to any of them. The
 micro-batch is one: it changes the order of the gradients' sums, and a resume is bit for bit."""
@@ -187,6 +187,30 @@ def computation(args) -> dict:
     if settings["engine"] == "hf":
         del settings["tp"], settings["enforce_eager"]
     return settings
+
+
+def resolve_precision(args) -> None:
+    """fp32 precision unless --bf16-only: on a GPU bf16 parameters with fp32 master weights (bf16 compute at half the
+    device bytes of fp32 parameters), on the CPU fp32 parameters; --dtype, --master-weights and --fp32-params pin
+    a mode. Sets args.dtype and args.master_weights to what the run trains with, which checkpoints record."""
+    if args.bf16_only and (args.master_weights or args.fp32_params or args.dtype == "float32"):
+        raise SystemExit("--bf16-only trains bf16 parameters without fp32 masters: drop --master-weights, "
+                         "--fp32-params and --dtype float32, or drop --bf16-only")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if torch.cuda.is_available() or args.bf16_only or args.master_weights else "float32"
+    if args.dtype == "bfloat16" and not (args.bf16_only or args.fp32_params):
+        args.master_weights = True
+
+
+def precision(args) -> str:
+    """What the run trains in, in words, for its first lines."""
+    if args.fp32_params:
+        return f"fp32 parameters and AdamW states, {args.dtype} compute"
+    if args.master_weights:
+        return "fp32 master weights and AdamW states of bf16 parameters (bf16 compute)"
+    if args.dtype == "float32":
+        return "fp32 parameters and AdamW states"
+    return "bf16 parameters and AdamW states, no fp32 masters (--bf16-only)"
 
 
 def check_args(args) -> None:
@@ -349,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", default="tiny", help="architecture of the random checkpoint (tiny ... qwen2.5-72b)")
     ap.add_argument("--layers", type=int, default=None, help="cut the random checkpoint to this many layers")
     ap.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="trainer parameters")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="trainer parameters (default: bfloat16 on a GPU, with fp32 master weights, and float32 on "
+                         "the CPU: fp32 precision either way, see --bf16-only)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--completions", type=int, default=4, help="completions per prompt (the GRPO group)")
@@ -390,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "engine this loop builds inside attach, 'swap'), 'swap' (host memory while generating), "
                          "'host' (host memory always, streamed through optimizer.step()), or a split "
                          "of their bytes such as device=0.3,swap=0.3,host=0.4 (what `swaprl plan` prints)")
+    ap.add_argument("--bf16-only", action="store_true",
+                    help="bf16 parameters and AdamW states, no fp32 masters: updates at RL learning rates (~1e-6) "
+                         "mostly round away in bf16; only for a run that wants the bf16 footprint anyway")
     ap.add_argument("--master-weights", action="store_true",
                     help="fp32 master weights for the --dtype (bf16) parameters, kept with their fp32 AdamW states "
                          "in whatever home --optimizer-states gives them (SwapConfig.master_weights; "
@@ -584,7 +613,9 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     out = Path(args.out) if args.out else None
     if (args.save_steps or args.resume) and out is None:
         raise SystemExit("--save-steps and --resume keep their checkpoints under --out: give --out DIR")
+    resolve_precision(args)
     check_args(args)
+    log.info("precision: %s", precision(args))
     settings = computation(args)  # as given: the built-in task sets --prompt-tokens from its prompts below
     checkpoints = run_files.Checkpoints(out / "checkpoints", rank=rank, world=world) if out else None
     newest = checkpoints.newest() if checkpoints else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -36,6 +37,23 @@ def test_grpo_example_trains_and_reports(tmp_path, monkeypatch):
     assert metrics["engine"] == "HFEngine"
     html = (tmp_path / "out" / "report" / "report.html").read_text()
     assert "generate" in html and "data:image/png;base64," in html
+
+
+@pytest.mark.parametrize("flags, dtype, masters, said", [
+    ([], "float32", False, "fp32 parameters and AdamW states"),  # the CPU's default
+    (["--dtype", "bfloat16"], "bfloat16", True, "fp32 master weights and AdamW states of bf16 parameters"),
+    (["--bf16-only"], "bfloat16", False, "bf16 parameters and AdamW states, no fp32 masters"),
+])
+def test_grpo_example_trains_in_fp32_precision_unless_told_and_says_so_first(tmp_path, caplog, flags, dtype, masters,
+                                                                             said):
+    import grpo
+
+    caplog.set_level(logging.INFO, logger="grpo")
+    summary = grpo.main(["--steps", "1", "--engine", "hf", "--out", str(tmp_path / "out"),
+                         "--checkpoint-dir", str(tmp_path / "ck"), *flags])
+    assert (summary["args"]["dtype"], summary["args"]["master_weights"]) == (dtype, masters)
+    first = next(r.getMessage() for r in caplog.records if r.name == "grpo")
+    assert first == f"precision: {said}" or first.startswith(f"precision: {said}"), first
 
 
 def test_grpo_example_splits_fp32_states_of_fp32_params(tmp_path):
@@ -396,7 +414,8 @@ def test_the_script_starts_vllm_under_its_own_allocator_settings_of_large_pages(
     (["--tis-cap", "0"], "--tis-cap 0.0: give a truncation of 1 or more"),
     (["--clip", "-1"], "--clip -1.0: give a ratio bound in \\(0, 1\\)"),
     (["--updates", "5"], "--updates 5: each update takes whole prompts"),
-    (["--master-weights"], "add --dtype bfloat16"),
+    (["--master-weights", "--dtype", "float32"], "add --dtype bfloat16"),
+    (["--bf16-only", "--master-weights"], "--bf16-only trains bf16 parameters without fp32 masters"),
     (["--verify-tolerance", "1,0.5", "--no-verify"], "--verify-tolerance judges the probe .*: drop --no-verify"),
     (["--kl-coef", "-0.1"], "--kl-coef -0.1: give 0 \\(no reference\\) or a positive coefficient"),
     (["--kl-coef", "inf"], "--kl-coef inf: give 0 \\(no reference\\) or a positive coefficient"),
