@@ -167,7 +167,7 @@ class Runtime(PhaseMachine):
             self._placement = place = Placement(model, optimizer, device, config, masters=masters, room=room,
                                                 unmeasurable=why, peaks=self.peaks,
                                                 on_streamed_step=lambda info: self._emit(streamed | info))
-            place.masters_to_device()  # before an engine sized from the free memory is built
+            place.masters_to_device(("device",))  # before an engine sized from the free memory is built
         built = Undo("the engine attach built")  # closed if attach then fails; kept (the caller's) once attached
         with installed.on_error(), self._restore.on_error(), built.on_error():
             self._restore.push(place.release)  # a failed attach leaves no host memory behind
@@ -198,11 +198,13 @@ class Runtime(PhaseMachine):
                 self._restore.push(optimizer_hooks.attach_runtime(
                     optimizer, check_step=self._check_step, wait_reload=self.wait_reload, streamer=place.streamer,
                     before_streamed_step=place.home_new_states), "the optimizer's hooks")
-            steps = []
-            if place.streamer is not None:
-                steps.append(Step("optimizer states to host", place.states_to_host, place.states_to_device))
+            steps = [Step("optimizer states to host", place.states_to_host, place.states_to_device)] \
+                if place.streamer is not None else []
+            steps += self._link.attach_steps()
+            if place.masters is not None:  # once the engine sleeps: the swapped masters 'train' holds
+                steps.append(Step("fp32 masters to the device", lambda: place.masters_to_device(("swap",))))
             with interrupts.held("the attach's moves"):
-                self._run_steps("attach", steps + self._link.attach_steps())
+                self._run_steps("attach", steps)
             # What attach started in the background ends before it returns. Page-locking holds the CUDA driver's
             # lock: a large cudaHostRegister stalls every CUDA call of another thread while it runs, and under TRL,
             # whose engine exists before attach, locking during the first step stalled its rollout. The first steps

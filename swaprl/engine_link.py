@@ -99,8 +99,10 @@ class OwnWeights(EngineLink):
     def wake_steps(self, cycle: int) -> list[Step]:
         # Staged: the weights first, synced while the trainer's parameters are still on the device; the KV cache
         # last (`ready_steps`), once the trainer's state has left, so old + new weights + KV never coexist.
+        # The sync copies on the device, trainer to engine: its bytes are in its step's event, not in the switch's
+        # total of what crossed between the device and host memory.
         steps = [Step("engine wake weights", lambda: self.wake(["weights"]), self.sleep),
-                 Step("sync weights", self.sync_weights)]
+                 Step("sync weights", self.sync_weights, moves=False)]
         if self.config.verify_sync:  # while the trainer's parameters are surely on the device
             steps.append(Step("verify weights", lambda: self._verify_weights(cycle)))
         return steps

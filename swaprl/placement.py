@@ -282,12 +282,14 @@ class Placement:
             sizes["optimizer"] = sizes.get("optimizer", 0) + min(headroom, kept)
         return sizes
 
-    def masters_to_device(self) -> int:
-        """The fp32 masters whose states live on the device in 'train' (the "device" and "swap" homes) go there,
-        filled from their model parameters (they are made in host memory); returns the bytes placed."""
+    def masters_to_device(self, of_homes: tuple[homes.Home, ...]) -> int:
+        """The fp32 masters of `of_homes` go to the device, filled from their model parameters (they are made in
+        host memory); returns the bytes placed. Attach places the "device" home's before an engine is sized from
+        the free memory (they stay there beside it), the "swap" home's once the engine sleeps (they leave for
+        every 'generate': an engine sized beside them would lose their room to its KV cache for nothing)."""
         if self.masters is None:
             return 0
-        return self.masters.place([m for m in self.masters if self.home(m) != "host"], self.device)
+        return self.masters.place([m for m in self.masters if self.home(m) in of_homes], self.device)
 
     def finish_host(self) -> float:
         """Wait for what `prepare_host` started; returns the seconds waited."""

@@ -85,7 +85,8 @@ class Step:
     commit: Callable[[], object] | None = None
     blocking: bool = True  # False: its copies may still run when the next step starts (not timed to completion)
     started_by: str | None = None  # the step that queued this one's copies: its event also gets the whole span
-    moves: bool = True  # False: the bytes `do` returns were freed or handed back, not moved (not in the switch's total)
+    moves: bool = True  # False: the bytes `do` returns were freed, handed back or copied on the device, not moved
+    # between the device and host memory (not in the switch's total)
 
 
 def in_flight(steps: list[Step], at: int) -> bool:
