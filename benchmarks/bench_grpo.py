@@ -376,6 +376,9 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
                         if e["type"] == "step" and e["step"] in ENGINE_STEPS else None)
         rt.add_listener(lambda e: acc.__setitem__("switch", acc["switch"] + e["seconds"])
                         if e["type"] == "phase" else None)
+        # what each switch moved between the device and host memory (the weight sync's device copy is not in it)
+        rt.add_listener(lambda e: acc.setdefault("switch_bytes", []).append(e["bytes"])
+                        if e["type"] == "phase" else None)
         rt.add_listener(floor.on_event)
         rt.add_listener(lambda e: acc.setdefault("demotes", []).append({k: e[k] for k in ("short_bytes", "bytes")})
                         if e["type"] == "demote" else None)
@@ -417,9 +420,10 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         extra["floor_GBps"] = floor.gbps
     if rt is not None:
         extra["last_sync_max_abs_diff"] = rt.last_sync.max_abs_diff if rt.last_sync else None
-        extra["optimizer_states"] = rt.config.optimizer_states  # what "auto" chose at attach
+        extra["optimizer_states"] = rt.status()["optimizer_split"]  # the split the homes stand for at the end
         extra["optimizer_homes"] = rt.status()["optimizer_homes"]  # ... and the bytes of each home at the end
         extra["demotes"] = acc.get("demotes", [])  # wake-ups that lacked room and the states swapped for them
+        extra["switch_bytes"] = acc.get("switch_bytes", [])
         extra["weights"] = acc.get("syncs", [])  # the check's verdict at each sync
         if not extra["optimizer_homes"]["host"]:
             rt.detach()
