@@ -63,7 +63,7 @@ class PageLender:
         self._ranges: dict[int, list[int]] = {}  # lent range -> the blocks its pages came from
 
     @property
-    def lent_mapped_bytes(self) -> int:
+    def lent_bytes(self) -> int:
         """Bytes of torch's blocks held for the engine now: allocated in torch's counters, the engine's memory in
         fact (`memory.torch_counters(..., lent=)` leaves them out)."""
         return sum(self._blocks.values())

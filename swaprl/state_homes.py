@@ -64,6 +64,7 @@ class StateHomes:
         unmeasurable = unmeasurable or why or (None if device.type == "cuda" else
                                                "without CUDA there is no device memory to keep them in")
         if unmeasurable is not None or room is None:
+            self._capacity = Capacity(device=0)  # what it holds while generating is unknown: nothing stays there
             self._homes = dict.fromkeys(map(id, params), "swap")
             self.why = f"all swapped: {unmeasurable or 'the device room was not measured'}"
         else:
