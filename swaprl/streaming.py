@@ -158,7 +158,17 @@ class StateStreamer:
         """The parameters not owned first, in one chunk without copies; then the owned ones, consecutive, in chunks of
         about `chunk_bytes` of states, and each chunk's copies."""
         others = [(p, g) for p, g in stepping if not self.owns(p)]
-        chunks: list[_Chunk] = [_Chunk(others)] if others else []
+        chunks: list[_Chunk] = []
+        for p, group in others:
+            # In chunks of their own where they are fp32 masters: each one's gradient is cast to fp32 for its step,
+            # and all of them at once would be a transient of every device-resident master's size.
+            size = 4 * local_tensor(p).numel() if self.layout.is_master(p) else 0
+            if not chunks or size and chunks[-1].bytes + size > self.chunk_bytes:
+                chunks.append(_Chunk([]))
+            chunks[-1].params.append((p, group))
+            chunks[-1].bytes += size
+        for chunk in chunks:
+            chunk.bytes = 0  # no staging: their states are on the device
         first = len(chunks)
         size = 0
         for p, group in stepping:
