@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -44,9 +44,30 @@ from . import interrupts
 from .compat import torch as compat
 from .residency import savable
 
-if TYPE_CHECKING:
-    from .master import MasterWeights
-    from .streaming import StateStreamer
+
+class Masters(Protocol):
+    """What the hooks call of the fp32 masters (`swaprl.master.MasterWeights`)."""
+
+    def step(self, plain: Callable, closure: Callable | None = None) -> object: ...
+    def zero_grad(self, plain: Callable, set_to_none: bool = True) -> None: ...
+    def save_into(self, state_dict: dict) -> dict: ...
+    def take_from(self, state_dict: dict) -> dict: ...
+    def finish_load(self) -> None: ...
+
+
+class HostStateLayout(Protocol):
+    def note_views(self, state_dict: dict) -> None: ...
+    def move_into_buffer(self, context: str = ...) -> int: ...
+
+
+class Streamer(Protocol):
+    """What the hooks call of the streamed step (`swaprl.streaming.StateStreamer`)."""
+
+    stepping: bool
+    layout: HostStateLayout
+
+    def step(self, raw_step: Callable[[], object], closure: Callable | None = None) -> object: ...
+    def load_state_dict(self, plain: Callable[[dict], object], state_dict: dict) -> object: ...
 
 _ATTRIBUTE = "_swaprl_hooks"  # the one attribute swaprl sets on an optimizer besides the methods below
 _METHODS = ("step", "zero_grad", "load_state_dict")
@@ -57,8 +78,8 @@ class OptimizerHooks:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.masters: MasterWeights | None = None
-        self.streamer: StateStreamer | None = None
+        self.masters: Masters | None = None
+        self.streamer: Streamer | None = None
         self.check_step: Callable[[], None] | None = None  # the runtime's, before every step
         self.before_streamed_step: Callable[[], None] | None = None  # the runtime's, before a streamed step
         self.wait_reload: Callable[[], None] | None = None
@@ -187,14 +208,14 @@ def hooks_of(optimizer: torch.optim.Optimizer) -> OptimizerHooks:
     return hooks
 
 
-def masters_of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
+def masters_of(optimizer: torch.optim.Optimizer) -> Masters | None:
     """The fp32 masters an earlier attach installed on `optimizer`, if any."""
     hooks = vars(optimizer).get(_ATTRIBUTE)
     return hooks.masters if hooks is not None else None
 
 
 def attach_runtime(optimizer: torch.optim.Optimizer, *, check_step: Callable[[], None],
-                   wait_reload: Callable[[], None], streamer: StateStreamer | None,
+                   wait_reload: Callable[[], None], streamer: Streamer | None,
                    before_streamed_step: Callable[[], None] | None) -> Callable[[], None]:
     """Give the runtime its part of the optimizer's methods and hooks; returns what takes it off again."""
     hooks = hooks_of(optimizer)
