@@ -191,6 +191,11 @@ def fsdp(args) -> dict:
     reference = train(None, "master_reference", masters="reference")
     config = swaprl.SwapConfig(master_weights=True, stream_chunk_bytes=2**20, grads="free")
     out["bitwise_master_weights"] = compare(reference, train(config, "master", masters="bf16"))
+    # The masters with their states in every home: on the device, swapped and streamed, each rank its shards'.
+    for name in ("host", "mixed"):
+        config = swaprl.SwapConfig(master_weights=True, optimizer_states=splits[name], stream_chunk_bytes=2**20,
+                                   grads="free")
+        out[f"bitwise_master_weights_{name}"] = compare(reference, train(config, f"master_{name}", masters="bf16"))
     out["master_state_dtypes"] = sorted({str(t.dtype) for t in reference[1] + reference[2] if t.numel() > 1})
 
     # An untied embedding and lm_head as units of their own train bit for bit as inside the root, swapped too.

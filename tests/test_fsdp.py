@@ -84,11 +84,13 @@ def test_fsdp2_mixed_precision_over_fp32_shards_streams_fp32_states(ranks):
         assert r["mixed_precision_state_dtypes"] == ["torch.float32"]
 
 
-def test_fsdp2_with_fp32_master_weights_in_host_memory_trains_like_fsdp2s_own_mixed_precision(ranks):
-    """bf16 shards with swaprl's fp32 masters (host memory, streamed) against fp32 shards under FSDP2's bf16 compute
-    and bf16 reduction: the same losses, masters (= fp32 shards) and AdamW states, bit for bit, and the bf16 model
-    is the masters cast."""
+def test_fsdp2_with_fp32_master_weights_in_every_home_trains_like_fsdp2s_own_mixed_precision(ranks):
+    """bf16 shards with swaprl's fp32 masters (their homes as "auto" gives them, all in host memory and streamed, or
+    split over device, swap and host) against fp32 shards under FSDP2's bf16 compute and bf16 reduction: the same
+    losses, masters (= fp32 shards) and AdamW states, bit for bit, and the bf16 model is the masters cast."""
     for r in ranks:
+        for name in ("master_weights", "master_weights_host", "master_weights_mixed"):  # auto; streamed; split
+            assert all(r[f"bitwise_{name}"][k] for k in ("losses", "params", "optimizer")), (name, r[f"bitwise_{name}"])
         same = r["bitwise_master_weights"]
         assert same["losses"] and same["params"] and same["optimizer"], (r["rank"], same)
         assert r["master_state_dtypes"] == ["torch.float32"] and r["model_dtypes_master"] == ["torch.bfloat16"]
