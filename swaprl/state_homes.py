@@ -57,7 +57,10 @@ class StateHomes:
         """What "auto" decided at attach and why, for the log."""
         params = parameters(optimizer)
         if not self.auto:
+            # each parameter's largest shard over the ranks, so that every rank homes alike (FSDP2's shards differ
+            # by a row where the rows do not divide)
             sizes = [nbytes(local_tensor(p)) for p in params]
+            sizes = [int(n) for n in distributed.all_reduce(sizes, "max")] if sizes else []
             self._homes = dict(zip(map(id, params), homes.by_fractions(sizes, config.state_split())))
             return
         sizes, existing, why = self._sizes(params)
