@@ -194,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         if step is not None:
             loop += [flag, str(step)]
     chosen = the_plan.swap_config()
-    # the mode the plan chose, as the loop's flags; on the CPU the loop's default dtype is float32
-    loop += {"master-weights": ["--master-weights"], "fp32-params": ["--fp32-params"], "bf16": []}[the_plan.precision]
+    # the mode the plan chose, as the loop's flags (the loop's own default is fp32 masters, so bf16 is named too); on
+    # the CPU the loop's default dtype is float32
+    loop += {"master-weights": ["--master-weights"], "fp32-params": ["--fp32-params"],
+             "bf16": ["--bf16-only"]}[the_plan.precision]
     loop += [] if on_gpu else ["--dtype", "bfloat16"]
     budget = the_plan.host_budget_bytes / cluster.gpus_per_node / 2**30  # the ranks of a node share it
     loop += ["--optimizer-states", format_optimizer_states(chosen["optimizer_states"]),

@@ -31,7 +31,8 @@ def profile(path: Path, *, cycles: int = 3, level: int = 2, blocking: tuple[int,
 
     def phase(name, src, cycle):
         recs.append({"type": "phase", "t": t, "phase": name, "from": src, "cycle": cycle, "seconds": 0.5,
-                     "bytes": 0, "status": {"engine": {"sleep_level": level, "weights_bytes": 4 * GiB}}})
+                     "bytes": 0, "status": {"engine": {"sleep_level": level, "weights_bytes": 4 * GiB}},
+                     "attribution": {"total": 0, "source": "nvml", "categories": {}}})
 
     def step(transition, name, seconds, nbytes=0, **extra):
         nonlocal t
