@@ -439,20 +439,38 @@ def test_settings_that_cannot_train_are_refused_before_anything_loads(tmp_path, 
         grpo.main(["--engine", "hf", "--steps", "1", "--out", str(tmp_path / "o"), *extra])
 
 
-def test_a_checkpoint_resumes_only_with_the_number_of_ranks_that_wrote_it(tmp_path):
-    """Each rank saves its own shards: a resume on another number of ranks is refused with the number to use, and
-    the checkpoint is left as it was."""
-    import grpo
-    import run_files
+@pytest.mark.parametrize("ranks", [(2, 1), (1, 2)], ids=["2to1", "1to2"])
+def test_a_checkpoint_resumes_on_another_number_of_ranks_and_the_run_goes_on(tmp_path, ranks):
+    """Saved by FSDP2 over two gloo ranks and resumed on one process, and the other way round, with fp32 master
+    weights and their states in host memory: the resume starts at the checkpoint's step on its own number of ranks
+    and goes on saving (each rank loads the rows of its own shards; tests/test_saving.py compares every tensor
+    loaded with the one saved)."""
+    saving_ranks, resuming_ranks = ranks
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = tmp_path / "o"
 
-    grpo.main(["--engine", "hf", "--steps", "2", "--save-steps", "2", "--out", str(tmp_path / "o"),
-               "--checkpoint-dir", str(tmp_path / "ck")])
-    newest = run_files.Checkpoints(tmp_path / "o" / "checkpoints").newest()
-    before = sorted(p.name for p in newest.iterdir())
-    with pytest.raises(run_files.CheckpointError, match=r"written by 1 rank\(s\) and this run has 2; resume with the "
-                                                        r"same number \(torchrun --nproc-per-node 1\)"):
-        run_files.Checkpoints(tmp_path / "o" / "checkpoints", rank=0, world=2).newest_intact()
-    assert sorted(p.name for p in newest.iterdir()) == before == ["manifest.json", "rank0.pt"]
+    def run(ranks: int, *extra: str) -> subprocess.CompletedProcess:
+        launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      "--nproc-per-node", str(ranks)]
+        proc = subprocess.run([*launch, str(EXAMPLES / "grpo.py"), "--engine", "hf", "--dtype", "bfloat16",
+                               "--master-weights", "--optimizer-states", "host", "--warmup", "0", "--out", str(out),
+                               "--checkpoint-dir", str(tmp_path / "ck"), *extra], env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    run(saving_ranks, "--steps", "2", "--save-steps", "2")
+    resumed = run(resuming_ranks, "--steps", "3", "--save-steps", "1", "--resume")
+    said = f"(saved by {saving_ranks} rank(s), resumed on {resuming_ranks}): step 2"
+    assert said in resumed.stderr, resumed.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["resumed_from"] == 2 and metrics["world_size"] == resuming_ranks
+    assert [s["step"] for s in metrics["steps"]] == [2] and all(s["loss"] == s["loss"] for s in metrics["steps"])
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").open()] == [0, 1, 2]
+    manifest = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert manifest["world"] == resuming_ranks
+    assert sorted(f["name"] for f in manifest["files"]) == [".metadata", *(f"__{r}_0.distcp" for r in
+                                                                           range(resuming_ranks))]
 
 
 def test_checkpoints_are_never_mixed_with_another_run(tmp_path):
