@@ -21,7 +21,9 @@ report, and with `--save-steps N` a checkpoint every N steps, from which `--resu
 ranks or another (`swaprl.saving`: torch.distributed.checkpoint's files of the model, the optimizer states wherever
 they live, the fp32 masters by parameter name, the random streams, the step and the data position; run_files.py:
 each checkpoint has a manifest of its files' sizes and checksums and of the settings that change the computation,
-checked before a resume reads anything; the files a resume rewrites are written beside and renamed).
+checked before a resume reads anything; the files a resume rewrites are written beside and renamed). `--export-hf
+DIR` writes the trained model at the end as a transformers checkpoint (`swaprl.saving.export_hf`: the fp32 masters
+cast to the model's dtype, FSDP2's shards gathered), which transformers and vLLM load.
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ COMPUTATION = ("model", "preset", "layers", "engine", "dtype", "master_weights",
 """The flags that change what a run computes (the model, the data, the objective, the optimizer, the sampling, the
 engine's kernels): a checkpoint records them (`computation`) and a resume refuses a change to any of them. The
 micro-batch is one: it changes the order of the gradients' sums, and a resume is bit for bit."""
-FREE = ("steps", "out", "save_steps", "resume", "report_to", "trace_step", "memory_step", "warmup", "checkpoint_dir",
+FREE = ("steps", "out", "save_steps", "resume", "export_hf", "report_to", "trace_step", "memory_step", "warmup", "checkpoint_dir",
         "verify", "verify_tolerance", "sleep_level", "optimizer_states", "host_budget_gib", "gpu_memory_utilization",
         "kv_cache_gib", "max_model_len", "release_other", "lend_pages")
 """The flags a resume may change: how long it runs, where its files go, what it records or checks (the probe keeps
@@ -247,6 +249,8 @@ def check_args(args) -> None:
         problems.append(f"--layers {args.layers}: give at least 1")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         problems.append(f"--out {args.out} is a file: give a directory")
+    if args.export_hf and Path(args.export_hf).exists() and not Path(args.export_hf).is_dir():
+        problems.append(f"--export-hf {args.export_hf} is a file: give a directory (one there is replaced whole)")
     if args.verify_tolerance:
         try:
             bounds = [float(x) for x in args.verify_tolerance.split(",")]
@@ -436,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="record step N's device allocations with torch's memory history into "
                          "OUT/memory.stepN[.rankR].pickle (drag it onto pytorch.org/memory_viz; "
                          "benchmarks/memory_streams.py splits the free cached blocks at its peak by stream)")
+    ap.add_argument("--export-hf", default=None, metavar="DIR",
+                    help="at the end, write the trained model to DIR as a transformers checkpoint (config, "
+                         "safetensors in the model's dtype, cast from the fp32 masters with --master-weights, "
+                         "generation config, the tokenizer files of the model's checkpoint), which "
+                         "AutoModelForCausalLM.from_pretrained and vLLM load; written beside and renamed")
     ap.add_argument("--resume", action="store_true",
                     help="continue from the newest intact checkpoint under OUT/checkpoints (its files checked "
                          "against its manifest; a change to a setting of the computation is refused)")
@@ -805,6 +814,8 @@ def _run(argv: list[str] | None, undo: list) -> dict:
         if close is not None:
             close()
             undo.remove(close)
+    if args.export_hf:
+        export_hf(Path(args.export_hf), model, optimizer, path, rank)
     if not rt.status()["optimizer_homes"]["host"]:
         swaprl.detach()
     # else: detach() would bring the host-resident states back to the GPU for plain torch, and they were put on the
@@ -842,6 +853,20 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     elif world > 1:
         dist.destroy_process_group()
     return summary
+
+
+def export_hf(target: Path, model, optimizer, source: Path, rank: int) -> None:
+    """The trained model as a transformers checkpoint at `target`: every rank gathers (FSDP2), rank 0 writes it
+    into a directory beside `target` and renames it there, so a kill leaves the old export or the new one."""
+    def fill(d: Path) -> None:
+        saving.export_hf(d, model, optimizer, tokenizer_from=source)
+
+    if rank == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        run_files.replace_dir(target, fill)
+        log.info("exported the trained model to %s", target)
+    else:
+        saving.export_hf(None, model, optimizer, tokenizer_from=source)
 
 
 def train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id, autocast,

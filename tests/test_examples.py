@@ -473,6 +473,33 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_and_the_run_goes_on(tmp
                                                                            range(resuming_ranks))]
 
 
+def test_grpo_exports_the_trained_model_as_a_transformers_checkpoint(tmp_path):
+    """--export-hf: at the end, the fp32 masters cast to bf16 as a checkpoint transformers loads in bf16 with the
+    model's tokenizer; its weights are those of the run's last checkpoint, whose masters torch.distributed.checkpoint
+    reads back on its own."""
+    import grpo
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = tmp_path / "hf"
+    grpo.main(["--engine", "hf", "--steps", "2", "--save-steps", "2", "--dtype", "bfloat16", "--master-weights",
+               "--optimizer-states", "host", "--out", str(tmp_path / "o"), "--checkpoint-dir", str(tmp_path / "ck"),
+               "--export-hf", str(export)])
+    model = AutoModelForCausalLM.from_pretrained(export, dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert AutoTokenizer.from_pretrained(export)("2 + 2").input_ids == \
+        AutoTokenizer.from_pretrained(tmp_path / "ck" / "tiny")("2 + 2").input_ids
+    dcp_to_torch_save(tmp_path / "o" / "checkpoints" / "step-00000002", tmp_path / "saved.pt")
+    masters = torch.load(tmp_path / "saved.pt", weights_only=False)["masters"]
+    weights = model.state_dict()
+    assert masters and all(torch.equal(weights[n], m.to(torch.bfloat16)) for n, m in masters.items())
+    initial = AutoModelForCausalLM.from_pretrained(tmp_path / "ck" / "tiny", dtype=torch.bfloat16).state_dict()
+    assert any(not torch.equal(weights[n], initial[n]) for n in masters)  # trained
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # written beside and renamed
+    with pytest.raises(SystemExit, match="--export-hf .* is a file: give a directory"):
+        grpo.main(["--engine", "hf", "--steps", "1", "--export-hf", str(export / "config.json")])
+
+
 def test_checkpoints_are_never_mixed_with_another_run(tmp_path):
     """A fresh run into a folder with checkpoints is refused (its own would be deleted as the older ones), and a
     resume refuses other settings and a --steps it has already reached; nothing is deleted."""
