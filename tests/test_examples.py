@@ -152,6 +152,33 @@ def test_qwen72b_example_runs_the_master_weights_its_plan_chose(tmp_path, capsys
     sys.modules.pop("grpo", None)
 
 
+def test_qwen72b_example_passes_checkpoints_resumes_datasets_and_exports_to_the_loop(tmp_path, capsys):
+    """On the tiny preset: --dataset, --save-steps, --resume and --export-hf reach examples/grpo.py; the resumed
+    run, planned again, has the settings of the one it goes on from."""
+    import qwen72b
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "answer": str(a + 2)}) + "\n"
+                            for a in range(6)))
+    q = tmp_path / "q"
+    assert qwen72b.main(["--steps", "2", "--save-steps", "1", "--dataset", str(data), "--out", str(q)]) == 0
+    sys.modules.pop("grpo", None)
+    assert sorted(p.name for p in (q / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    assert qwen72b.main(["--steps", "3", "--resume", "--dataset", str(data), "--export-hf", str(tmp_path / "hf"),
+                         "--out", str(q)]) == 0
+    sys.modules.pop("grpo", None)
+    capsys.readouterr()
+    metrics = json.loads((q / "metrics.json").read_text())
+    assert metrics["resumed_from"] == 2 and [s["step"] for s in metrics["steps"]] == [2]
+    assert metrics["args"]["dataset"] == str(data) and metrics["steps"][0]["correct"] is not None
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    # the parameters' dtype of the precise mode the plan chose: bf16 (cast from fp32 masters), or fp32 shards
+    trained = torch.bfloat16 if metrics["args"]["master_weights"] else torch.float32
+    assert {p.dtype for p in exported.parameters()} == {trained}
+
+
 def test_qwen72b_example_under_torchrun_shards_over_two_cpu_ranks(tmp_path):
     """The multi-GPU command on two CPU ranks: FSDP2 over gloo, the plan printed once, a profile per rank and one
     report over both."""
