@@ -119,6 +119,27 @@ def test_an_export_holds_the_masters_cast_to_the_models_dtype_gathered_from_the_
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the GPU machine")
+def test_fsdp2_states_homed_on_the_host_load_without_visiting_the_device(tmp_path):
+    """FSDP2 on one GPU, every state and master in the "host" home: the load brings back every tensor bit for
+    bit, and the device holds at most a small part of the states' bytes more at any moment of it (the states go
+    from the files to host memory and into the pinned buffer; torch's own cast would have put them all on the
+    device at once)."""
+    from swaprl.checkpoints import write_random_checkpoint
+
+    model = write_random_checkpoint("qwen2.5-0.5b", tmp_path / "m", layers=1)
+    common = ["--model", str(model), "--checkpoint", str(tmp_path / "ck"), "--device", "cuda", "--fsdp",
+              "--states", "host", "--steps", "1"]
+    worker(1, "save", *common, "--dump", str(tmp_path / "saved.pt"), cuda=True)
+    worker(1, "load", *common, "--dump", str(tmp_path / "loaded.pt"), cuda=True)
+    saved, loaded = (torch.load(tmp_path / f"{x}.pt", weights_only=False) for x in ("saved", "loaded"))
+    assert_same(saved["snapshot"], loaded["snapshot"])
+    host = loaded["homes"]["host"]
+    assert host > 2**30 and loaded["homes"]["device"] == 0
+    assert loaded["load_device_peak_growth"] < host / 16, (loaded["load_device_peak_growth"], host)
+
+
 # ---------------------------------------------------------------- one process
 def trained(checkpoint, *, steps: int = 2, master_weights: bool = True, states="host"):
     """The tiny model in bf16 trained `steps` GRPO steps under swaprl (fp32 masters), still attached."""
