@@ -167,9 +167,9 @@ COMPUTATION = ("model", "preset", "layers", "engine", "dtype", "master_weights",
 """The flags that change what a run computes (the model, the data, the objective, the optimizer, the sampling, the
 engine's kernels): a checkpoint records them (`computation`) and a resume refuses a change to any of them. The
 micro-batch is one: it changes the order of the gradients' sums, and a resume is bit for bit."""
-FREE = ("steps", "out", "save_steps", "resume", "export_hf", "report_to", "trace_step", "memory_step", "warmup", "checkpoint_dir",
-        "verify", "verify_tolerance", "sleep_level", "optimizer_states", "host_budget_gib", "gpu_memory_utilization",
-        "kv_cache_gib", "max_model_len", "release_other", "lend_pages")
+FREE = ("steps", "out", "save_steps", "resume", "export_hf", "report_to", "trace_step", "memory_step", "warmup",
+        "checkpoint_dir", "verify", "verify_tolerance", "sleep_level", "optimizer_states", "host_budget_gib",
+        "gpu_memory_utilization", "kv_cache_gib", "max_model_len", "release_other", "lend_pages")
 """The flags a resume may change: how long it runs, where its files go, what it records or checks (the probe keeps
 the random streams as it found them), and where memory lives (every home of the optimizer states trains bit for bit
 the same). The number of ranks may change too: each rank loads the rows of its own shards."""

@@ -276,12 +276,10 @@ def _check(path: Path, weights: dict, model_index: dict, by_name: dict, state_in
 
     def differ(what: str, here: Iterable[str], there: Iterable[str]) -> None:
         here, there = set(here), set(there)
-        if here - there:
-            problems.append(f"{what} {sorted(here - there)[:4]} {'is' if len(here - there) == 1 else 'are'} not in "
-                            f"the checkpoint")
-        if there - here:
-            problems.append(f"the checkpoint's {what} {sorted(there - here)[:4]} {'is' if len(there - here) == 1 else 'are'} "
-                            "not here")
+        if only := sorted(here - there):
+            problems.append(f"{what} {only[:4]} {'is' if len(only) == 1 else 'are'} not in the checkpoint")
+        if only := sorted(there - here):
+            problems.append(f"the checkpoint's {what} {only[:4]} {'is' if len(only) == 1 else 'are'} not here")
 
     differ("model tensor(s)", weights, model_index)
     problems += [f"model tensor {n}: shape {tuple(t.shape)} here, {tuple(model_index[n].size)} in the checkpoint"

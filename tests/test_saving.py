@@ -167,7 +167,7 @@ def test_an_export_loads_in_transformers_and_scores_as_the_trainer_bit_for_bit(t
     from swaprl.engines.base import sequence_logprobs
     from swaprl.optimizer_hooks import masters_of
 
-    model, optimizer, rt = trained(tiny_checkpoint)
+    model, optimizer, _ = trained(tiny_checkpoint)
     trainer = sequence_logprobs(model, PROBE)
     saving.export_hf(tmp_path / "hf", model, optimizer, tokenizer_from=tiny_checkpoint)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
@@ -190,7 +190,7 @@ def test_an_export_loads_in_transformers_and_scores_as_the_trainer_bit_for_bit(t
 def test_a_load_of_another_model_is_refused_naming_what_differs_and_changes_nothing(tiny_checkpoint, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model, optimizer, rt = trained(tiny_checkpoint, steps=1)
+    model, optimizer, _ = trained(tiny_checkpoint, steps=1)
     saving.save(tmp_path / "ck", model, optimizer, extra={"step": 1})
     swaprl.detach()
     other = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16)
@@ -219,7 +219,7 @@ def test_an_export_loads_in_vllm_and_scores_within_its_rounding(tiny_checkpoint,
 
     from swaprl.engines.base import sequence_logprobs
 
-    model, optimizer, rt = trained(tiny_checkpoint, steps=3)
+    model, optimizer, _ = trained(tiny_checkpoint, steps=3)
     saving.export_hf(tmp_path / "hf", model, optimizer, tokenizer_from=tiny_checkpoint)
     swaprl.detach()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
