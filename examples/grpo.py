@@ -17,9 +17,13 @@ log-probabilities of the tokens it sampled (`--tis-cap`), which also give the ro
 `--kl-coef` adds a per-token KL penalty to the policy the run started from (a frozen reference; off by default).
 Each step prints its time split (generate, train, phase switches); `--out` receives metrics.json, a line per step in
 metrics.jsonl (reward, exact answers, loss, clip fraction, importance weights, mismatch), the memory profile and its
-report, and with `--save-steps N` a checkpoint every N steps, from which `--resume` goes on (run_files.py: each
-checkpoint has a manifest of its files' sizes and checksums and of the settings that change the computation, checked
-before a resume reads anything; the files a resume rewrites are written beside and renamed).
+report, and with `--save-steps N` a checkpoint every N steps, from which `--resume` goes on, on this number of
+ranks or another (`swaprl.saving`: torch.distributed.checkpoint's files of the model, the optimizer states wherever
+they live, the fp32 masters by parameter name, the random streams, the step and the data position; run_files.py:
+each checkpoint has a manifest of its files' sizes and checksums and of the settings that change the computation,
+checked before a resume reads anything; the files a resume rewrites are written beside and renamed). `--export-hf
+DIR` writes the trained model at the end as a transformers checkpoint (`swaprl.saving.export_hf`: the fp32 masters
+cast to the model's dtype, FSDP2's shards gathered), which transformers and vLLM load.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 import swaprl
-from swaprl import memory
+from swaprl import memory, saving
 from swaprl.profile import attach_profiler
 from swaprl.config import parse_optimizer_states
 
@@ -163,12 +167,12 @@ COMPUTATION = ("model", "preset", "layers", "engine", "dtype", "master_weights",
 """The flags that change what a run computes (the model, the data, the objective, the optimizer, the sampling, the
 engine's kernels): a checkpoint records them (`computation`) and a resume refuses a change to any of them. The
 micro-batch is one: it changes the order of the gradients' sums, and a resume is bit for bit."""
-FREE = ("steps", "out", "save_steps", "resume", "report_to", "trace_step", "memory_step", "warmup", "checkpoint_dir",
-        "verify", "verify_tolerance", "sleep_level", "optimizer_states", "host_budget_gib", "gpu_memory_utilization",
-        "kv_cache_gib", "max_model_len", "release_other", "lend_pages")
+FREE = ("steps", "out", "save_steps", "resume", "export_hf", "report_to", "trace_step", "memory_step", "warmup",
+        "checkpoint_dir", "verify", "verify_tolerance", "sleep_level", "optimizer_states", "host_budget_gib",
+        "gpu_memory_utilization", "kv_cache_gib", "max_model_len", "release_other", "lend_pages")
 """The flags a resume may change: how long it runs, where its files go, what it records or checks (the probe keeps
 the random streams as it found them), and where memory lives (every home of the optimizer states trains bit for bit
-the same)."""
+the same). The number of ranks may change too: each rank loads the rows of its own shards."""
 
 
 def uses_vllm(args) -> bool:
@@ -269,6 +273,8 @@ def check_args(args) -> None:
         problems.append(f"--layers {args.layers}: give at least 1")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         problems.append(f"--out {args.out} is a file: give a directory")
+    if args.export_hf and Path(args.export_hf).exists() and not Path(args.export_hf).is_dir():
+        problems.append(f"--export-hf {args.export_hf} is a file: give a directory (one there is replaced whole)")
     if args.verify_tolerance:
         try:
             bounds = [float(x) for x in args.verify_tolerance.split(",")]
@@ -309,22 +315,19 @@ def check_resumable(manifest: dict, settings: dict, args) -> None:
                          f"more; give --steps above {step} to go on")
 
 
-def read_checkpoint(path: Path, rank: int, step: int) -> dict:
-    """This rank's state in the checkpoint at `path`, whose manifest checks passed. Tensors come back on the host:
-    the optimizer's load puts each state where its home is."""
-    f = path / f"rank{rank}.pt"
+def load_checkpoint(path: Path, model, optimizer, step: int) -> saving.Loaded:
+    """The checkpoint at `path`, whose manifest checks passed, loaded into the model and the optimizer (after
+    attach: each state goes where its home keeps it), on however many ranks this run has."""
     try:
-        state = torch.load(f, map_location="cpu", weights_only=False)
-    except Exception as exc:
-        raise SystemExit(f"--resume: {f} matches its manifest, yet torch cannot read it ({type(exc).__name__}: "
-                         f"{exc}); was it written by another torch version? Resume with that one, or start a new "
-                         "run with another --out") from exc
-    if not (isinstance(state, dict) and {"model", "optimizer", "rng", "step"} <= state.keys()
-            and state["step"] == step):
-        raise SystemExit(f"--resume: {f} is not grpo.py's checkpoint of step {step} (it holds "
-                         f"{sorted(state) if isinstance(state, dict) else type(state).__name__}); start a new run "
-                         "with another --out")
-    return state
+        loaded = saving.load(path, model, optimizer)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise SystemExit(f"--resume: {path} matches its manifest, yet it cannot be loaded ({type(exc).__name__}: "
+                         f"{exc}); was it written by another torch or swaprl version? Resume with that one, or start "
+                         "a new run with another --out") from exc
+    if loaded.extra.get("step") != step:
+        raise SystemExit(f"--resume: {path} is not grpo.py's checkpoint of step {step} (it holds step "
+                         f"{loaded.extra.get('step')!r}); start a new run with another --out")
+    return loaded
 
 
 def lines_before(path: Path, step: int) -> list[str]:
@@ -450,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "checkpoints")
     ap.add_argument("--save-steps", type=int, default=0,
                     help="write a checkpoint every N steps under OUT/checkpoints (model, optimizer states with the "
-                         "fp32 masters, RNG and data position; the newest two are kept); 0: none")
+                         "fp32 masters, RNG and data position, through torch.distributed.checkpoint: a resume may run "
+                         "on another number of ranks; the newest two are kept); 0: none")
     ap.add_argument("--report-to", default="none", metavar="{none,tensorboard,wandb}", type=report_to,
                     help="where the per-step metrics also go, comma-separated: TensorBoard event files under "
                          "OUT/tensorboard, or a wandb run (each needs its package); metrics.jsonl is always written")
@@ -465,6 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="record step N's device allocations with torch's memory history into "
                          "OUT/memory.stepN[.rankR].pickle (drag it onto pytorch.org/memory_viz; "
                          "benchmarks/memory_streams.py splits the free cached blocks at its peak by stream)")
+    ap.add_argument("--export-hf", default=None, metavar="DIR",
+                    help="at the end, write the trained model to DIR as a transformers checkpoint (config, "
+                         "safetensors in the model's dtype, cast from the fp32 masters with --master-weights, "
+                         "generation config, the tokenizer files of the model's checkpoint), which "
+                         "AutoModelForCausalLM.from_pretrained and vLLM load; written beside and renamed")
     ap.add_argument("--resume", action="store_true",
                     help="continue from the newest intact checkpoint under OUT/checkpoints (its files checked "
                          "against its manifest; a change to a setting of the computation is refused)")
@@ -622,18 +631,18 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     if newest is not None and not args.resume:  # a fresh run would rewrite the logs that run's resume goes on with
         raise SystemExit(f"{out / 'checkpoints'} holds another run's checkpoints (newest {newest.name}): --resume "
                          "to go on with it, or give a new --out (nothing was deleted)")
-    resumed = resumed_state = None
+    resumed = resumed_step = None
     if args.resume:  # the newest intact checkpoint, checked before anything loads
         try:
             resumed, manifest = checkpoints.newest_intact()
         except run_files.CheckpointError as exc:
             raise SystemExit(str(exc)) from None
         check_resumable(manifest, settings, args)
-        resumed_state = read_checkpoint(resumed, rank, manifest["step"])
+        resumed_step = manifest["step"]
     if out and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     # This run's profile and report, under names no earlier run of this directory took.
-    stem = run_stem(out, resumed_state["step"] if resumed_state else None, world) if out else None
+    stem = run_stem(out, resumed_step, world) if out else None
     name = args.preset + (f"-{args.layers}l" if args.layers else "")
     path = Path(args.model) if args.model else Path(args.checkpoint_dir) / name
     if not args.model and rank == 0:
@@ -716,17 +725,16 @@ def _run(argv: list[str] | None, undo: list) -> dict:
 
     first = 0
     if resumed is not None:  # after attach: the states load where their homes are, the masters with them
-        state = resumed_state
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if cuda:
-            torch.cuda.set_rng_state(state["rng"]["cuda"])
-        gen.set_state(state["rng"]["prompts"])
-        if task is not None:
-            problems.position = state["data_position"]
-        first = state["step"]
-        log.info("resumed from %s: step %d", resumed, first)
+        loaded = load_checkpoint(resumed, model, optimizer, resumed_step)
+        if loaded.rank_extra is not None:  # (torch's random streams are put back by the load)
+            gen.set_state(loaded.rank_extra["prompts"])
+        else:  # a rank the saving run did not have: prompts of its own from its seed, at the step's position
+            log.warning("rank %d was not in the %d-rank run that saved %s: its prompts start afresh from its seed",
+                        rank, loaded.world, resumed.name)
+        if task is not None:  # every rank draws --prompts problems a step: rank 0's position is each rank's
+            problems.position = loaded.extra["data_position"]
+        first = resumed_step
+        log.info("resumed from %s (saved by %d rank(s), resumed on %d): step %d", resumed, loaded.world, world, first)
     reporter = Reporter(args.report_to, out, vars(args), rank == 0, first, args.steps)
     undo.append(reporter.close)
     metrics_lines = out / "metrics.jsonl" if out else None
@@ -817,19 +825,15 @@ def _run(argv: list[str] | None, undo: list) -> dict:
         if args.save_steps and (step + 1) % args.save_steps == 0:
             if metrics_lines and rank == 0:  # the lines of the steps it holds are on disk before the checkpoint is
                 run_files.fsync_file(metrics_lines)
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                     "data_position": problems.position if task else None, "args": vars(args),
-                     "rng": {"torch": torch.get_rng_state(), "prompts": gen.get_state(),
-                             **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}}
+            extra = {"step": step + 1, "data_position": problems.position if task else None, "args": vars(args)}
 
-            def write(d: Path, state=state) -> list[Path]:  # through a Python file: a failure has its errno
-                return [run_files.write_with(d / f"rank{rank}.pt", lambda f: torch.save(state, f))]
+            def write(d: Path, extra=extra) -> list[Path]:  # every rank's shards, the random streams with them
+                return saving.save(d, model, optimizer, extra=extra, rank_extra={"prompts": gen.get_state()})
 
             try:
                 checkpoints.save(step + 1, write, meta={"settings": settings})
             except run_files.CheckpointError as exc:
                 raise SystemExit(str(exc)) from None
-            del state
         said = [f"weights {sync['weights']}"] if sync else []
         said += [f"probe max|dlogp| {check:.3g}"] if check is not None else []
         if "mismatch_mean_abs_dlogp" in stats:
@@ -841,6 +845,8 @@ def _run(argv: list[str] | None, undo: list) -> dict:
         if close is not None:
             close()
             undo.remove(close)
+    if args.export_hf:
+        export_hf(Path(args.export_hf), model, optimizer, path, rank)
     if not rt.status()["optimizer_homes"]["host"]:
         swaprl.detach()
     # else: detach() would bring the host-resident states back to the GPU for plain torch, and they were put on the
@@ -878,6 +884,20 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     elif world > 1:
         dist.destroy_process_group()
     return summary
+
+
+def export_hf(target: Path, model, optimizer, source: Path, rank: int) -> None:
+    """The trained model as a transformers checkpoint at `target`: every rank gathers (FSDP2), rank 0 writes it
+    into a directory beside `target` and renames it there, so a kill leaves the old export or the new one."""
+    def fill(d: Path) -> None:
+        saving.export_hf(d, model, optimizer, tokenizer_from=source)
+
+    if rank == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        run_files.replace_dir(target, fill)
+        log.info("exported the trained model to %s", target)
+    else:
+        saving.export_hf(None, model, optimizer, tokenizer_from=source)
 
 
 def train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, pad_id, autocast,

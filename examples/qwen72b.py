@@ -23,7 +23,9 @@ with no fp32 copy, as this example did before.
 The loop is `examples/grpo.py` (colocated vLLM when it is installed and a GPU is present, else the embedded engine):
 prompts -> rollouts -> a verifiable reward -> a policy-gradient step, with `with phase("generate")` and
 `with phase("train")`, on its random-token task (`--task even-tokens`), whose prompts have exactly the length the
-plan was made for. Output (`--out`, default out/qwen72b): metrics.json, the memory profile and its report.
+plan was made for, or on `--dataset FILE.jsonl`. Output (`--out`, default out/qwen72b): metrics.json, the memory
+profile and its report; with `--save-steps N` a checkpoint every N steps, which `--resume` goes on from (on this
+number of ranks or another), and with `--export-hf DIR` the trained model as a transformers checkpoint.
 The run takes the plan's split of the optimizer states over device, swap and host memory, its sleep level, its KV
 cache per GPU, the micro batch it fits, and each rank's share of its host budget.
 
@@ -111,6 +113,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="record step N with torch's profiler (examples/grpo.py --trace-step)")
     ap.add_argument("--memory-step", type=int, default=None, metavar="N",
                     help="record step N's allocations with torch's memory history (examples/grpo.py --memory-step)")
+    ap.add_argument("--dataset", default=None, metavar="FILE.jsonl",
+                    help="train on a JSONL file of {\"prompt\", \"answer\"} records (examples/grpo.py --dataset) "
+                         "instead of the random-token task; the plan is made for the task's 16-token prompts, so "
+                         "longer prompts take more room than it counts")
+    ap.add_argument("--save-steps", type=int, default=0, metavar="N",
+                    help="a checkpoint every N steps under OUT/checkpoints (examples/grpo.py --save-steps)")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on from the newest intact checkpoint under OUT/checkpoints, on this number of ranks or "
+                         "another (examples/grpo.py --resume); the plan, made again, gives the loop the same settings")
+    ap.add_argument("--export-hf", default=None, metavar="DIR",
+                    help="at the end, the trained model as a transformers checkpoint in DIR (examples/grpo.py "
+                         "--export-hf)")
     ap.add_argument("--out", default="out/qwen72b")
     args = ap.parse_args(argv)
 
@@ -190,9 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     loop += ["--release-other" if release else "--no-release-other"]
     if args.lend_pages is not None:
         loop += ["--lend-pages" if args.lend_pages else "--no-lend-pages"]
-    for flag, step in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step)):
-        if step is not None:
-            loop += [flag, str(step)]
+    for flag, value in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step),
+                        ("--dataset", args.dataset), ("--save-steps", args.save_steps or None),
+                        ("--export-hf", args.export_hf)):
+        if value is not None:
+            loop += [flag, str(value)]
+    loop += ["--resume"] if args.resume else []
     chosen = the_plan.swap_config()
     # the mode the plan chose, as the loop's flags (the loop's own default is fp32 masters, so bf16 is named too); on
     # the CPU the loop's default dtype is float32

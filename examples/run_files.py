@@ -9,8 +9,10 @@ file passes for a good one: examples/grpo.py's checkpoints and the files it rewr
   anything, and goes on from the newest checkpoint that is intact, saying what is wrong with each newer one.
 
 The checkpoint layer does not know the serializer: `save(step, write)` hands `write` a directory to put this rank's
-files in, and checks and lists what it returns; torch.save per rank today (examples/grpo.py), and the same
-manifest, checks and fallback for torch.distributed.checkpoint's files later.
+files in, and checks and lists what it returns. examples/grpo.py writes torch.distributed.checkpoint's files
+(`swaprl.saving`), which a run of another number of ranks resumes: the checkpoint's directory is then one every
+rank reads (a shared file system), and a resume on N ranks has rank r checksum the files of the ranks r, r + N, ...
+that wrote them.
 
 Why CRC-32 (zlib.crc32, streamed): the checksum is for damage, not for an attacker. CRC-32 detects every single
 flipped bit and every burst of up to 32 bits for certain (a cryptographic hash only with high probability), and it
@@ -36,14 +38,20 @@ from typing import BinaryIO, NamedTuple
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2
-"""The checkpoint format: 1, grpo.py before manifests (rank files alone, which this one does not resume from);
-2, a manifest.json of the files' sizes and CRC-32 and the settings that change the computation."""
+FORMAT = 3
+"""The checkpoint format: 1, grpo.py before manifests (rank files alone); 2, a manifest.json of the files' sizes and
+CRC-32 and the settings that change the computation, over a torch.save file per rank (rank*.pt), resumed on the
+same number of ranks only; 3, the same manifest over torch.distributed.checkpoint's files (`swaprl.saving`), resumed
+on any number. This one resumes format 3 only."""
 MANIFEST = "manifest.json"
 STEP = re.compile(r"step-(\d{8})")
 READ_BYTES = 16 * 2**20
 OLD_FORMAT = (f"no {MANIFEST}: written by a grpo.py of checkpoint format 1 (before manifests), or its manifest was "
               f"lost; this one resumes format {FORMAT} only")
+FORMAT_2 = (f"checkpoint format 2 (a torch.save file per rank, rank*.pt); this grpo.py resumes format {FORMAT} "
+            "(torch.distributed.checkpoint's files, on any number of ranks) only")
+NOT_COMPLETED = (f"no {MANIFEST}: its save never completed, or its manifest was lost; a checkpoint of format "
+                 f"{FORMAT} is resumed only with its manifest")
 
 
 class CheckpointError(RuntimeError):
@@ -151,27 +159,27 @@ class Checkpoints:
 
     def problems(self, path: Path) -> list[str]:
         """What is wrong with the checkpoint at `path`, as far as this rank checks it (every file's presence and
-        size, its own files' checksums); [] when intact. Raises CheckpointError for a checkpoint of another number
-        of ranks, which is no damage but cannot be resumed here."""
+        size, the checksums of the files it is given: those of the ranks that wrote them, rank r of N checking
+        the files of ranks r, r + N, ...); [] when intact."""
         listed = path / MANIFEST
         if not listed.is_file():
             if any(path.glob("rank*.pt")):
                 return [f"{path}: {OLD_FORMAT}"]
+            if any(path.glob("*.distcp")):
+                return [f"{path}: {NOT_COMPLETED}"]
             return [f"{path}: no {MANIFEST} (a checkpoint never completed, or not one)"]
         try:
             manifest = json.loads(listed.read_text())
-            version, step, world = manifest["format"], manifest["step"], manifest["world"]
+            version, step = manifest["format"], manifest["step"]
             files = [(e["name"], int(e["rank"]), int(e["bytes"]), int(e["crc32"], 16)) for e in manifest["files"]]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return [f"{listed}: unreadable ({type(exc).__name__}: {exc})"]
+        if version == 2:
+            return [f"{path}: {FORMAT_2}"]
         if version != FORMAT:
             return [f"{path}: checkpoint format {version}; this grpo.py resumes format {FORMAT}"]
         if step != int(STEP.fullmatch(path.name).group(1)):
             return [f"{listed}: the manifest is of step {step}, not of its directory's"]
-        if world != self.world:  # each rank saved its own shards: another number would train on others'
-            raise CheckpointError(f"--resume: {path} was written by {world} rank(s) and this run has {self.world}; "
-                                  f"resume with the same number (torchrun --nproc-per-node {world}), or start a new "
-                                  "run with another --out")
         found = []
         for name, rank, size, checksum in files:
             f = path / name
@@ -180,7 +188,7 @@ class Checkpoints:
             elif (actual := f.stat().st_size) != size:
                 found.append(f"{f}: {actual} bytes, the manifest says {size} (cut short, or another file put in "
                              "its place)")
-            elif rank == self.rank and (value := crc32(f)) != checksum:
+            elif rank % self.world == self.rank and (value := crc32(f)) != checksum:
                 found.append(f"{f}: checksum crc32 {value:08x}, the manifest says {checksum:08x} (changed since "
                              "it was written: a flipped bit, or another file of the same size put in its place)")
         return found
@@ -204,7 +212,8 @@ class Checkpoints:
             raise CheckpointError(f"--resume: no complete checkpoint under {self.root}; run with --save-steps N "
                                   "first, or drop --resume to start over")
         problems = [p for _, found in seen for p in found]
-        fix = ("resume them with the grpo.py that wrote them" if all(p.endswith(OLD_FORMAT) for p in problems)
+        fix = ("resume them with the grpo.py that wrote them" if all(p.endswith((OLD_FORMAT, FORMAT_2))
+                                                                        for p in problems)
                else "put the damaged files back from a copy")
         raise CheckpointError(f"--resume: no intact checkpoint under {self.root}: {'; '.join(problems)}. To go on, "
                               f"{fix}, or start a new run with another --out (nothing was deleted)")
@@ -266,7 +275,8 @@ class Checkpoints:
                 result = fn()
             except Exception as exc:  # noqa: BLE001  (whatever the writer raises: every rank must hear of it)
                 failed = describe_failure(exc, tmp)
-        errors = [e for e in self._all(failed) if e is not None]
+        # (one message once: a failure inside torch.distributed.checkpoint is raised on every rank)
+        errors = list(dict.fromkeys(e for e in self._all(failed) if e is not None))
         if errors:
             removed = "was removed"
             if self.rank == 0:

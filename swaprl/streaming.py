@@ -442,11 +442,14 @@ class StateStreamer:
         loaded state to its parameter's device, all at once: the very memory this mode saves. For the length of the
         load each owned parameter's data is an empty host tensor of its dtype, so the states land in host memory,
         and the load's post-hook moves them into the buffer from there. A DTensor shard's device is the DTensor's
-        own: its states load onto the device (a shard's worth) and move from there. A parameter in host memory
-        already (an fp32 master) is left as it is: the masters' own load gives it the saved values."""
+        own, which no data of its steers: each of its states given in host memory is handed to torch as a DTensor
+        of the parameter's device and dtype over the same host rows (`_kept_on_host`), which torch's cast keeps as
+        it is; one given on the device moves from there. A parameter in host memory already (an fp32 master) is
+        left as it is: the masters' own load gives it the saved values."""
         layout = self.layout
         params = [p for p, _ in layout.owned() if local_tensor(p) is p and not layout.is_master(p)]
         data = [p.data for p in params]
+        state_dict = self._kept_on_host(state_dict)
         try:
             for p in params:
                 p.data = torch.empty(0, dtype=p.dtype)
@@ -454,3 +457,36 @@ class StateStreamer:
         finally:
             for p, d in zip(params, data):
                 p.data = d
+
+    def _kept_on_host(self, state_dict: dict) -> dict:
+        """`state_dict` with each state of an owned DTensor parameter whose rows are in host memory given as a
+        DTensor of the parameter's device and dtype over those rows: torch's cast, `value.to(dtype=param.dtype,
+        device=param.device)`, then returns it as it is. The saved parameters map to the optimizer's in group order,
+        as torch maps them (`Optimizer.load_state_dict`); a dict that does not fit is left to torch to refuse."""
+        from itertools import chain
+
+        from torch.distributed.tensor import DTensor
+
+        sharded = {id(p) for p, _ in self.layout.owned() if local_tensor(p) is not p and p.device.type != "cpu"}
+        state, groups = state_dict.get("state"), state_dict.get("param_groups")
+        if not sharded or not isinstance(state, dict) or not isinstance(groups, list):
+            return state_dict
+        current = chain.from_iterable(g["params"] for g in self.optimizer.param_groups)
+        to = {i: p for i, p in zip(chain.from_iterable(g["params"] for g in groups), current) if id(p) in sharded}
+        kept = dict(state)
+        for i, p in to.items():
+            if not isinstance(state.get(i), dict):
+                continue
+            entry = dict(state[i])
+            for key, v in entry.items():
+                if key == "step" or not isinstance(v, DTensor) or local_tensor(v).device.type != "cpu":
+                    continue
+                dtype = p.dtype if p.is_floating_point() else v.dtype
+                # Made over an empty tensor of the device (no memory), then pointed at the host rows: from_local
+                # would copy host rows to the mesh's device.
+                over = DTensor.from_local(torch.empty(0, dtype=dtype, device=p.device), v.device_mesh, v.placements,
+                                          shape=v.shape, stride=v.stride(), run_check=False)
+                local_tensor(over).data = local_tensor(v).detach().to(dtype=dtype)
+                entry[key] = over
+            kept[i] = entry
+        return {**state_dict, "state": kept}

@@ -170,6 +170,33 @@ def test_qwen72b_example_runs_the_master_weights_its_plan_chose(tmp_path, capsys
     sys.modules.pop("grpo", None)
 
 
+def test_qwen72b_example_passes_checkpoints_resumes_datasets_and_exports_to_the_loop(tmp_path, capsys):
+    """On the tiny preset: --dataset, --save-steps, --resume and --export-hf reach examples/grpo.py; the resumed
+    run, planned again, has the settings of the one it goes on from."""
+    import qwen72b
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "answer": str(a + 2)}) + "\n"
+                            for a in range(6)))
+    q = tmp_path / "q"
+    assert qwen72b.main(["--steps", "2", "--save-steps", "1", "--dataset", str(data), "--out", str(q)]) == 0
+    sys.modules.pop("grpo", None)
+    assert sorted(p.name for p in (q / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    assert qwen72b.main(["--steps", "3", "--resume", "--dataset", str(data), "--export-hf", str(tmp_path / "hf"),
+                         "--out", str(q)]) == 0
+    sys.modules.pop("grpo", None)
+    capsys.readouterr()
+    metrics = json.loads((q / "metrics.json").read_text())
+    assert metrics["resumed_from"] == 2 and [s["step"] for s in metrics["steps"]] == [2]
+    assert metrics["args"]["dataset"] == str(data) and metrics["steps"][0]["correct"] is not None
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    # the parameters' dtype of the precise mode the plan chose: bf16 (cast from fp32 masters), or fp32 shards
+    trained = torch.bfloat16 if metrics["args"]["master_weights"] else torch.float32
+    assert {p.dtype for p in exported.parameters()} == {trained}
+
+
 def test_qwen72b_example_under_torchrun_shards_over_two_cpu_ranks(tmp_path):
     """The multi-GPU command on two CPU ranks: FSDP2 over gloo, the plan printed once, a profile per rank and one
     report over both."""
@@ -458,20 +485,65 @@ def test_settings_that_cannot_train_are_refused_before_anything_loads(tmp_path, 
         grpo.main(["--engine", "hf", "--steps", "1", "--out", str(tmp_path / "o"), *extra])
 
 
-def test_a_checkpoint_resumes_only_with_the_number_of_ranks_that_wrote_it(tmp_path):
-    """Each rank saves its own shards: a resume on another number of ranks is refused with the number to use, and
-    the checkpoint is left as it was."""
-    import grpo
-    import run_files
+@pytest.mark.parametrize("ranks", [(2, 1), (1, 2)], ids=["2to1", "1to2"])
+def test_a_checkpoint_resumes_on_another_number_of_ranks_and_the_run_goes_on(tmp_path, ranks):
+    """Saved by FSDP2 over two gloo ranks and resumed on one process, and the other way round, with fp32 master
+    weights and their states in host memory: the resume starts at the checkpoint's step on its own number of ranks
+    and goes on saving (each rank loads the rows of its own shards; tests/test_saving.py compares every tensor
+    loaded with the one saved)."""
+    saving_ranks, resuming_ranks = ranks
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = tmp_path / "o"
 
-    grpo.main(["--engine", "hf", "--steps", "2", "--save-steps", "2", "--out", str(tmp_path / "o"),
-               "--checkpoint-dir", str(tmp_path / "ck")])
-    newest = run_files.Checkpoints(tmp_path / "o" / "checkpoints").newest()
-    before = sorted(p.name for p in newest.iterdir())
-    with pytest.raises(run_files.CheckpointError, match=r"written by 1 rank\(s\) and this run has 2; resume with the "
-                                                        r"same number \(torchrun --nproc-per-node 1\)"):
-        run_files.Checkpoints(tmp_path / "o" / "checkpoints", rank=0, world=2).newest_intact()
-    assert sorted(p.name for p in newest.iterdir()) == before == ["manifest.json", "rank0.pt"]
+    def run(ranks: int, *extra: str) -> subprocess.CompletedProcess:
+        launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      "--nproc-per-node", str(ranks)]
+        proc = subprocess.run([*launch, str(EXAMPLES / "grpo.py"), "--engine", "hf", "--dtype", "bfloat16",
+                               "--master-weights", "--optimizer-states", "host", "--warmup", "0", "--out", str(out),
+                               "--checkpoint-dir", str(tmp_path / "ck"), *extra], env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    run(saving_ranks, "--steps", "2", "--save-steps", "2")
+    resumed = run(resuming_ranks, "--steps", "3", "--save-steps", "1", "--resume")
+    said = f"(saved by {saving_ranks} rank(s), resumed on {resuming_ranks}): step 2"
+    assert said in resumed.stderr, resumed.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["resumed_from"] == 2 and metrics["world_size"] == resuming_ranks
+    assert [s["step"] for s in metrics["steps"]] == [2] and all(s["loss"] == s["loss"] for s in metrics["steps"])
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").open()] == [0, 1, 2]
+    manifest = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert manifest["world"] == resuming_ranks
+    assert sorted(f["name"] for f in manifest["files"]) == [".metadata", *(f"__{r}_0.distcp" for r in
+                                                                           range(resuming_ranks))]
+
+
+def test_grpo_exports_the_trained_model_as_a_transformers_checkpoint(tmp_path):
+    """--export-hf: at the end, the fp32 masters cast to bf16 as a checkpoint transformers loads in bf16 with the
+    model's tokenizer; its weights are those of the run's last checkpoint, whose masters torch.distributed.checkpoint
+    reads back on its own."""
+    import grpo
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = tmp_path / "hf"
+    grpo.main(["--engine", "hf", "--steps", "2", "--save-steps", "2", "--dtype", "bfloat16", "--master-weights",
+               "--optimizer-states", "host", "--out", str(tmp_path / "o"), "--checkpoint-dir", str(tmp_path / "ck"),
+               "--export-hf", str(export)])
+    model = AutoModelForCausalLM.from_pretrained(export, dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert AutoTokenizer.from_pretrained(export)("2 + 2").input_ids == \
+        AutoTokenizer.from_pretrained(tmp_path / "ck" / "tiny")("2 + 2").input_ids
+    dcp_to_torch_save(tmp_path / "o" / "checkpoints" / "step-00000002", tmp_path / "saved.pt")
+    masters = torch.load(tmp_path / "saved.pt", weights_only=False)["masters"]
+    weights = model.state_dict()
+    assert masters and all(torch.equal(weights[n], m.to(torch.bfloat16)) for n, m in masters.items())
+    initial = AutoModelForCausalLM.from_pretrained(tmp_path / "ck" / "tiny", dtype=torch.bfloat16).state_dict()
+    assert any(not torch.equal(weights[n], initial[n]) for n in masters)  # trained
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # written beside and renamed
+    with pytest.raises(SystemExit, match="--export-hf .* is a file: give a directory"):
+        grpo.main(["--engine", "hf", "--steps", "1", "--export-hf", str(export / "config.json")])
 
 
 def test_checkpoints_are_never_mixed_with_another_run(tmp_path):

@@ -23,6 +23,7 @@ import swaprl
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS.parent / "examples"
 COMMON = ["--engine", "hf", "--warmup", "0"]
+RANK0, RANK1 = "__0_0.distcp", "__1_0.distcp"  # torch.distributed.checkpoint's file of each rank's shards
 
 
 @pytest.fixture(autouse=True)
@@ -189,9 +190,9 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_an_intact
     with it, goes on from the checkpoint before, and trains as the run that was never damaged, bit for bit."""
     out = copy(runs / "saved1", tmp_path / "out")  # checkpoints at steps 1 and 2
     spoil, why = DAMAGE[damage]
-    spoil(out / "checkpoints" / "step-00000002" / "rank0.pt")
+    spoil(out / "checkpoints" / "step-00000002" / RANK0)
     resumed = worker.ok(out, "--steps", "4", "--resume")
-    warning = next((x for x in resumed["log"].splitlines() if "step-00000002" in x and "rank0.pt" in x), "")
+    warning = next((x for x in resumed["log"].splitlines() if "step-00000002" in x and RANK0 in x), "")
     assert why in warning and "resuming from step-00000001" in resumed["log"], resumed["log"][-3000:]
     assert json.loads((out / "metrics.json").read_text())["resumed_from"] == 1
     assert figures(out) == figures(runs / "straight")
@@ -199,14 +200,14 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_an_intact
 
 def test_a_resume_with_no_intact_checkpoint_says_what_is_wrong_with_each(tmp_path, worker, runs):
     out = copy(runs / "saved1", tmp_path / "out")
-    flip_a_bit(out / "checkpoints" / "step-00000002" / "rank0.pt")
-    (out / "checkpoints" / "step-00000001" / "rank0.pt").write_bytes(b"")
+    flip_a_bit(out / "checkpoints" / "step-00000002" / RANK0)
+    (out / "checkpoints" / "step-00000001" / RANK0).write_bytes(b"")
     before = files(out / "checkpoints")
     refused = worker.run(out, "--steps", "4", "--resume")
     assert refused["exit"] == 2, refused["log"][-3000:]
     said = refused["log"].split("SystemExit: ", 1)[-1]
-    assert "no intact checkpoint" in said and "step-00000002/rank0.pt" in said and "checksum" in said, said
-    assert "step-00000001/rank0.pt" in said and "0 bytes" in said, said
+    assert "no intact checkpoint" in said and f"step-00000002/{RANK0}" in said and "checksum" in said, said
+    assert f"step-00000001/{RANK0}" in said and "0 bytes" in said, said
     assert files(out / "checkpoints") == before  # nothing was deleted or moved
 
 
@@ -218,6 +219,21 @@ def test_a_checkpoint_without_a_manifest_is_refused_with_its_format(tmp_path, wo
     refused = worker.run(out, "--steps", "4", "--resume")
     assert refused["exit"] == 2, refused["log"][-3000:]
     assert "no manifest.json" in refused["log"] and "format" in refused["log"], refused["log"][-3000:]
+
+
+def test_a_checkpoint_of_format_2_is_refused_naming_its_format(tmp_path, worker, runs):
+    """A checkpoint of torch.save files per rank (format 2, before torch.distributed.checkpoint) is named as such,
+    with the way on; nothing is deleted."""
+    out = copy(runs / "saved1", tmp_path / "out")
+    for manifest in (out / "checkpoints").glob("step-*/manifest.json"):
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format": 2}))
+    before = files(out / "checkpoints")
+    refused = worker.run(out, "--steps", "4", "--resume")
+    assert refused["exit"] == 2, refused["log"][-3000:]
+    said = refused["log"].split("SystemExit: ", 1)[-1]
+    assert "checkpoint format 2 (a torch.save file per rank, rank*.pt)" in said, said
+    assert "resume them with the grpo.py that wrote them" in said, said
+    assert files(out / "checkpoints") == before
 
 
 def test_under_torchrun_a_damaged_file_of_one_rank_sends_every_rank_to_the_checkpoint_before(tmp_path):
@@ -237,9 +253,9 @@ def test_under_torchrun_a_damaged_file_of_one_rank_sends_every_rank_to_the_check
 
     run("--steps", "2", "--save-steps", "1")
     first = figures(out)
-    flip_a_bit(out / "checkpoints" / "step-00000002" / "rank1.pt")
+    flip_a_bit(out / "checkpoints" / "step-00000002" / RANK1)
     resumed = run("--steps", "3", "--resume")
-    assert "step-00000002/rank1.pt: checksum" in resumed.stderr and "resuming from step-00000001" in resumed.stderr
+    assert f"step-00000002/{RANK1}: checksum" in resumed.stderr and "resuming from step-00000001" in resumed.stderr
     assert json.loads((out / "metrics.json").read_text())["resumed_from"] == 1
     assert figures(out)[:2] == first and len(figures(out)) == 3
 
@@ -247,7 +263,7 @@ def test_under_torchrun_a_damaged_file_of_one_rank_sends_every_rank_to_the_check
 def test_after_resuming_past_a_damaged_checkpoint_the_next_save_sets_it_aside(tmp_path, worker, runs):
     """The damaged checkpoint is kept for a look, under a name no resume takes; the run saves that step anew."""
     out = copy(runs / "saved1", tmp_path / "out")
-    flip_a_bit(out / "checkpoints" / "step-00000002" / "rank0.pt")
+    flip_a_bit(out / "checkpoints" / "step-00000002" / RANK0)
     worker.ok(out, "--steps", "3", "--save-steps", "1", "--resume")
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["step-00000002", "step-00000002.damaged", "step-00000003"], names
@@ -331,7 +347,7 @@ def test_a_save_past_the_file_size_limit_names_the_path_and_the_cause(tmp_path, 
     failed = worker.run(out, "--steps", "4", "--save-steps", "1", "--resume", fsize=1 << 20)
     assert failed["exit"] == 2, failed["log"][-3000:]
     said = failed["log"].split("SystemExit: ", 1)[-1]
-    assert str(out / "checkpoints") in said and "rank0.pt" in said, said
+    assert str(out / "checkpoints") in said and RANK0 in said, said
     assert "file-size limit" in said and "EFBIG" in said and "ulimit -f" in said, said
     assert files(out / "checkpoints") == before
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]

@@ -31,13 +31,14 @@ def even_tokens(completions, completion_ids, **kwargs) -> list[float]:
 
 
 def make_trainer(checkpoint, out_dir, *, steps: int = 3, use_vllm: bool = False, cuda: bool | None = None,
-                 **overrides):
-    """A seeded GRPOTrainer on the tiny checkpoint; `cuda` (default: with vLLM where a GPU is) trains on the GPU."""
+                 dtype: torch.dtype = torch.float32, **overrides):
+    """A seeded GRPOTrainer on the tiny checkpoint, its parameters in `dtype`; `cuda` (default: with vLLM where a
+    GPU is) trains on the GPU."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {w}"}] for w in PROMPTS]})
     if cuda is None:
@@ -451,3 +452,70 @@ def test_trls_own_checkpoints_resume_a_wrapped_trainer_bit_for_bit(tiny_checkpoi
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
     norms = [[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h] for t in (straight, resumed)]
     assert norms[0] == norms[1] and len(norms[0]) == 4
+
+
+@pytest.mark.parametrize("states", ["auto", "host"])
+def test_trls_own_checkpoints_resume_a_wrapped_trainer_with_master_weights_bit_for_bit(tiny_checkpoint, tmp_path,
+                                                                                       states):
+    """bf16 parameters with fp32 master weights (SwapConfig(master_weights=True)) through TRL's save_strategy and
+    resume_from_checkpoint: four steps straight, against three with a checkpoint at the second and a new wrapped
+    trainer resumed from it: the same weights, masters and gradient norms, bit for bit. Then plain TRL, without
+    swaprl, loads that checkpoint (the model's bf16 weights, the states cast to bf16) and trains on from it."""
+    pytest.importorskip("trl")
+    from transformers import TrainerCallback
+
+    from swaprl.integrations.trl import wrap
+    from swaprl.optimizer_hooks import masters_of
+
+    def config():
+        return swaprl.SwapConfig(master_weights=True, optimizer_states=states, stream_chunk_bytes=2**20)
+
+    def masters(trainer) -> list[torch.Tensor]:
+        return [m.detach().clone() for m in masters_of(trainer.optimizer.optimizer)]
+
+    swaprl.detach()
+    straight = make_trainer(tiny_checkpoint, tmp_path / "a", steps=4, dtype=torch.bfloat16)
+    wrap(straight, config=config())
+    straight.train()
+    straight_masters = masters(straight)
+    swaprl.detach()
+
+    class StopAfterThree(TrainerCallback):  # as a run killed between its checkpoints
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+    saving = dict(steps=4, save_strategy="steps", save_steps=2, dtype=torch.bfloat16)
+    first = make_trainer(tiny_checkpoint, tmp_path / "b", **saving)
+    wrap(first, config=config())
+    first.add_callback(StopAfterThree())
+    first.train()
+    swaprl.detach()
+    resumed = make_trainer(tiny_checkpoint, tmp_path / "b", **saving)
+    rt = wrap(resumed, config=config())
+    switches: list[str] = []
+    rt.add_listener(lambda e: switches.append(e["phase"]) if e["type"] == "phase" else None)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    resumed_masters = masters(resumed)
+    swaprl.detach()
+    assert switches.count("generate") == 2, switches  # it went on from the checkpoint: two steps, not four
+
+    a, b = params(straight.model), params(resumed.model)
+    assert {t.dtype for t in a.values()} == {torch.bfloat16}
+    assert any(not torch.equal(a[n], params(first.model)[n]) for n in a)  # step 4 did something
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    assert len(straight_masters) == len(a) and all(m.dtype == torch.float32 for m in straight_masters)
+    for x, y in zip(straight_masters, resumed_masters):
+        torch.testing.assert_close(y, x, rtol=0, atol=0)
+    norms = [[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h] for t in (straight, resumed)]
+    assert norms[0] == norms[1] and len(norms[0]) == 4
+
+    plain = make_trainer(tiny_checkpoint, tmp_path / "c", **saving)  # TRL alone, never wrapped
+    plain.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    assert plain.state.global_step == 4
+    # the checkpoint's AdamW states went on from its two steps (a fresh optimizer would count two, not four)
+    steps = {float(s["step"]) for s in plain.optimizer.optimizer.state.values()}
+    assert steps == {4.0}, steps
+    weights = params(plain.model)
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    assert any(not torch.equal(weights[n], params(first.model)[n]) for n in weights)  # it trained on
