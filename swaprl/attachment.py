@@ -119,17 +119,18 @@ class Runtime(PhaseMachine):
             checks.check_engine(engine, self.config)
         elif not callable(engine):
             engine_name(engine, model)  # refused here, before anything is allocated
+        grad_mode = torch.is_grad_enabled()
         try:
-            self._wire(model, optimizer, engine)
+            self._wire(model, optimizer, engine)  # registers this runtime as its last, held, change
         except BaseException:
-            # What the attach steps did is undone already; a pending runtime must not keep half a trainer.
-            interrupts.finish("undoing the attach", self._unwire)
-            if self._unbound is not None and _attached is not self:
-                interrupts.unguard()
-            raise
-        with interrupts.held("registering the runtime"):
-            self._unbound = None
-            self._register()
+            if self._unbound is not None:
+                # What the attach steps did is undone already; a pending runtime must not keep half a trainer. A
+                # Ctrl-C inside a `torch.no_grad()` entry (its mode set, the block not begun) leaves the mode off.
+                interrupts.finish("undoing the attach", self._unwire)
+                torch.set_grad_enabled(grad_mode)
+                if _attached is not self:
+                    interrupts.unguard()
+            raise  # attached whole if the signal came after the commit: the caller sees it, the runtime is true
         if self.config.profile is not None:  # the profile package is imported only when used
             from .profile import attach_configured
 
@@ -154,8 +155,13 @@ class Runtime(PhaseMachine):
         cuda = device.type == "cuda"
         why = unmeasurable(engine) if isinstance(engine, Engine) else \
             "attach builds the engine, which takes the memory the states leave when they go"
-        installed = Undo("the fp32 master weights")  # undone last if attach fails (the step method sits on them)
-        with installed.on_error():
+        # Each change is recorded in one of these as it is made and reverted, newest first, if attach fails; all are
+        # kept, or handed to what detach() reverts, in the one held section that registers the runtime.
+        installed = Undo("the fp32 master weights")  # undone last (the step method sits on them); kept at detach
+        wired = Undo("the attach")  # the host buffers, the hooks: detach() reverts them
+        built = Undo("the engine attach built")  # closed if attach then fails; kept (the caller's) once attached
+        moved = Undo("the attach's moves")  # the states and the engine put back as they were
+        with installed.on_error(), wired.on_error(), built.on_error(), moved.on_error():
             masters = masters_of(optimizer)
             if config.master_weights and masters is None:  # before the placement, which homes them with the states
                 with interrupts.held("installing the fp32 master weights"):
@@ -168,9 +174,7 @@ class Runtime(PhaseMachine):
                                                 unmeasurable=why, peaks=self.peaks,
                                                 on_streamed_step=lambda info: self._emit(streamed | info))
             place.masters_to_device(("device",))  # before an engine sized from the free memory is built
-        built = Undo("the engine attach built")  # closed if attach then fails; kept (the caller's) once attached
-        with installed.on_error(), self._restore.on_error(), built.on_error():
-            self._restore.push(place.release)  # a failed attach leaves no host memory behind
+            wired.push(place.release)  # a failed attach leaves no host memory behind
             place.prepare_host()
             warming = None
             if config.verify_sync and not (isinstance(engine, Engine) and engine.shares_trainer_weights):
@@ -193,9 +197,9 @@ class Runtime(PhaseMachine):
             with interrupts.held("hooking the parameters"):
                 handles = [p.register_post_accumulate_grad_hook(self._check_backward) for p in model.parameters()
                            if p.requires_grad]
-                self._restore.push(lambda: [h.remove() for h in handles], "the parameters' gradient hooks")
+                wired.push(lambda: [h.remove() for h in handles], "the parameters' gradient hooks")
             with interrupts.held("hooking the optimizer"):
-                self._restore.push(optimizer_hooks.attach_runtime(
+                wired.push(optimizer_hooks.attach_runtime(
                     optimizer, check_step=self._check_step, wait_reload=self.wait_reload, streamer=place.streamer,
                     before_streamed_step=place.home_new_states), "the optimizer's hooks")
             steps = [Step("optimizer states to host", place.states_to_host, place.states_to_device)] \
@@ -205,6 +209,9 @@ class Runtime(PhaseMachine):
                 steps.append(Step("fp32 masters to the device", lambda: place.masters_to_device(("swap",))))
             with interrupts.held("the attach's moves"):
                 self._run_steps("attach", steps)
+                for step in steps:
+                    if step.undo is not None:
+                        moved.push(step.undo, step.name)
             # What attach started in the background ends before it returns. Page-locking holds the CUDA driver's
             # lock: a large cudaHostRegister stalls every CUDA call of another thread while it runs, and under TRL,
             # whose engine exists before attach, locking during the first step stalled its rollout. The first steps
@@ -217,6 +224,12 @@ class Runtime(PhaseMachine):
             if waited > 0.1:
                 logger.info("attach waited %.2f s for host memory to be locked and the check's kernel compiled",
                             waited)
+            with interrupts.held("registering the runtime"):  # a signal now is raised once all of it is kept
+                self._restore.take(wired)
+                for kept in (installed, built, moved):
+                    kept.clear()
+                self._unbound = None
+                self._register()
 
     def pausable(self, name: str, *, keep: str = "allocated"):
         """A region of device memory the runtime releases while the engine generates and maps again at the same

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import memory
+from . import interrupts, memory
 from .compat import cuda as cuda_compat
 from .compat import torch as torch_compat
 
@@ -141,8 +141,10 @@ class HostBuffer:
             self.lock_seconds = time.perf_counter() - start
             self.lock_span, self.background = (wall, wall + self.lock_seconds), True
 
-        self._thread = threading.Thread(target=run, name=f"swaprl-host-{self.name}", daemon=True)
-        self._thread.start()
+        # Held: a thread recorded but not started (a Ctrl-C inside start()) would fail every later join.
+        with interrupts.held(f"starting the preparation of host buffer {self.name!r}"):
+            self._thread = threading.Thread(target=run, name=f"swaprl-host-{self.name}", daemon=True)
+            self._thread.start()
 
     def settle(self) -> float:
         """Wait for a background preparation to finish and take its buffer; returns the seconds waited. Attach

@@ -64,6 +64,12 @@ class Undo:
         """Keep the changes: forget how to revert them."""
         self._stack.clear()
 
+    def take(self, other: Undo) -> None:
+        """Take over `other`'s changes (reverted after the ones recorded here already, before later ones); `other`
+        is left empty, so its `on_error` has nothing more to revert."""
+        self._stack += other._stack
+        other._stack = []
+
     @contextlib.contextmanager
     def on_error(self) -> Iterator[Undo]:
         """Revert what was recorded if the block raises (any exception, KeyboardInterrupt included), then re-raise."""

@@ -193,6 +193,7 @@ def test_a_ctrl_c_anywhere_in_attach_or_detach_leaves_all_attached_or_nothing(ti
     for n in cases(events(attach_and_detach), 120):
         opt = fresh()
         interrupted_at(n, attach(opt))
+        assert torch.is_grad_enabled()  # a Ctrl-C inside a `torch.no_grad()` entry must not leave it off
         try:
             rt = swaprl.current()
         except swaprl.PhaseError:  # nothing attached: nothing of it left
