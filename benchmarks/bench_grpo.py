@@ -6,6 +6,9 @@
     python benchmarks/bench_grpo.py --smoke --out /tmp/grpo_smoke.json     # tiny preset, no vLLM, CPU: plumbing only
     python benchmarks/bench_grpo.py --workload W3 --presets qwen2.5-7b --ways a,b --nproc 2 --layout fsdp2 \
         --vllm-tp 2 --out ...                           # ways a and b on two GPUs: accelerate's FSDP2, vLLM TP 2
+    python benchmarks/bench_grpo.py --workload W3 --presets qwen2.5-7b --ways a,b --nproc 2 --layout zero3 \
+        --out ...                                       # DeepSpeed ZeRO-3 as open-r1's zero3.yaml (zero3-offload:
+                                                        # with offload_optimizer on the CPU)
 
 The ways, each in its own subprocess (vLLM's sleep-mode allocator is one per process, and an OOM can leave CUDA
 state broken):
@@ -41,7 +44,9 @@ that floor over the measured switch time. Way a's switches happen inside vLLM an
 table ends with one JSON line; `--out` gets the JSON and a markdown next to it.
 
 Several GPUs (`--nproc N`, ways a and b): each way runs as N ranks under torchrun, one GPU each, the trainer spread
-by accelerate (`--layout ddp`, or `fsdp2`: `GRPOConfig(fsdp=True, fsdp_config={"version": 2})`) and TRL's vLLM
+by accelerate (`--layout ddp`, or `fsdp2`: `GRPOConfig(fsdp=True, fsdp_config={"version": 2})`, or DeepSpeed:
+`zero2`, `zero3` and `zero3-offload`, the DeepSpeed config of open-r1's zero2.yaml / zero3.yaml as
+`GRPOConfig(deepspeed=...)`, `deepspeed_config`) and TRL's vLLM
 colocated in groups of `--vllm-tp` ranks. The batch stays the workload's: each rank takes micro-batches of
 `--micro-batch` sequences, with the accumulation that makes prompts x completions per optimizer step over all
 ranks. Step times are rank 0's (the ranks step together); peak memory is the largest over the ranks, per GPU.
@@ -101,6 +106,24 @@ log = logging.getLogger("bench_grpo")
 # Way b: the runtime's steps after which the engine holds its memory ("generate") or not ("train"), for the peaks.
 ENGINE_STEPS = {"engine wake weights": "generate", "engine sleep": "train"}
 
+DEEPSPEED_LAYOUTS = ("zero2", "zero3", "zero3-offload")
+LAYOUT_NAMES = {"ddp": "accelerate's DDP", "fsdp2": "accelerate's FSDP2", "zero2": "DeepSpeed ZeRO-2",
+                "zero3": "DeepSpeed ZeRO-3", "zero3-offload": "DeepSpeed ZeRO-3 with offload_optimizer on the CPU"}
+
+
+def deepspeed_config(layout: str) -> dict:
+    """What open-r1's recipes/accelerate_configs/zero2.yaml and zero3.yaml (docs/trl.md) set in DeepSpeed, as
+    `GRPOConfig(deepspeed=...)` takes it under torchrun (transformers fills the "auto" values from the GRPOConfig:
+    bf16 on a GPU, the batch sizes, the accumulation); "zero3-offload" keeps the optimizer's partitions and states
+    in DeepSpeed's host memory (`offload_optimizer_device: cpu`)."""
+    stage = 2 if layout == "zero2" else 3
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu" if layout == "zero3-offload" else "none"},
+            "offload_param": {"device": "none"}}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+            "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto"}
+
 
 # ---------------------------------------------------------------- shared by parent and children
 def build_parser() -> argparse.ArgumentParser:
@@ -121,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --nproc: ways a and b as this many nodes of --nproc ranks on this machine, each node "
                          "a torchrun of its own with its own GPUs, meeting through the c10d rendezvous (the "
                          "multi-node path: tensor parallelism inside a node, data parallelism across)")
-    ap.add_argument("--layout", default="ddp", choices=["ddp", "fsdp2"],
-                    help="with --nproc: how accelerate spreads the trainer (fsdp2: accelerate's FSDP2)")
+    ap.add_argument("--layout", default="ddp", choices=["ddp", "fsdp2", *DEEPSPEED_LAYOUTS],
+                    help="with --nproc: how accelerate spreads the trainer (fsdp2: accelerate's FSDP2; zero2, zero3, "
+                         "zero3-offload: DeepSpeed, see deepspeed_config)")
     ap.add_argument("--vllm-tp", type=int, default=1, help="with --nproc: TRL's vllm_tensor_parallel_size")
     ap.add_argument("--spread", action="store_true",
                     help="run way a once more at its utilization: the run-to-run spread of TRL's own losses, "
@@ -287,6 +311,11 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         spread["vllm_tensor_parallel_size"] = spec["vllm_tp"]
         if spec["layout"] == "fsdp2":
             spread.update(fsdp=True, fsdp_config={"version": 2})
+        elif spec["layout"] in DEEPSPEED_LAYOUTS:
+            spread["deepspeed"] = deepspeed_config(spec["layout"])
+            # What `accelerate launch` sets for a DeepSpeed config: without it TrainingArguments(use_cpu=True), the
+            # smoke on a CPU, starts accelerate's state without DeepSpeed, and DeepSpeed then counts one rank.
+            os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
     total_steps = spec["warmup"] + spec["steps"]
     dataset = Dataset.from_dict({"prompt": prompt_texts(spec["prompts"] * total_steps, spec["prompt_tokens"],
                                                         spec["seed"])})
@@ -819,7 +848,7 @@ def markdown(result: dict, lines: list[str]) -> str:
             f" ({nodes} nodes of {s['nproc']} on this machine, each its own torchrun and GPUs, meeting through the "
             "c10d rendezvous)" if nodes > 1 else "")
         setting += (f" Ways a and b ran as {ranks} under torchrun, one GPU each, the trainer spread with "
-                    f"accelerate's {s['layout'].upper()}, vLLM tensor-parallel over {s['vllm_tp']} of them per "
+                    f"{LAYOUT_NAMES[s['layout']]}, vLLM tensor-parallel over {s['vllm_tp']} of them per "
                     "engine; peak memory is per GPU, the largest over the ranks.")
     if s.get("as_gpu"):
         setting += (f" Every process ran on a GPU made to offer an {s['as_gpu']}'s memory "

@@ -26,6 +26,7 @@ from .engines.base import Engine
 from .errors import PhaseError
 from .engine_link import link, unmeasurable
 from .optimizer_hooks import masters_of
+from .partitions import FlatPartitions
 from .placement import Placement
 from .runtime import Phase, PhaseBlock, PhaseMachine
 from .undo import Step, Undo
@@ -105,23 +106,26 @@ class Runtime(PhaseMachine):
         """torch's peak counters of the device since attach (CUDA only)."""
 
     def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             engine: Engine | Callable[[], Engine] | str | None = None) -> Runtime:
+             engine: Engine | Callable[[], Engine] | str | None = None, *,
+             partitions: FlatPartitions | None = None) -> Runtime:
         """Take charge of `model`, `optimizer` and `engine` (as `swaprl.attach` takes them; checked first, and a
         function or a name builds the engine once the host buffers are being locked); registers this runtime as the
-        process's. A failure leaves nothing behind. Returns the runtime."""
+        process's. A failure leaves nothing behind. Returns the runtime. `partitions`: when `optimizer` steps flat
+        partitions of the model's parameters that another library made (DeepSpeed's ZeRO), their declaration
+        (`swaprl.partitions`): those, not the model's parameters, are what the states' homes place."""
         if _attached is not None and _attached is not self:
             check_none_attached()
         self._check_open()
         if self.model is not None:
             raise PhaseError("this runtime is bound to a trainer already; detach() it and attach a new one")
-        checks.check_trainer(model, optimizer, self.config)
+        checks.check_trainer(model, optimizer, self.config, partitions=partitions)
         if isinstance(engine, Engine):
             checks.check_engine(engine, self.config)
         elif not callable(engine):
             engine_name(engine, model)  # refused here, before anything is allocated
         grad_mode = torch.is_grad_enabled()
         try:
-            self._wire(model, optimizer, engine)  # registers this runtime as its last, held, change
+            self._wire(model, optimizer, engine, partitions)  # registers this runtime as its last, held, change
         except BaseException:
             if self._unbound is not None:
                 # What the attach steps did is undone already; a pending runtime must not keep half a trainer. A
@@ -146,7 +150,7 @@ class Runtime(PhaseMachine):
         _attached = self
 
     def _wire(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              engine: Engine | Callable[[], Engine] | str | None) -> None:
+              engine: Engine | Callable[[], Engine] | str | None, partitions: FlatPartitions | None) -> None:
         """The attach proper: the masters, the placement, host buffers, the engine (built now if `engine` builds it),
         the optimizer's hooks, the engine asleep (each undone on failure)."""
         config = self.config
@@ -172,7 +176,8 @@ class Runtime(PhaseMachine):
             room = memory.measure_room(device) if cuda and why is None else None
             self._placement = place = Placement(model, optimizer, device, config, masters=masters, room=room,
                                                 unmeasurable=why, peaks=self.peaks,
-                                                on_streamed_step=lambda info: self._emit(streamed | info))
+                                                on_streamed_step=lambda info: self._emit(streamed | info),
+                                                partitions=partitions)
             place.masters_to_device(("device",))  # before an engine sized from the free memory is built
             wired.push(place.release)  # a failed attach leaves no host memory behind
             place.prepare_host()

@@ -11,10 +11,13 @@ from .memory import default_reserve_bytes, gib
 from .distributed import is_fsdp2
 from .engines.base import Engine
 from .optimizer_hooks import masters_of
+from .partitions import FlatPartitions
 
 
-def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SwapConfig) -> None:
-    """Refuse a model, optimizer and config that swaprl cannot drive together."""
+def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SwapConfig, *,
+                  partitions: FlatPartitions | None = None) -> None:
+    """Refuse a model, optimizer and config that swaprl cannot drive together. `partitions`: the flat partitions
+    `optimizer` steps in place of the model's parameters, declared by their owner (`swaprl.partitions`)."""
     torch_compat.check_version()
     if not isinstance(config, SwapConfig):
         raise TypeError(f"config must be a swaprl.SwapConfig, not {type(config).__name__}")
@@ -24,9 +27,13 @@ def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, conf
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
     mine = {id(p) for p in model.parameters()}
     masters = masters_of(optimizer)  # installed by an earlier attach: each stands for its model parameter
+    if partitions is not None:
+        _check_partitions(mine, partitions, config)
+    declared = {id(t) for t in partitions.tensors} if partitions is not None else set()
     foreign = [(gi, pi, tuple(p.shape)) for gi, g in enumerate(optimizer.param_groups)
                for pi, p in enumerate(g["params"])
-               if id(masters.model_param(p) if masters is not None and masters.is_master(p) else p) not in mine]
+               if id(masters.model_param(p) if masters is not None and masters.is_master(p) else p) not in mine
+               and id(p) not in declared]
     if foreign:
         listed = ", ".join(f"group {g} param {i} shape {s}" for g, i, s in foreign[:5])
         raise ValueError(f"{len(foreign)} optimizer parameter(s) are not parameters of the model ({listed}); build "
@@ -54,6 +61,27 @@ def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, conf
         raise TypeError(f"SwapConfig(optimizer_states={config.optimizer_states!r}) with LBFGS: its state (the search "
                         "directions) spans all parameters together, so it cannot be stepped a chunk of parameters at "
                         "a time from host memory. Use optimizer_states='swap'")
+
+
+def _check_partitions(model_params: set[int], partitions: FlatPartitions, config: SwapConfig) -> None:
+    """An optimizer over declared flat partitions: the partitions are not the model's parameters, and swaprl's own
+    ways of holding what their owner holds (fp32 masters, a streamed step, moving the parameters) are refused."""
+    owner = partitions.owner
+    if any(id(t) in model_params for t in partitions.tensors):
+        raise ValueError(f"{owner}'s flat partitions include parameters of the model; declare only the flat tensors "
+                         "the optimizer steps in place of the model's parameters")
+    if config.master_weights:
+        raise ValueError(f"SwapConfig(master_weights=True) with {owner}: its optimizer steps fp32 partitions "
+                         f"{owner} keeps itself, its own master weights; leave master_weights=False")
+    if config.optimizer_states != "auto" and config.state_split()["host"] > 0:
+        raise ValueError(f"SwapConfig(optimizer_states={config.optimizer_states!r}) with {owner}: the 'host' home "
+                         f"streams the states through the device inside optimizer.step(), which runs inside "
+                         f"{owner}'s own step over its partitions. Use 'swap' (or a split of 'device' and 'swap'), "
+                         f"or have {owner} keep the states in host memory itself (its optimizer offload)")
+    if config.params == "offload":
+        raise ValueError(f"SwapConfig(params='offload') with {owner}: the model's parameters are views of (or "
+                         f"placeholders for) flat buffers {owner} owns, which swaprl cannot move; use params='keep', "
+                         f"or have {owner} keep the parameters in host memory itself (its parameter offload)")
 
 
 def check_engine(engine: Engine, config: SwapConfig) -> None:

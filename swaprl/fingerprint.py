@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from .compat import cuda as cuda_compat
+from .compat import deepspeed as deepspeed_compat
 from .readback import to_device, to_list
 from .sync import trainer_weights
 
@@ -314,8 +315,10 @@ def module_fingerprints(model: torch.nn.Module, *, sent: dict[str, torch.dtype] 
     """(fingerprint, numel) of each parameter by checkpoint name, whole even when sharded, cast to `sent[name]`
     and then to `held[name]` where given (what the sync sends, then what the engine stores).
 
-    An FSDP2 parameter's fingerprint is the sum of its shards', reduced over its mesh: nothing is gathered.
-    Collective under torchrun when the model has DTensor parameters. Tied names share one computation.
+    An FSDP2 parameter's fingerprint is the sum of its shards', reduced over its mesh, and a DeepSpeed ZeRO-3
+    parameter's the sum of its partitions', reduced over its partition group (`swaprl.compat.deepspeed.local_part`):
+    nothing is gathered. Collective under torchrun when the model has DTensor or ZeRO-3 parameters. Tied names share
+    one computation.
     """
     named = trainer_weights(model)
     sent, held = sent or {}, held or {}
@@ -326,7 +329,7 @@ def module_fingerprints(model: torch.nn.Module, *, sent: dict[str, torch.dtype] 
         if key not in first:
             first[key] = name
             unique.append(name)
-    by_mesh: dict[object, list[str]] = {}
+    by_mesh: dict[object, list[str]] = {}  # a mesh, or a ZeRO-3 partition group: what the parts are summed over
     local: dict[str, torch.Tensor | None] = {}
     for name in unique:
         p = named[name]
@@ -334,6 +337,9 @@ def module_fingerprints(model: torch.nn.Module, *, sent: dict[str, torch.dtype] 
         if mesh is not None:
             by_mesh.setdefault(mesh, []).append(name)
             local[name] = p.to_local()
+        elif deepspeed_compat.is_partitioned(p):
+            local[name], group = deepspeed_compat.local_part(p)
+            by_mesh.setdefault(_Group(group), []).append(name)
         elif hasattr(p, "full_tensor"):  # another DTensor layout: gather this one parameter (collective)
             local[name] = p.full_tensor()
         else:
@@ -346,7 +352,7 @@ def module_fingerprints(model: torch.nn.Module, *, sent: dict[str, torch.dtype] 
     out = {}
     for name, p in named.items():
         origin = first[(id(p), sent.get(name), held.get(name))]
-        out[name] = (values[origin], p.numel())
+        out[name] = (values[origin], deepspeed_compat.full_numel(p))
     return out
 
 
@@ -367,6 +373,22 @@ def _fold_cast(tensors: list[torch.Tensor], sent: list, held: list) -> list[int]
         for i, v in zip(idx, fold_into([tensors[i] for i in idx], cast=casts)):
             out[i] = v
     return out
+
+
+class _Group:
+    """A process group where `module_fingerprints` wants a mesh: what it sums the parts over."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def get_group(self):
+        return self.group
+
+    def __hash__(self) -> int:
+        return id(self.group)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Group) and other.group is self.group
 
 
 def _shard_mesh(p: torch.Tensor):

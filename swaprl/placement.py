@@ -25,8 +25,9 @@ from .config import STATE_HOMES, SwapConfig
 from .errors import HostBufferError, PhaseError
 from .host_budget import HostBudget
 from .master import MasterWeights
+from .partitions import FlatPartitions
 from .residency import HostBuffer, Moved, Mover, PendingOffload, layout_bytes, nbytes
-from .state_homes import StateHomes, parameters
+from .state_homes import StateHomes
 from .streaming import StateStreamer
 from .undo import Step
 
@@ -57,15 +58,18 @@ class Placement:
 
     `room`: the device's room measured at attach with the engine awake (`memory.measure_room`), None when it
     cannot be (`unmeasurable` says why); `peaks`: the runtime's `memory.TorchPeaks`, whose span from attach gives the
-    first step's rule training's peak."""
+    first step's rule training's peak. `partitions`: the flat partitions `optimizer` steps in place of the model's
+    parameters (`swaprl.partitions`); their copies move with their states."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  config: SwapConfig, *, masters: MasterWeights | None, room: homes.Room | None,
                  unmeasurable: str | None = None, peaks: memory.TorchPeaks | None = None,
-                 on_streamed_step: Callable[[dict], None] | None = None) -> None:
+                 on_streamed_step: Callable[[dict], None] | None = None,
+                 partitions: FlatPartitions | None = None) -> None:
         self.model, self.optimizer, self.device, self.config = model, optimizer, device, config
         self.masters = masters
-        self.homes = StateHomes(optimizer, device, config, masters=masters, room=room, unmeasurable=unmeasurable)
+        self.homes = StateHomes(optimizer, device, config, masters=masters, room=room, unmeasurable=unmeasurable,
+                                partitions=partitions)
         if self.homes.why:
             logger.info("optimizer_states='auto': %s", self.homes.why)
         self._peaks = peaks
@@ -178,7 +182,7 @@ class Placement:
         """The distinct tensors of a resource that live on the device now; for "optimizer", the states of the
         parameters with one of `of_homes` (by default those that move at a switch)."""
         if name == "optimizer":
-            candidates = (v for p in parameters(self.optimizer) if self.home(p) in of_homes
+            candidates = (v for p in self.homes.parameters() if self.home(p) in of_homes
                           for v in self._state_tensors(p))
         elif name == "grads":
             candidates = (p.grad for p in self.model.parameters())
@@ -229,16 +233,23 @@ class Placement:
         parameters, which stay where torch keeps them)."""
         out = dict.fromkeys(STATE_HOMES, 0)
         for p, state in self.optimizer.state.items():
+            if not self.homes.places(p):  # a flat partition's states its owner keeps in host memory itself
+                continue
             out[self.home(p)] += sum(nbytes(local_tensor(v)) for key, v in state.items() if isinstance(v, torch.Tensor)
                                      and not (key == "step" and local_tensor(v).device != self.device
                                               and local_tensor(v).device.type == "cpu"))
-        for m in self.masters or ():
+        for m in self._moving_themselves():
             out[self.home(m)] += nbytes(local_tensor(m))
         return out
 
+    def _moving_themselves(self) -> list[torch.Tensor]:
+        """The tensors the optimizer steps that live with their states: fp32 masters, flat partitions that are
+        copies of the model's values."""
+        return [p for p in self.homes.parameters() if self.homes.moves_itself(p)]
+
     def _state_tensors(self, p: torch.Tensor) -> list:
-        """`p`'s optimizer states, and `p` itself when it is an fp32 master."""
-        master = [p] if self.masters is not None and self.masters.is_master(p) else []
+        """`p`'s optimizer states, and `p` itself when it lives with them (`StateHomes.moves_itself`)."""
+        master = [p] if self.homes.moves_itself(p) else []
         return master + list(self.optimizer.state.get(p, {}).values())
 
     def _buffers(self) -> list[HostBuffer]:
@@ -307,9 +318,10 @@ class Placement:
         for name, home in (("optimizer", "swap"), ("streamed optimizer", "host")):
             counted = self.tensors("optimizer", (home,)) if self.optimizer.state else []
             states = layout_bytes(counted) or self.homes.expected_bytes(home)
-            # Masters made in host memory (not on the device, so not counted above) move into the buffer at attach.
+            # Masters made in host memory (not on the device, so not counted above) move into the buffer at attach;
+            # flat partitions that are copies move with their states, which the first step makes.
             ids = {id(t) for t in counted}
-            states += layout_bytes([local_tensor(m) for m in self.masters or () if self.home(m) == home
+            states += layout_bytes([local_tensor(m) for m in self._moving_themselves() if self.home(m) == home
                                     and id(local_tensor(m)) not in ids])
             if states:
                 out[name] = states

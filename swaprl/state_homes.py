@@ -25,6 +25,7 @@ from .compat.torch import local_tensor
 from .config import STATES_PER_PARAMETER, SwapConfig
 from .homes import Capacity, Home
 from .master import MasterWeights
+from .partitions import FlatPartitions
 from .residency import align, nbytes
 
 logger = logging.getLogger(__name__)
@@ -44,18 +45,20 @@ _STEP_TEMPORARIES = {torch.optim.Adam: 1.5, torch.optim.AdamW: 1.5}
 class StateHomes:
     """The home of each parameter of `optimizer` under `config`. `room`: the device's room at attach, with the
     engine awake and holding all it holds while it generates (`memory.measure_room`), or None when it cannot be
-    measured (`unmeasurable` says why): then "auto" swaps every state."""
+    measured (`unmeasurable` says why): then "auto" swaps every state. `partitions`: the flat partitions the
+    optimizer steps in place of the model's parameters (`swaprl.partitions`), which are then what gets homes."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, config: SwapConfig, *,
-                 masters: MasterWeights | None, room: homes.Room | None, unmeasurable: str | None = None) -> None:
-        self.optimizer, self.device, self.masters = optimizer, device, masters
+                 masters: MasterWeights | None, room: homes.Room | None, unmeasurable: str | None = None,
+                 partitions: FlatPartitions | None = None) -> None:
+        self.optimizer, self.device, self.masters, self.partitions = optimizer, device, masters, partitions
         self.auto = config.optimizer_states == "auto"
         """`optimizer_states="auto"`: the homes may change as the run shows what fits."""
         self._capacity = Capacity()
         self._first_step_pending = False
         self.why = ""
         """What "auto" decided at attach and why, for the log."""
-        params = parameters(optimizer)
+        params = self.parameters()
         if not self.auto:
             # each parameter's largest shard over the ranks, so that every rank homes alike (FSDP2's shards differ
             # by a row where the rows do not divide)
@@ -82,9 +85,25 @@ class StateHomes:
                         f"{memory.gib(room.reserve):.2f} GiB of reserve"
                         + (f" and {memory.gib(grads):.2f} GiB of gradients" if grads else ""))
         # The first step's rule needs training's peak, which torch counts only as a peak since a reset: from now.
-        self._first_step_pending = device.type == "cuda" and _expected_per_parameter(optimizer) is not None
+        # Not for flat partitions: the "host" home it may give streams the step, which runs inside their owner's.
+        self._first_step_pending = (device.type == "cuda" and partitions is None
+                                    and _expected_per_parameter(optimizer) is not None)
 
     # ---------------------------------------------------------------- what is where
+    def parameters(self) -> list[torch.Tensor]:
+        """What has a home, in the order homes are given in: the optimizer's parameters, or the flat partitions
+        their owner does not keep itself."""
+        return self.partitions.placed() if self.partitions is not None else parameters(self.optimizer)
+
+    def places(self, p: torch.Tensor) -> bool:
+        """Whether `p`'s states are the homes' to place (not those of a partition its owner keeps)."""
+        return self.partitions is None or id(p) not in self.partitions.kept
+
+    def moves_itself(self, p: torch.Tensor) -> bool:
+        """Whether `p` lives with its states, in their home: an fp32 master, or a flat partition that is a copy."""
+        return (self.masters is not None and self.masters.is_master(p)) or \
+            (self.partitions is not None and self.partitions.is_copy(p))
+
     def home(self, p: torch.Tensor) -> Home:
         """Where `p`'s states live; a parameter added to the optimizer after attach takes the last parameter's home
         (so "swap" and "host" stay whole)."""
@@ -107,18 +126,18 @@ class StateHomes:
 
     def fractions(self) -> dict[str, float]:
         """The share of the parameters' bytes each home holds: the split "auto" stands for now."""
-        held = self.bytes_by_home([nbytes(local_tensor(p)) for p in parameters(self.optimizer)])
+        held = self.bytes_by_home([nbytes(local_tensor(p)) for p in self.parameters()])
         total = sum(held.values()) or 1
         return {home: n / total for home, n in held.items()}
 
     def bytes_by_home(self, sizes: list[int]) -> dict[Home, int]:
-        return homes.totals(sizes, [self.home(p) for p in parameters(self.optimizer)])
+        return homes.totals(sizes, [self.home(p) for p in self.parameters()])
 
     def expected_bytes(self, home: Home) -> int:
         """Device bytes of the states the optimizer will create at its first step for the parameters of `home`
         (0 when not known), laid out as the host buffer lays them."""
-        per = _expected_per_parameter(self.optimizer)
-        return sum(n for p, n in per.items() if self.home(p) == home) if per is not None else 0
+        per = _expected_per_parameter(self.optimizer, self.parameters())
+        return sum(n for p, n in per.items() if self.places(p) and self.home(p) == home) if per is not None else 0
 
     # ---------------------------------------------------------------- the later moments
     def at_first_step(self, measure: Callable[[], homes.Room]) -> int:
@@ -128,7 +147,7 @@ class StateHomes:
         if not self._first_step_pending:
             return 0
         self._first_step_pending = False
-        params = parameters(self.optimizer)
+        params = self.parameters()
         sizes, existing, _ = self._sizes(params)
         room = measure()
         factor = _STEP_TEMPORARIES.get(type(self.optimizer), 1.0)
@@ -162,7 +181,7 @@ class StateHomes:
         more can swap, and the switch cannot go again)."""
         if not self.auto or not short_bytes:
             return 0
-        kept = [p for p in parameters(self.optimizer) if self.home(p) == "device"]
+        kept = [p for p in self.parameters() if self.home(p) == "device"]
         sizes = [on_device(p) for p in kept]
         (short,) = distributed.all_reduce([short_bytes], "max")
         capacity = Capacity(device=max(sum(sizes) - int(short) - WAKE_MARGIN_BYTES, 0))
@@ -201,11 +220,11 @@ class StateHomes:
         """Each parameter's bytes of states (its fp32 master included) wherever they are now or will be made, the
         bytes of them on the device now, and why they cannot be known (states of an optimizer whose first step has
         not made them, and whose states are not known ahead)."""
-        expected = _expected_per_parameter(self.optimizer)
+        expected = _expected_per_parameter(self.optimizer, params)
         sizes, existing, why = [], 0, None
         for p in params:
             state = self.optimizer.state.get(p)
-            master = local_tensor(p) if self.masters is not None and self.masters.is_master(p) else None
+            master = local_tensor(p) if self.moves_itself(p) else None
             here = align(nbytes(master)) if master is not None else 0
             if master is not None and master.device == self.device:
                 existing += here
@@ -228,17 +247,23 @@ def parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))
 
 
-def _expected_per_parameter(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, int] | None:
+def _expected_per_parameter(optimizer: torch.optim.Optimizer,
+                            also: list[torch.Tensor] = ()) -> dict[torch.Tensor, int] | None:
     """Each parameter's bytes of the states `optimizer` will create at its first step (0 for one without a
-    gradient), for Adam and AdamW; None for optimizers whose states are not known ahead."""
+    gradient), for Adam and AdamW; None for optimizers whose states are not known ahead. `also`: tensors it steps
+    that no group lists now (ZeRO-3 puts its partitions in the groups only inside its step), expected with the
+    optimizer's defaults."""
     per = _STATES_PER_PARAM.get(type(optimizer), 0)
     if not per:
         return None
     out = {}
-    for group in optimizer.param_groups:
+    listed = [(group, group["params"]) for group in optimizer.param_groups]
+    grouped = {id(p) for _, params in listed for p in params}
+    listed.append((optimizer.defaults, [p for p in also if id(p) not in grouped]))
+    for group, params in listed:
         on_device = group.get("fused") or group.get("capturable")  # the step counter is a device tensor too
         tensors = per + bool(group.get("amsgrad"))
-        for p in group["params"]:
+        for p in params:
             # torch keeps the step counter on the CPU, which is the device of a CPU parameter
             step = on_device or local_tensor(p).device.type == "cpu"
             out[p] = tensors * align(nbytes(local_tensor(p))) + (align(4) if step else 0) if p.requires_grad else 0

@@ -3,7 +3,8 @@
 Buckets bound the transient memory: a bucket holds at most about `bucket_bytes` of parameters cast to the
 engine's dtype (an fp32 trainer feeding a bf16 engine sends bf16), and under FSDP2 each parameter of a bucket is
 gathered (`DTensor.full_tensor`, after the cast) only when its bucket is built, so the whole model is never gathered
-at once.
+at once. Under DeepSpeed ZeRO-3 a bucket's parameters are gathered together, in one collective, for as long as the
+engine takes to load them (`swaprl.compat.deepspeed.gathered`).
 Names are the trainer's Hugging Face names; the engine's `load_weights` maps them (vLLM stacks q/k/v and gate/up).
 Before anything is sent, names and shapes are checked against what the engine's checkpoint holds.
 """
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+
+from .compat import deepspeed as deepspeed_compat
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def check_names(model: torch.nn.Module, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
     """Raise if trainer and engine disagree on parameter names or shapes, listing the first offenders."""
-    mine = {n: tuple(p.shape) for n, p in trainer_weights(model).items()}
+    mine = {n: deepspeed_compat.full_shape(p) for n, p in trainer_weights(model).items()}
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     missing = [n for n in expected if n not in mine and not (tied and n == "lm_head.weight")]
     extra = [n for n in mine if n not in expected and not (tied and n == "lm_head.weight")]
@@ -127,10 +130,11 @@ def _bucket_names(sizes: dict[str, int], bucket_bytes: int) -> Iterator[list[str
 
 
 def _engine_sizes(weights: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype] | None) -> dict[str, int]:
-    """Each tensor's full bytes once cast to the engine's dtype (a DTensor's shape is the full one)."""
+    """Each tensor's full bytes once cast to the engine's dtype (a DTensor's shape is the full one, a ZeRO-3
+    parameter's is its `ds_shape`)."""
     def itemsize(name: str, t: torch.Tensor) -> int:
         return ((dtypes or {}).get(name) or t.dtype).itemsize
-    return {n: t.numel() * itemsize(n, t) for n, t in weights.items()}
+    return {n: deepspeed_compat.full_numel(t) * itemsize(n, t) for n, t in weights.items()}
 
 
 def largest_bucket_bytes(model: torch.nn.Module, bucket_bytes: int,
@@ -144,20 +148,22 @@ def largest_bucket_bytes(model: torch.nn.Module, bucket_bytes: int,
 def buckets(model: torch.nn.Module, bucket_bytes: int,
             dtypes: dict[str, torch.dtype] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (name, tensor) of about `bucket_bytes`, whole layers at a time, each tensor gathered and cast
-    to the engine's dtype only when its bucket is built (`_bucket_names`)."""
+    to the engine's dtype only when its bucket is built (`_bucket_names`). ZeRO-3's parameters stay gathered until
+    the caller asks for the next bucket: the tensors yielded may be the gathered parameters themselves."""
     weights = trainer_weights(model)
     with torch.no_grad():
         for names in _bucket_names(_engine_sizes(weights, dtypes), bucket_bytes):
-            bucket = []
-            for name in names:
-                t = weights[name].detach()
-                want = (dtypes or {}).get(name)
-                if want is not None and t.dtype != want:
-                    # Cast before the gather (elementwise, so the same bits): an fp32 trainer's shards cross the
-                    # link between GPUs in the engine's dtype, half the bytes.
-                    t = t.to(want)
-                bucket.append((name, _full(t)))
-            yield bucket
+            with deepspeed_compat.gathered([weights[n] for n in names]):
+                bucket = []
+                for name in names:
+                    t = weights[name].detach()
+                    want = (dtypes or {}).get(name)
+                    if want is not None and t.dtype != want:
+                        # Cast before the gather (elementwise, so the same bits): an fp32 trainer's shards cross the
+                        # link between GPUs in the engine's dtype, half the bytes.
+                        t = t.to(want)
+                    bucket.append((name, _full(t)))
+                yield bucket
 
 
 def engine_dtypes(engine) -> dict[str, torch.dtype] | None:

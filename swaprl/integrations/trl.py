@@ -27,15 +27,23 @@ optimizer's creation):
   record, so they reach whatever `report_to` the user set.
 
 Several processes (`accelerate launch`, torchrun): every process builds its trainer and wraps it, and each rank's
-runtime moves that rank's own optimizer states (all of them under DDP, its shards' under FSDP2). With vLLM colocate,
-TRL builds one `vllm.LLM` per rank with vLLM's external launcher, `vllm_tensor_parallel_size` consecutive ranks
-sharding one engine; swaprl's `VLLMEngine` forms the same groups, each rank syncs the full tensors (FSDP2 shards
-gathered one parameter at a time) and the weight check sums the engine's tensor-parallel shards and the trainer's
-FSDP2 shards over their ranks. Under FSDP2 (accelerate's `fsdp_version: 2`) `train()` itself shards the model and
-points the optimizer at the shards, after `wrap`: `wrap` validates everything, registers the runtime and returns it,
-and attaches it to the sharded model and its optimizer at `train()`'s `on_train_begin`, on every rank (until then
-`rt.status()` and `rt.phase()` raise a `PhaseError` saying so). FSDP1 and DeepSpeed are refused (`_check_setup`
-says why).
+runtime moves that rank's own optimizer states (all of them under DDP, its shards' under FSDP2 and DeepSpeed's ZeRO).
+With vLLM colocate, TRL builds one `vllm.LLM` per rank with vLLM's external launcher, `vllm_tensor_parallel_size`
+consecutive ranks sharding one engine; swaprl's `VLLMEngine` forms the same groups, each rank syncs the full tensors
+(FSDP2 shards gathered one parameter at a time, ZeRO-3 partitions a bucket at a time) and the weight check sums the
+engine's tensor-parallel shards and the trainer's FSDP2 shards or ZeRO-3 partitions over their ranks. Under FSDP2
+(accelerate's `fsdp_version: 2`) `train()` itself shards the model and points the optimizer at the shards, and under
+DeepSpeed `train()` builds the engine and its ZeRO optimizer (transformers' `deepspeed_init`), both after `wrap`:
+`wrap` validates everything, registers the runtime and returns it, and attaches it to the trainer's final model and
+optimizer at `train()`'s `on_train_begin`, on every rank (until then `rt.status()` and `rt.phase()` raise a
+`PhaseError` saying so).
+
+Under DeepSpeed ZeRO-2 and ZeRO-3 the runtime is bound to the model, to ZeRO's inner torch optimizer and to a
+declaration of the flat fp32 partitions that optimizer steps (`swaprl.partitions`, built by
+`swaprl.compat.deepspeed.partitions`): the partitions that are copies of the model's values (the fp32 masters of a
+bf16 model; all of them under ZeRO-2) move with their states, as the homes place them. What DeepSpeed keeps in host
+memory itself (`offload_optimizer`, `offload_param`) swaprl leaves there. FSDP1, ZeRO stages 0 and 1, and DeepSpeed's
+NVMe offload are refused (`_check_setup` and `_check_deepspeed` say why and what to use).
 
 The hook is on private TRL names whose behaviour changes between releases: `swaprl.compat.trl` holds every change
 and the version range it was checked on (`SUPPORTED_TRL`); other versions are refused rather than silently
@@ -58,6 +66,7 @@ import swaprl
 from .._extras import needs
 from .. import interrupts
 from ..attachment import Runtime
+from ..compat import deepspeed as deepspeed_compat
 from ..compat import trl as trl_compat
 from ..compat.trl import SUPPORTED as SUPPORTED_TRL  # noqa: F401 (the range docs/trl.md names, re-exported)
 from ..compat.trl import check_version as check_version
@@ -84,9 +93,10 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
     `lean_rollouts` (vLLM colocate only): ask vLLM for what the trainer reads and nothing else (see `_lean_rollouts`);
     False leaves TRL's sampling requests as they are.
     Call it before `trainer.train()` (or between two calls); everything is validated before anything moves. Under
-    `accelerate launch` every process calls it, as every process builds its trainer. With FSDP2 the runtime is
-    returned at once but takes charge of the trainer when `train()` has sharded the model (see the module's
-    docstring); until then `rt.status()` and `rt.phase()` raise a `PhaseError` saying so.
+    `accelerate launch` every process calls it, as every process builds its trainer. With FSDP2 and DeepSpeed the
+    runtime is returned at once but takes charge of the trainer when `train()` has sharded the model and built its
+    optimizer (see the module's docstring); until then `rt.status()` and `rt.phase()` raise a `PhaseError` saying
+    so.
     """
     with needs("trl"):
         import trl
@@ -104,6 +114,8 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
         raise TypeError(f"config must be a swaprl.SwapConfig, not {type(config).__name__}")
     config = config if config is not None else SwapConfig()
     _check_setup(trainer)
+    if trainer.is_deepspeed_enabled:
+        _check_deepspeed(trainer, config)
     _check_engine(trainer, engine)
     _check_nothing_attached()  # attach() would refuse too, but only after the vLLM engine was woken
     if _sharded_by_train(trainer):
@@ -155,14 +167,6 @@ def runtime_of(trainer: GRPOTrainer) -> Runtime | None:
 # ---------------------------------------------------------------- validation and construction
 def _check_setup(trainer) -> None:
     """Refuse set-ups the wrapper does not handle, before anything is created or moved."""
-    if trainer.is_deepspeed_enabled:
-        raise ValueError(
-            "swaprl.integrations.trl does not support DeepSpeed: ZeRO builds its own optimizer inside train() "
-            "(transformers' deepspeed_init) whose states, like ZeRO-3's parameters, live in flat partitions of "
-            "DeepSpeed's engine rather than in the torch optimizer and model that swaprl moves and syncs. To shard "
-            "the model over the GPUs, use FSDP2 instead (`fsdp_version: 2` in the accelerate config, or "
-            "GRPOConfig(fsdp=True, fsdp_config={'version': 2})): its shards stay torch tensors, whose "
-            "optimizer states swaprl moves to host memory while generating and whose weights it gathers for vLLM")
     if trainer.is_fsdp_enabled and _fsdp_version(trainer) != 2:
         raise ValueError(
             f"FSDP version {_fsdp_version(trainer)}: swaprl.integrations.trl supports FSDP2 only. FSDP1 flattens "
@@ -186,6 +190,54 @@ def _check_setup(trainer) -> None:
                          "use_vllm=False, or full fine-tuning")
 
 
+def _check_deepspeed(trainer, config: SwapConfig) -> None:
+    """Refuse the DeepSpeed configurations the wrapper does not handle, from the config accelerate's plugin holds,
+    before `train()` builds anything (the runtime attaches at its `on_train_begin`)."""
+    try:
+        import deepspeed  # noqa: F401 (accelerate imports it for a DeepSpeed trainer; named here if it cannot)
+    except ImportError as exc:
+        raise ImportError(f"this GRPOTrainer runs under DeepSpeed, which does not import ({exc}); pip install "
+                          f"'deepspeed{deepspeed_compat.SUPPORTED}'") from exc
+    deepspeed_compat.check_version()
+    ds = trainer.accelerator.state.deepspeed_plugin.hf_ds_config
+    stage = ds.get_value("zero_optimization.stage", 0)
+    if stage not in (2, 3):
+        raise ValueError(
+            f"DeepSpeed ZeRO stage {stage}: swaprl.integrations.trl supports ZeRO-2 and ZeRO-3. Stage 0 steps through "
+            "DeepSpeed's own mixed-precision optimizer and stage 1 is not tested here; use `zero_stage: 2` (the "
+            "optimizer states and gradients partitioned, the same states per rank as stage 1) or `zero_stage: 3` "
+            "in the accelerate config (zero_optimization.stage in a DeepSpeed config)")
+    for part in ("optimizer", "param"):
+        device = ds.get_value(f"zero_optimization.offload_{part}.device") or "none"
+        if device == "nvme":
+            raise ValueError(
+                f"DeepSpeed's offload_{part} to NVMe swaps the {part} partitions through files with its own buffers, "
+                f"which swaprl does not follow; use `offload_{part}_device: cpu` (DeepSpeed keeps them in host memory "
+                f"and swaprl leaves them there) or `none` (swaprl moves them to host memory only while generating)")
+    ratio = ds.get_value("zero_optimization.offload_optimizer.ratio", 1.0)
+    if (ds.get_value("zero_optimization.offload_optimizer.device") or "none") != "none" and ratio != 1.0:
+        raise ValueError(
+            f"offload_optimizer.ratio={ratio}: DeepSpeed then steps the sub-groups it keeps on the device with a "
+            "second optimizer of its own, whose states swaprl cannot find. Use ratio 1.0 (the default: every state in "
+            "host memory, DeepSpeed's), or no offload_optimizer (swaprl moves the states to host memory only while "
+            "generating)")
+    if config.master_weights:
+        raise ValueError("SwapConfig(master_weights=True) under DeepSpeed: ZeRO keeps fp32 master partitions of a "
+                         "bf16 model itself (mixed_precision: bf16), which swaprl moves with their states; leave "
+                         "master_weights=False")
+    if config.optimizer_states != "auto" and config.state_split()["host"] > 0:
+        raise ValueError(
+            f"SwapConfig(optimizer_states={config.optimizer_states!r}) under DeepSpeed: the 'host' home streams the "
+            "states through the device inside optimizer.step(), which runs inside ZeRO's own step. To keep the "
+            "optimizer states in host memory in both phases, have DeepSpeed do it: `offload_optimizer_device: cpu` "
+            "in the accelerate config (zero_optimization.offload_optimizer.device), with swaprl's 'swap' or 'auto'")
+    if config.params == "offload":
+        raise ValueError(
+            "SwapConfig(params='offload') under DeepSpeed: ZeRO's model parameters are views of (ZeRO-2) or "
+            "placeholders for (ZeRO-3) flat buffers DeepSpeed owns, which swaprl cannot move. Use params='keep'; to "
+            "keep ZeRO-3's parameter partitions in host memory, have DeepSpeed do it: `offload_param_device: cpu`")
+
+
 def _fsdp_version(trainer) -> int:
     # transformers reads it the same way (Trainer._prepare_for_training); FSDP1 plugins may lack the field.
     return getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)
@@ -193,10 +245,11 @@ def _fsdp_version(trainer) -> int:
 
 def _sharded_by_train(trainer) -> bool:
     """FSDP2 before its first train(): the model is not sharded yet, and the optimizer `train()` builds will be
-    pointed at the shards (accelerate's prepare), so neither exists in its final form before `train()` starts."""
+    pointed at the shards (accelerate's prepare), so neither exists in its final form before `train()` starts.
+    DeepSpeed, always: its engine and ZeRO optimizer are built by `train()` (transformers' deepspeed_init)."""
     from ..distributed import is_fsdp2
 
-    return trainer.is_fsdp_enabled and not is_fsdp2(trainer.model)
+    return trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled and not is_fsdp2(trainer.model)
 
 
 def _check_nothing_attached() -> None:
@@ -283,22 +336,26 @@ def _checkpoint_dir(model: torch.nn.Module) -> Path:
 
 
 def _wrap_at_train_begin(trainer, config: SwapConfig, engine: Engine | None, *, lean_rollouts: bool) -> Runtime:
-    """FSDP2: return a runtime now and attach it when `train()` has sharded the model and built its optimizer.
+    """FSDP2 and DeepSpeed: return a runtime now and attach it when `train()` has sharded the model and built its
+    optimizer.
 
-    transformers builds the optimizer over the unsharded parameters, then accelerate's prepare shards the model
-    in place (fully_shard) and points the optimizer's parameter groups at the shards, both inside `train()` and
-    before its `on_train_begin` callbacks. Attaching earlier would hold the unsharded parameters (a whole model per
-    rank) and an optimizer whose parameters are about to be replaced; at `on_train_begin` `trainer.model` is the
-    sharded module and the optimizer's parameters are its DTensor shards. Every rank runs the same callback, so
-    every rank attaches at the same point (building the engine's groups and reducing the first checks are
-    collective).
+    Under FSDP2 transformers builds the optimizer over the unsharded parameters, then accelerate's prepare shards
+    the model in place (fully_shard) and points the optimizer's parameter groups at the shards; under DeepSpeed
+    transformers' deepspeed_init builds the optimizer and accelerate's prepare hands model and optimizer to
+    `deepspeed.initialize`, whose ZeRO optimizer flattens the parameters into partitions and points the torch
+    optimizer at their fp32 copies (and loads a checkpoint being resumed). All of it happens inside `train()`, before
+    its `on_train_begin` callbacks. Attaching earlier would hold the unsharded parameters (a whole model per rank)
+    and an optimizer whose parameters are about to be replaced; at `on_train_begin` `trainer.model` and the
+    optimizer are the final ones. Every rank runs the same callback, so every rank attaches at the same point
+    (building the engine's groups and reducing the first checks are collective).
     """
     from transformers import TrainerCallback
 
+    how = ("DeepSpeed builds its engine and ZeRO optimizer inside train()" if trainer.is_deepspeed_enabled else
+           "the trainer is sharded with FSDP2, and train() shards the model and builds its optimizer")
     rt = swaprl.attach_later(config=config, until=(
-        "the trainer is sharded with FSDP2, so wrap() attaches it when trainer.train() has sharded the model and "
-        "built its optimizer (at train()'s on_train_begin); use it from then on, e.g. in a TrainerCallback or "
-        "after train()"))
+        f"{how}, so wrap() attaches it when trainer.train() has done that (at train()'s on_train_begin); use it from "
+        "then on, e.g. in a TrainerCallback or after train()"))
 
     class AttachWhenSharded(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -308,29 +365,44 @@ def _wrap_at_train_begin(trainer, config: SwapConfig, engine: Engine | None, *, 
     trainer.add_callback(callback)
     rt.on_detach(lambda: trainer.remove_callback(callback))
     _register(trainer, rt)
-    logger.info("wrapped GRPOTrainer under FSDP2: swaprl attaches when train() has sharded the model")
+    logger.info("wrapped GRPOTrainer under %s: swaprl attaches when train() has built the model and optimizer",
+                "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP2")
     return rt
 
 
 def _attach_sharded(trainer, rt: Runtime, engine: Engine | None, *, lean_rollouts: bool) -> None:
-    """Bind `rt` to the sharded model and its optimizer, at the start of a `train()` (see `_wrap_at_train_begin`)."""
+    """Bind `rt` to the final model and optimizer, at the start of a `train()` (see `_wrap_at_train_begin`)."""
+    try:
+        zero = deepspeed_compat.zero_optimizer(trainer.model_wrapped) if trainer.is_deepspeed_enabled else None
+    except BaseException:
+        rt.detach()
+        raise
     if rt.model is not None:
         # A later train(): accelerate's prepare finds the model sharded already and keeps it, and maps the
         # optimizer's parameters back onto the same shards, so the runtime holds what it held.
-        if rt.model is trainer.model and rt.optimizer is _optimizer(trainer):
+        if rt.model is trainer.model and rt.optimizer is (zero.optimizer if zero is not None else _optimizer(trainer)):
             return
+        if zero is not None:
+            rt.detach()  # it holds the previous engine's tensors, which DeepSpeed no longer steps
+            raise PhaseError("this train() built a new DeepSpeed engine and ZeRO optimizer, not the ones swaprl "
+                             "attached to, so swaprl detached. Wrap the trainer again before training on: "
+                             "rt = wrap(trainer); trainer.train()")
         raise PhaseError("the GRPOTrainer's model or optimizer was replaced since swaprl attached to it: detach "
                          "(rt.detach()) and wrap the trainer again before training on")
     try:
-        optimizer = _optimizer(trainer)
+        if zero is not None:
+            # ZeRO's torch optimizer steps flat fp32 partitions, not the model's parameters: declared as such.
+            optimizer, partitions = zero.optimizer, deepspeed_compat.partitions(zero)
+        else:
+            optimizer, partitions = _optimizer(trainer), None
         built = _engine(trainer, engine)
-        rt.bind(trainer.model, optimizer, built)
-        _install(trainer, rt, lean_rollouts=lean_rollouts)
+        rt.bind(trainer.model, optimizer, built, partitions=partitions)
+        _install(trainer, rt, lean_rollouts=lean_rollouts, zero=zero)
     except BaseException:
         rt.detach()  # the trainer is TRL's own again, and train() stops with the error
         raise
-    logger.info("swaprl attached to the FSDP2-sharded GRPOTrainer: generation in phase 'generate' with %s",
-                type(built).__name__)
+    logger.info("swaprl attached to the %s GRPOTrainer: generation in phase 'generate' with %s",
+                partitions.owner if zero is not None else "FSDP2-sharded", type(built).__name__)
 
 
 def _register(trainer, rt: Runtime) -> None:
@@ -340,15 +412,20 @@ def _register(trainer, rt: Runtime) -> None:
 
 
 # ---------------------------------------------------------------- the hooks
-def _install(trainer, rt: Runtime, *, lean_rollouts: bool) -> None:
-    """Route the trainer's generation through `rt`; record how to undo each change, undone at `rt.detach()`."""
+def _install(trainer, rt: Runtime, *, lean_rollouts: bool, zero=None) -> None:
+    """Route the trainer's generation through `rt`; record how to undo each change, undone at `rt.detach()`.
+    `zero`: DeepSpeed's ZeRO optimizer, whose views of what the phase moves follow the moves
+    (`swaprl.compat.deepspeed.views_follow`)."""
+    def generating():
+        return deepspeed_compat.views_follow(zero, rt.phase("generate")) if zero is not None else rt.phase("generate")
+
     undo = Undo("wrapping the GRPOTrainer")
     with undo.on_error():
         if trainer.use_vllm:
             # First: attach put TRL's engine to sleep behind its back, and this change's undo is what tells TRL so
             # (and makes it re-sync before generating), should anything after it fail.
             undo.push(trl_compat.take_over_vllm(trainer, wake=lambda: rt.engine.wake()), "vLLM sleep, wake-up, sync")
-        undo.push(trl_compat.route_generation(trainer, lambda: rt.phase("generate")), "_generate")
+        undo.push(trl_compat.route_generation(trainer, generating), "_generate")
         undo.push(_log_figures(trainer, rt), "log")
         if trainer.use_vllm and lean_rollouts:
             undo.push(trl_compat.lean_rollouts(trainer), "lean rollouts")

