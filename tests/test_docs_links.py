@@ -74,3 +74,12 @@ def test_the_results_hold_no_generated_files_and_no_code():
         pytest.skip("not a git checkout: the tracked files cannot be listed")
     wrong = [f for f in tracked if f.endswith((*GENERATED, ".py"))]
     assert not wrong, f"generated files or code under benchmarks/results (benchmarks/ holds the scripts): {wrong}"
+
+
+def test_every_result_folder_is_a_row_of_the_index():
+    """benchmarks/results/README.md is where the README's table and the docs cite figures from: a folder it does not
+    list is a result no reader finds."""
+    index = (RESULTS / "README.md").read_text(encoding="utf-8")
+    listed = {(RESULTS / t.split("#")[0]).resolve() for t in _LINK.findall(index)}
+    missing = sorted(d.name for d in RESULTS.iterdir() if d.is_dir() and d.resolve() not in listed)
+    assert not missing, f"result folders with no row in benchmarks/results/README.md: {missing}"
