@@ -87,6 +87,13 @@ def test_every_relative_link_resolves():
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
+def test_the_readme_links_every_page_of_the_docs():
+    """The README's index of docs/ is how a newcomer finds a page: one it does not link is one nobody reads."""
+    linked = {target for _, target in _targets(ROOT / "README.md")}
+    missing = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.resolve() not in linked)
+    assert not missing, f"pages of docs/ the README does not link: {missing}"
+
+
 def test_every_anchor_names_a_heading_of_its_page():
     broken = [f"{doc.relative_to(ROOT)}: {written}" for doc in _documents()
               for written, page, anchor in _anchored(doc) if anchor not in _anchors(page)]
