@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hf": ("Hugging Face checkpoints and models", ("transformers", "safetensors", "tokenizers", "accelerate")),
     "trl": ("swaprl.integrations.trl", ("trl", "transformers", "accelerate")),
     "vllm": ("swaprl.engines.VLLMEngine", ("vllm",)),
+    "deepspeed": ("DeepSpeed ZeRO under swaprl.integrations.trl", ("deepspeed",)),
 }
 """extra -> (what needs it, the top-level packages it brings that swaprl imports)."""
 

@@ -163,6 +163,21 @@ def test_nested_phases_restore_the_previous_one(tiny_checkpoint):
     assert rt.current_phase == "train"
 
 
+def test_the_embedded_engine_outside_a_generate_block_gives_the_tokens_it_gives_inside(tiny_checkpoint):
+    """Allowed, as docs/usage.md says: the embedded engine generates with the trainer's own module, so outside
+    `generate` it samples what it samples inside, beside the optimizer states still on the device. (A vLLM engine is
+    asleep there and refuses, naming the fix: tests/test_vllm.py.)"""
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, "hf")
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    sampling = swaprl.Sampling(max_tokens=6, n=2, seed=3)
+    outside = rt.engine.generate([[1, 2, 3]], sampling)
+    assert rt.current_phase == "train" and rt.status()["optimizer"]["location"] == "device"
+    with swaprl.phase("generate"):
+        assert rt.engine.generate([[1, 2, 3]], sampling) == outside
+
+
 # ---------------------------------------------------------------- bad input
 
 
