@@ -195,7 +195,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if not (path / METADATA).is_file():
         raise ValueError(f"{path} has no {METADATA}: not a checkpoint of swaprl.saving.save (a torch.distributed."
                          "checkpoint), or one whose save never completed")
-    index = FileSystemReader(path).read_metadata()
+    try:
+        index = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # a pickle cut short or overwritten: UnpicklingError, EOFError, and whatever it decodes to
+        raise ValueError(f"{path / METADATA} cannot be read ({type(exc).__name__}: {exc}): it is damaged (cut "
+                         "short, or overwritten); load a checkpoint whose files are intact") from exc
     saved = index.state_dict_metadata
     if "swaprl" not in saved:
         raise ValueError(f"{path} is a torch.distributed.checkpoint without swaprl.saving's record: written by "

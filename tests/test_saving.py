@@ -238,6 +238,18 @@ def test_a_ctrl_c_anywhere_in_a_save_comes_out_as_a_ctrl_c_and_the_save_done_aga
     assert_same(now(), saved)
 
 
+@pytest.mark.parametrize("damage", ["cut short", "overwritten", "emptied"])
+def test_a_damaged_index_is_refused_naming_the_file(tiny_checkpoint, tmp_path, damage):
+    """DCP's .metadata (a pickle) cut short or overwritten: a ValueError naming the file and what is wrong, not the
+    unpickler's own error."""
+    model, optimizer, _ = trained(tiny_checkpoint, steps=0)
+    saving.save(tmp_path / "ck", model, optimizer)
+    index = tmp_path / "ck" / saving.METADATA
+    data = index.read_bytes()
+    index.write_bytes({"cut short": data[: len(data) // 2], "overwritten": b"\x80\x04junk" * 8, "emptied": b""}[damage])
+    with pytest.raises(ValueError, match=r"\.metadata cannot be read \(.*\): it is damaged"):
+        saving.load(tmp_path / "ck", model, optimizer)
+
 # ---------------------------------------------------------------- vLLM
 @pytest.mark.vllm
 def test_an_export_loads_in_vllm_and_scores_within_its_rounding(tiny_checkpoint, tmp_path):
