@@ -272,8 +272,6 @@ class PhaseMachine:
             logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition, step.name,
                            type(exc).__name__, len(undo))
             exc.swaprl_failed_at = at  # which step failed, for the switch's retry
-            self._emit({"type": "error", "transition": transition, "step": step.name,
-                        "error": f"{type(exc).__name__}: {exc}"[:500]})
             failed = undo.run()
             if failed:
                 # Where each resource is stays recorded as it is (status() tells it); the next phase entry moves
@@ -287,6 +285,9 @@ class PhaseMachine:
                 torch.cuda.empty_cache()  # what the undone steps freed goes back to the driver, as before the switch
             if not failed and isinstance(exc, torch.OutOfMemoryError):  # undone whole: what would give it room
                 exc.add_note(switch_out_of_memory(transition, step.name))
+            # Once rolled back: a listener that exits or raises KeyboardInterrupt here must not cut the undo short.
+            self._emit({"type": "error", "transition": transition, "step": step.name,
+                        "error": f"{type(exc).__name__}: {exc}"[:500]})
             raise
         for commit in committed:
             commit()
