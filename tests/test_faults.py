@@ -358,6 +358,30 @@ def test_a_listener_that_exits_on_the_error_event_does_not_cut_the_rollback_shor
         torch.testing.assert_close(t, s, rtol=0, atol=0)
     grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
 
+
+def test_one_phase_block_entered_again_returns_where_each_entry_came_from(tiny_checkpoint):
+    """`block = rt.phase("generate")` kept and entered at every step: an entry that fails leaves nothing counted
+    (detach works), and the block entered inside itself is refused before anything moves (it would overwrite
+    where the outer entry returns to, leaving the runtime in generate, its phases held, once both ended)."""
+    model, opt, rt = trained(tiny_checkpoint)
+    block = rt.phase("generate")
+    with block:
+        pass
+    remove = fail_after(rt, "offload grads")
+    with pytest.raises(Fault):
+        with block:
+            pytest.fail("the block must not run when entering the phase failed")
+    remove()
+    with block:
+        assert rt.current_phase == "generate"
+        with pytest.raises(swaprl.PhaseError, match="entered already.*nest a new one"):
+            with block:
+                pytest.fail("the block must not run inside itself")
+        assert rt.current_phase == "generate"
+    assert rt.current_phase == "train" and rt.status()["optimizer"]["location"] == "device"
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    assert rt.detach()["host_released_bytes"] > 0  # nothing left counted as inside a block
+
 # ---------------------------------------------------------------- threads
 def test_phases_from_a_second_thread_are_refused_naming_the_owner(tiny_checkpoint):
     model = load(tiny_checkpoint)
