@@ -2,8 +2,9 @@
 file passes for a good one: examples/grpo.py's checkpoints and the files it rewrites.
 
 - `replace_file` and `replace_dir` write a file or a directory whole, beside its final name, and rename it there:
-  a process killed at any point leaves the old one or the new one, never a cut one; fsynced before the rename, so
-  that a machine losing power does not leave a renamed empty file either.
+  a process killed at any point leaves the old one or the new one, never a cut one (a directory killed between
+  its two renames waits beside its name, and the next `replace_dir` puts it back first); fsynced before the
+  rename, so that a machine losing power does not leave a renamed empty file either.
 - `Checkpoints`: one directory per step, written under a temporary name and renamed once every rank's files and the
   manifest are on disk. The manifest lists each file with its size and CRC-32; a resume checks them before it reads
   anything, and goes on from the newest checkpoint that is intact, saying what is wrong with each newer one.
@@ -88,9 +89,12 @@ def replace_file(path: Path, data: str | bytes) -> None:
 
 def replace_dir(path: Path, fill: Callable[[Path], object]) -> None:
     """Fill a directory in `.NAME.tmp` beside `path` with `fill(dir)`, then rename it to `path` (an older one of that
-    name is moved aside first and removed after)."""
+    name is moved aside first and removed after). A run killed between the two renames left the older one aside,
+    with nothing at `path`: it is put back first, so that this call failing in turn still leaves it there."""
     tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
-    for stale in (tmp, old):  # a run killed while it wrote
+    if old.exists() and not path.exists():
+        os.replace(old, path)
+    for stale in (tmp, old):  # a run killed while it wrote, or after the second rename
         if stale.exists():
             shutil.rmtree(stale)
     tmp.mkdir()

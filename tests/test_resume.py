@@ -168,6 +168,43 @@ def test_a_run_killed_while_it_writes_its_summary_and_report_leaves_none_half_wr
             assert {"report.md", "report.html"} <= {f.name for f in report.iterdir()}, (k, report)
 
 
+
+def test_an_export_killed_between_its_renames_is_put_back_before_the_next_is_written(tmp_path, monkeypatch):
+    """`replace_dir` moves the older directory aside, then renames the new one into its place: killed between the
+    two, nothing is at the name and the older one waits beside it. The next call puts it back first, so that a
+    failure of its own (a full disk) still leaves the older one there, and a call that succeeds leaves nothing
+    beside."""
+    import run_files
+
+    target = tmp_path / "export"
+
+    def fill(text):
+        return lambda d: (d / "model.safetensors").write_text(text)
+
+    run_files.replace_dir(target, fill("old"))
+    real = os.replace
+
+    def killed_at_the_second_rename(src, dst):
+        if Path(src).name == ".export.tmp":
+            raise KeyboardInterrupt  # what a kill there leaves on disk
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_at_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        run_files.replace_dir(target, fill("new"))
+    monkeypatch.setattr(os, "replace", real)
+    assert not target.exists() and (tmp_path / ".export.old" / "model.safetensors").read_text() == "old"
+
+    def full_disk(d):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        run_files.replace_dir(target, full_disk)
+    assert (target / "model.safetensors").read_text() == "old"
+    run_files.replace_dir(target, fill("new"))
+    assert (target / "model.safetensors").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
 # ------------------------------------------------------------------------------------------- 2. damaged checkpoints
 def flip_a_bit(f: Path) -> None:
     data = bytearray(f.read_bytes())
