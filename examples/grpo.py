@@ -334,8 +334,9 @@ def lines_before(path: Path, step: int) -> list[str]:
     """The lines of metrics.jsonl for the steps before `step`, one per step: what a run resumed at `step` keeps (a
     line cut by a kill, always the last, is not one)."""
     kept: dict[int, str] = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
+    for raw in path.read_bytes().splitlines() if path.exists() else []:
+        try:  # a line damaged on disk (bytes that are not UTF-8 too) is skipped like a cut one
+            line = raw.decode()
             at = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
             continue

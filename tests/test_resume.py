@@ -205,6 +205,19 @@ def test_an_export_killed_between_its_renames_is_put_back_before_the_next_is_wri
     assert (target / "model.safetensors").read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
 
+
+def test_a_metrics_line_damaged_on_disk_is_skipped_like_a_cut_one(tmp_path, caplog):
+    """metrics.jsonl with bytes that are not UTF-8 (a damaged block), a cut line and a line of NULs: a resume keeps
+    the intact lines of the steps before it and names the one it lacks, where it read none of the file before."""
+    import grpo
+
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": k, "loss": 0.5}) for k in range(3)]
+    path.write_bytes(b"\n".join([good[0].encode(), b'{"step": 1, "loss": "\xe9\xff"}', good[2].encode(), b"\0" * 16,
+                                  b'{"step": 3, "lo']))
+    assert grpo.lines_before(path, 3) == [good[0], good[2]]
+    assert "lacks the lines of steps [1]" in caplog.text
+
 # ------------------------------------------------------------------------------------------- 2. damaged checkpoints
 def flip_a_bit(f: Path) -> None:
     data = bytearray(f.read_bytes())
