@@ -206,6 +206,27 @@ def test_an_export_killed_between_its_renames_is_put_back_before_the_next_is_wri
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
 
 
+def test_an_export_that_would_replace_the_runs_own_files_is_refused_before_anything_loads(tmp_path,
+                                                                                          tiny_checkpoint):
+    """--export-hf DIR is replaced whole at the end (moved aside, then removed): DIR being --out, a directory
+    holding it, the model's directory, or a directory of other files would lose the run's checkpoints and metrics,
+    the model it trains from, or whatever was there. Each is refused naming the flag, and nothing is touched."""
+    import grpo
+
+    out, mine = tmp_path / "runs" / "o", tmp_path / "mine"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    common = ["--engine", "hf", "--steps", "1", "--out", str(out), "--model", str(tiny_checkpoint)]
+    for export, said in ((out, f"is --out {out} or holds it"), (tmp_path / "runs", "is --out .* or holds it"),
+                         (tiny_checkpoint, "is the model's directory .* or holds it"),
+                         (mine, "holds files that are no model's \\(notes.txt\\)")):
+        with pytest.raises(SystemExit, match=f"--export-hf {export} {said}"):
+            grpo.main([*common, "--export-hf", str(export)])
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
 def test_a_metrics_line_damaged_on_disk_is_skipped_like_a_cut_one(tmp_path, caplog):
     """metrics.jsonl with bytes that are not UTF-8 (a damaged block), a cut line and a line of NULs: a resume keeps
     the intact lines of the steps before it and names the one it lacks, where it read none of the file before."""
