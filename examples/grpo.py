@@ -325,6 +325,7 @@ def check_resumable(manifest: dict, settings: dict, args) -> None:
     """A checkpoint resumes the run that wrote it: a change to a setting of what it computes (`settings`, against
     those its manifest records) is refused, naming each flag with both values."""
     saved, step = manifest.get("meta", {}).get("settings", {}), manifest["step"]
+    saved = saved if isinstance(saved, dict) else {}  # (not what grpo.py writes: every setting reads as changed)
     unset = "(not used)"
     changed = [f"--{k.replace('_', '-')} {saved.get(k, unset)!r} -> {settings.get(k, unset)!r}"
                for k in COMPUTATION if saved.get(k, unset) != settings.get(k, unset)]

@@ -176,6 +176,9 @@ class Checkpoints:
             manifest = json.loads(listed.read_text())
             version, step = manifest["format"], manifest["step"]
             files = [(e["name"], int(e["rank"]), int(e["bytes"]), int(e["crc32"], 16)) for e in manifest["files"]]
+            if type(step) is not int or not isinstance(manifest.get("meta", {}), dict) or \
+                    not all(isinstance(name, str) for name, *_ in files):  # (a resume counts from the step)
+                raise TypeError("its step is not an integer, a file's name not a string, or its meta not an object")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return [f"{listed}: unreadable ({type(exc).__name__}: {exc})"]
         if version == 2:

@@ -307,6 +307,43 @@ def test_a_checkpoint_of_format_2_is_refused_naming_its_format(tmp_path, worker,
     assert files(out / "checkpoints") == before
 
 
+@pytest.mark.parametrize("junk", [{"step": 2.0}, {"step": True}, {"meta": [1]}, {"files": [{"name": None}]},
+                                  {"files": [{"name": 5}]}], ids=str)
+def test_a_manifest_of_junk_types_is_named_unreadable_and_the_one_before_resumed(tmp_path, junk):
+    """A manifest whose step is no integer (a resume counts from it), whose files' names are no strings, or whose
+    meta is no object: the checkpoint is named unreadable and the one before resumed, never a raw TypeError or
+    AttributeError out of the resume."""
+    import run_files
+
+    root = tmp_path / "checkpoints"
+    checkpoints = run_files.Checkpoints(root, rank=0, world=1)
+
+    def write(d: Path) -> list[Path]:
+        (d / "rank0.pt").write_bytes(b"state")
+        return [d / "rank0.pt"]
+
+    for step in (1, 2):
+        checkpoints.save(step, write, meta={"settings": {}})
+    listed = root / "step-00000002" / run_files.MANIFEST
+    manifest = json.loads(listed.read_text())
+    if "files" in junk:
+        manifest["files"][0].update(junk["files"][0])
+    else:
+        manifest.update(junk)
+    listed.write_text(json.dumps(manifest))
+    assert "unreadable (TypeError: " in " ".join(checkpoints.problems(root / "step-00000002"))
+    assert checkpoints.newest_intact().path.name == "step-00000001"
+
+def test_a_manifest_whose_settings_are_no_object_refuses_the_resume_naming_the_settings():
+    """The manifest's checks pass (its meta is an object) but its settings are not grpo.py's record: nothing can be
+    compared, so the resume is refused as one of other settings, not with an AttributeError."""
+    import grpo
+
+    args = grpo.build_parser().parse_args(["--engine", "hf", "--steps", "3"])
+    grpo.resolve_precision(args)
+    with pytest.raises(SystemExit, match=r"other settings \(--model '\(not used\)' -> None; .*resume with its"):
+        grpo.check_resumable({"step": 2, "meta": {"settings": [1]}}, grpo.computation(args), args)
+
 def test_under_torchrun_a_damaged_file_of_one_rank_sends_every_rank_to_the_checkpoint_before(tmp_path):
     """Two CPU ranks (FSDP2 over gloo): a flipped bit in rank 1's file of the newest checkpoint, which only rank 1
     checksums, is learned by both ranks, which resume together from the checkpoint before: step 1 done again is
