@@ -330,3 +330,31 @@ def test_a_ctrl_c_anywhere_in_an_optimizer_load_keeps_the_model_and_loads_again_
     assert_same_training(snapshot(plain_model, plain.opt if isinstance(plain, HandMasters) else plain),
                          snapshot(model, opt))
     swaprl.detach()
+
+
+def test_two_signals_inside_one_switch_both_reach_their_handlers(tiny_checkpoint):
+    """A Ctrl-C and a SIGTERM whose handler asks the loop to stop, both during one switch: the Ctrl-C comes out once
+    the switch is undone, and the SIGTERM handler has run too (CPython runs every pending handler; the first one's
+    KeyboardInterrupt must not drop the others)."""
+    model, opt = trainer(tiny_checkpoint, "swap")
+    rt = swaprl.attach(model, opt, HFEngine(model), config=config("swap"))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    stop = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+
+    def both(event):
+        if event["type"] == "step" and event["step"] == "offload optimizer":  # once, inside the switch
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGTERM)
+
+    remove = rt.add_listener(both)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with rt.phase("generate"):
+                pytest.fail("the block must not run")
+    finally:
+        remove()
+        signal.signal(signal.SIGTERM, previous)
+    assert stop == [signal.SIGTERM]
+    assert_consistent(rt)
+    swaprl.detach()
