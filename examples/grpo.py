@@ -275,6 +275,8 @@ def check_args(args) -> None:
         problems.append(f"--out {args.out} is a file: give a directory")
     if args.export_hf and Path(args.export_hf).exists() and not Path(args.export_hf).is_dir():
         problems.append(f"--export-hf {args.export_hf} is a file: give a directory (one there is replaced whole)")
+    elif args.export_hf:
+        problems += export_problems(args)
     if args.verify_tolerance:
         try:
             bounds = [float(x) for x in args.verify_tolerance.split(",")]
@@ -296,10 +298,34 @@ def check_args(args) -> None:
         raise SystemExit("; ".join(problems))
 
 
+def model_dir(args) -> Path:
+    """The checkpoint directory the run loads its model from: --model, or the random one of --preset it writes."""
+    name = args.preset + (f"-{args.layers}l" if args.layers else "")
+    return Path(args.model) if args.model else Path(args.checkpoint_dir) / name
+
+
+def export_problems(args) -> list[str]:
+    """What is wrong with --export-hf DIR, which the end of the run replaces whole (moved aside and removed, not
+    written into as save_pretrained does): DIR may not be --out or the model's directory, nor hold either, and a
+    directory there must be a model's already (a config.json), not one of other files."""
+    export = Path(args.export_hf).resolve()
+    for what, kept in (("--out", args.out), ("the model's directory", model_dir(args))):
+        kept = Path(kept).resolve() if kept else None
+        if kept is not None and (export == kept or export in kept.parents):
+            return [(f"--export-hf {args.export_hf} is {what} {kept} or holds it, and the export replaces that "
+                     "directory whole at the end: give a directory of its own (inside --out is fine)")]
+    if export.is_dir() and not (export / "config.json").is_file() and (found := sorted(export.iterdir())):
+        listed = ", ".join(f.name for f in found[:3]) + (", ..." if len(found) > 3 else "")
+        return [(f"--export-hf {args.export_hf} holds files that are no model's ({listed}), and the export replaces "
+                 "the directory whole at the end: give a new directory, or an earlier export to replace")]
+    return []
+
+
 def check_resumable(manifest: dict, settings: dict, args) -> None:
     """A checkpoint resumes the run that wrote it: a change to a setting of what it computes (`settings`, against
     those its manifest records) is refused, naming each flag with both values."""
     saved, step = manifest.get("meta", {}).get("settings", {}), manifest["step"]
+    saved = saved if isinstance(saved, dict) else {}  # (not what grpo.py writes: every setting reads as changed)
     unset = "(not used)"
     changed = [f"--{k.replace('_', '-')} {saved.get(k, unset)!r} -> {settings.get(k, unset)!r}"
                for k in COMPUTATION if saved.get(k, unset) != settings.get(k, unset)]
@@ -334,8 +360,9 @@ def lines_before(path: Path, step: int) -> list[str]:
     """The lines of metrics.jsonl for the steps before `step`, one per step: what a run resumed at `step` keeps (a
     line cut by a kill, always the last, is not one)."""
     kept: dict[int, str] = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
+    for raw in path.read_bytes().splitlines() if path.exists() else []:
+        try:  # a line damaged on disk (bytes that are not UTF-8 too) is skipped like a cut one
+            line = raw.decode()
             at = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
             continue
@@ -473,7 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="at the end, write the trained model to DIR as a transformers checkpoint (config, "
                          "safetensors in the model's dtype, cast from the fp32 masters with --master-weights, "
                          "generation config, the tokenizer files of the model's checkpoint), which "
-                         "AutoModelForCausalLM.from_pretrained and vLLM load; written beside and renamed")
+                         "AutoModelForCausalLM.from_pretrained and vLLM load; written beside and renamed, so an "
+                         "earlier DIR is replaced whole (DIR may not be --out, the model's directory, or one of other "
+                         "files)")
     ap.add_argument("--resume", action="store_true",
                     help="continue from the newest intact checkpoint under OUT/checkpoints (its files checked "
                          "against its manifest; a change to a setting of the computation is refused)")
@@ -643,8 +672,7 @@ def _run(argv: list[str] | None, undo: list) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     # This run's profile and report, under names no earlier run of this directory took.
     stem = run_stem(out, resumed_step, world) if out else None
-    name = args.preset + (f"-{args.layers}l" if args.layers else "")
-    path = Path(args.model) if args.model else Path(args.checkpoint_dir) / name
+    path = model_dir(args)
     if not args.model and rank == 0:
         write_random_checkpoint(args.preset, path, layers=args.layers, seed=args.seed)
     if world > 1:
@@ -846,7 +874,7 @@ def _run(argv: list[str] | None, undo: list) -> dict:
             close()
             undo.remove(close)
     if args.export_hf:
-        export_hf(Path(args.export_hf), model, optimizer, path, rank)
+        export_hf(Path(args.export_hf).resolve(), model, optimizer, path, rank)  # ("." has no name to rename)
     if not rt.status()["optimizer_homes"]["host"]:
         swaprl.detach()
     # else: detach() would bring the host-resident states back to the GPU for plain torch, and they were put on the

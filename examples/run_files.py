@@ -2,8 +2,9 @@
 file passes for a good one: examples/grpo.py's checkpoints and the files it rewrites.
 
 - `replace_file` and `replace_dir` write a file or a directory whole, beside its final name, and rename it there:
-  a process killed at any point leaves the old one or the new one, never a cut one; fsynced before the rename, so
-  that a machine losing power does not leave a renamed empty file either.
+  a process killed at any point leaves the old one or the new one, never a cut one (a directory killed between
+  its two renames waits beside its name, and the next `replace_dir` puts it back first); fsynced before the
+  rename, so that a machine losing power does not leave a renamed empty file either.
 - `Checkpoints`: one directory per step, written under a temporary name and renamed once every rank's files and the
   manifest are on disk. The manifest lists each file with its size and CRC-32; a resume checks them before it reads
   anything, and goes on from the newest checkpoint that is intact, saying what is wrong with each newer one.
@@ -88,9 +89,12 @@ def replace_file(path: Path, data: str | bytes) -> None:
 
 def replace_dir(path: Path, fill: Callable[[Path], object]) -> None:
     """Fill a directory in `.NAME.tmp` beside `path` with `fill(dir)`, then rename it to `path` (an older one of that
-    name is moved aside first and removed after)."""
+    name is moved aside first and removed after). A run killed between the two renames left the older one aside,
+    with nothing at `path`: it is put back first, so that this call failing in turn still leaves it there."""
     tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
-    for stale in (tmp, old):  # a run killed while it wrote
+    if old.exists() and not path.exists():
+        os.replace(old, path)
+    for stale in (tmp, old):  # a run killed while it wrote, or after the second rename
         if stale.exists():
             shutil.rmtree(stale)
     tmp.mkdir()
@@ -172,6 +176,9 @@ class Checkpoints:
             manifest = json.loads(listed.read_text())
             version, step = manifest["format"], manifest["step"]
             files = [(e["name"], int(e["rank"]), int(e["bytes"]), int(e["crc32"], 16)) for e in manifest["files"]]
+            if type(step) is not int or not isinstance(manifest.get("meta", {}), dict) or \
+                    not all(isinstance(name, str) for name, *_ in files):  # (a resume counts from the step)
+                raise TypeError("its step is not an integer, a file's name not a string, or its meta not an object")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return [f"{listed}: unreadable ({type(exc).__name__}: {exc})"]
         if version == 2:

@@ -40,6 +40,12 @@ def check_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, conf
                          "the optimizer from this model's parameters, e.g. AdamW(model.parameters()), after any "
                          "wrapping or moving of the model")
     check_trainable(model, model_device(model))
+    if (config.master_weights or masters is not None) and torch.is_inference_mode_enabled():
+        # The masters attach makes (or places on the device) would be inference tensors: torch refuses any in-place
+        # update of one outside inference mode, so the first optimizer step would fail.
+        raise RuntimeError("swaprl.attach() with fp32 master weights inside torch.inference_mode(): the masters it "
+                           "makes there would be inference tensors, which no optimizer step outside that block may "
+                           "update; attach outside the inference_mode() block (inside torch.no_grad() is fine)")
     sparse = [f"{name}.weight" for name, m in model.named_modules()
               if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse and m.weight.requires_grad]
     if sparse:

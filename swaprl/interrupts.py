@@ -81,11 +81,23 @@ class held:
             _pending.clear()
             _delivering = True
             try:
-                for number, (handler, frame) in arrived:
-                    handler(number, frame)  # KeyboardInterrupt, or what the handler raises, from here
+                _run_handlers(arrived)  # KeyboardInterrupt, or what the handler raises, from here
             finally:
                 _delivering = False
         return False
+
+
+def _run_handlers(arrived: list[tuple[int, tuple[Callable, FrameType | None]]]) -> None:
+    """Each handler in turn; one that raises (Ctrl-C's) still lets the others run, as CPython runs the signals
+    still pending at its next check: a SIGTERM handler that asks the loop to stop is not lost to a Ctrl-C that came
+    during the same section. What a handler raises comes out once all have run (a later one's exception with the
+    earlier one as its context)."""
+    if arrived:
+        (number, (handler, frame)), *rest = arrived
+        try:
+            handler(number, frame)
+        finally:
+            _run_handlers(rest)
 
 
 @protected

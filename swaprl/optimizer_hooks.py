@@ -120,9 +120,13 @@ class OptimizerHooks:
         return self._plain["zero_grad"](set_to_none)
 
     def _load_state_dict(self, state_dict: dict):
-        if self.streamer is not None:
-            return self.streamer.load_state_dict(self._plain["load_state_dict"], state_dict)
-        return self._plain["load_state_dict"](state_dict)
+        # Held as a step is: the streamed load points each parameter's data at an empty host tensor for its length,
+        # and the masters and the host buffer take the loaded values after torch's load; an interrupt in between
+        # would leave the model without its weights, or the masters and states apart.
+        with interrupts.held("loading the optimizer's state dict"):
+            if self.streamer is not None:
+                return self.streamer.load_state_dict(self._plain["load_state_dict"], state_dict)
+            return self._plain["load_state_dict"](state_dict)
 
     # ---------------------------------------------------------------- the hooks
     def _step_pre_hook(self, optimizer, args, kwargs) -> None:

@@ -272,8 +272,6 @@ class PhaseMachine:
             logger.warning("%s failed at step %r (%s); undoing %d completed step(s)", transition, step.name,
                            type(exc).__name__, len(undo))
             exc.swaprl_failed_at = at  # which step failed, for the switch's retry
-            self._emit({"type": "error", "transition": transition, "step": step.name,
-                        "error": f"{type(exc).__name__}: {exc}"[:500]})
             failed = undo.run()
             if failed:
                 # Where each resource is stays recorded as it is (status() tells it); the next phase entry moves
@@ -287,6 +285,9 @@ class PhaseMachine:
                 torch.cuda.empty_cache()  # what the undone steps freed goes back to the driver, as before the switch
             if not failed and isinstance(exc, torch.OutOfMemoryError):  # undone whole: what would give it room
                 exc.add_note(switch_out_of_memory(transition, step.name))
+            # Once rolled back: a listener that exits or raises KeyboardInterrupt here must not cut the undo short.
+            self._emit({"type": "error", "transition": transition, "step": step.name,
+                        "error": f"{type(exc).__name__}: {exc}"[:500]})
             raise
         for commit in committed:
             commit()
@@ -356,19 +357,26 @@ class PhaseMachine:
 class PhaseBlock:
     """`with runtime.phase(name):`, a class rather than a generator so that nothing runs between the switch into
     `name` and the block being entered, or between the block's end and the switch back, that an interrupt could
-    land in (a generator's `__enter__` returns through `next()`, where CPython checks for signals)."""
+    land in (a generator's `__enter__` returns through `next()`, where CPython checks for signals). One object may
+    be entered again once its block has ended (`block = rt.phase("generate")`, then `with block:` at every step),
+    not inside its own block: what it returns to is kept per entry."""
 
-    __slots__ = ("machine", "name", "previous", "took", "counted")
+    __slots__ = ("machine", "name", "previous", "took", "counted", "inside")
 
     def __init__(self, machine: PhaseMachine, name: Phase) -> None:
         self.machine, self.name = machine, name
         self.previous: Phase | None = None  # the phase the block returns to, once known
-        self.took = self.counted = False
+        self.took = self.counted = self.inside = False
 
     def __enter__(self) -> PhaseMachine:
         m = self.machine
+        if self.inside:  # before anything changes: a second entry would overwrite what the first one returns to
+            raise PhaseError(f"this `with phase({self.name!r})` block object is entered already (it was entered "
+                             "again inside its own block); nest a new one: `with runtime.phase(...)` creates one "
+                             "per block")
         try:
             with interrupts.held(f"switching into {self.name!r}"):
+                self.inside = True
                 self.took = m._take_phases()
                 if m._unsettled is not None and self.name == m._phase:  # a switch to the other phase does it too
                     m._settle()
@@ -409,6 +417,8 @@ class PhaseBlock:
             self._release()
 
     def _release(self) -> None:
+        self.counted = self.inside = False  # this entry is over: the object may be entered again
+        self.previous = None
         if self.took:
             self.took = False
             self.machine._owner = None

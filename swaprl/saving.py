@@ -195,7 +195,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if not (path / METADATA).is_file():
         raise ValueError(f"{path} has no {METADATA}: not a checkpoint of swaprl.saving.save (a torch.distributed."
                          "checkpoint), or one whose save never completed")
-    index = FileSystemReader(path).read_metadata()
+    try:
+        index = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # a pickle cut short or overwritten: UnpicklingError, EOFError, and whatever it decodes to
+        raise ValueError(f"{path / METADATA} cannot be read ({type(exc).__name__}: {exc}): it is damaged (cut "
+                         "short, or overwritten); load a checkpoint whose files are intact") from exc
     saved = index.state_dict_metadata
     if "swaprl" not in saved:
         raise ValueError(f"{path} is a torch.distributed.checkpoint without swaprl.saving's record: written by "
@@ -450,8 +454,10 @@ def _set_random_streams(streams: dict) -> None:
 def _reraised(fn: Callable[[], object], rank: int) -> object:
     """`fn()`, a DCP call: DCP gathers every rank's failure into a CheckpointException, a BaseException that an
     `except Exception` would let through; this raises the failure itself (this rank's, else the first rank's), with
-    its errno and file name where it has them. Without a process group DCP warns that it assumes one process, at
-    every call: that is what is meant here."""
+    its errno and file name where it has them. A failure caused by an interrupt (a Ctrl-C, or what a signal's
+    handler raised: not an `Exception`) raises the interrupt: inside torch.save's zip writer it comes out as that
+    writer's RuntimeError ("unexpected pos"), which would pass a Ctrl-C off as a write error. Without a process
+    group DCP warns that it assumes one process, at every call: that is what is meant here."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -460,4 +466,8 @@ def _reraised(fn: Callable[[], object], rank: int) -> object:
         failures = exc.failures
         first = failures.get(rank) or failures[min(failures)]
         error = first[0] if isinstance(first, tuple) else first
-        raise error from None
+        cause, seen = error, set()
+        while isinstance(cause, Exception) and id(cause) not in seen:
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        raise (cause if cause is not None and not isinstance(cause, Exception) else error) from None

@@ -333,6 +333,55 @@ def test_detach_from_another_thread_during_a_block_is_refused_naming_the_owner(t
     assert rt.detach()["host_released_bytes"] > 0  # once the block ended
 
 
+
+def test_a_listener_that_exits_on_the_error_event_does_not_cut_the_rollback_short(tiny_checkpoint):
+    """A listener that stops the run when a switch fails (`sys.exit` on the "error" event): the switch is undone
+    whole before the listener hears of it, so the runtime is back in train with every state where train wants it,
+    and training goes on."""
+    model, opt, rt = trained(tiny_checkpoint)
+    states = [t.clone() for t in states_of(opt)]
+
+    def exit_on_error(event):
+        if event["type"] == "error":
+            raise SystemExit(f"swaprl: {event['error']}")
+
+    removes = [fail_after(rt, "offload grads"), rt.add_listener(exit_on_error)]
+    with pytest.raises(SystemExit, match="Fault: offload grads"):
+        with rt.phase("generate"):
+            pytest.fail("the block must not run when entering the phase failed")
+    for remove in removes:
+        remove()
+    st = rt.status()
+    assert rt.current_phase == "train" and "unsettled" not in st
+    assert st["optimizer"]["location"] == "device" and st["optimizer"]["host_bytes"] == 0, st["optimizer"]
+    for t, s in zip(states_of(opt), states):
+        torch.testing.assert_close(t, s, rtol=0, atol=0)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+
+
+def test_one_phase_block_entered_again_returns_where_each_entry_came_from(tiny_checkpoint):
+    """`block = rt.phase("generate")` kept and entered at every step: an entry that fails leaves nothing counted
+    (detach works), and the block entered inside itself is refused before anything moves (it would overwrite
+    where the outer entry returns to, leaving the runtime in generate, its phases held, once both ended)."""
+    model, opt, rt = trained(tiny_checkpoint)
+    block = rt.phase("generate")
+    with block:
+        pass
+    remove = fail_after(rt, "offload grads")
+    with pytest.raises(Fault):
+        with block:
+            pytest.fail("the block must not run when entering the phase failed")
+    remove()
+    with block:
+        assert rt.current_phase == "generate"
+        with pytest.raises(swaprl.PhaseError, match="entered already.*nest a new one"):
+            with block:
+                pytest.fail("the block must not run inside itself")
+        assert rt.current_phase == "generate"
+    assert rt.current_phase == "train" and rt.status()["optimizer"]["location"] == "device"
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    assert rt.detach()["host_released_bytes"] > 0  # nothing left counted as inside a block
+
 # ---------------------------------------------------------------- threads
 def test_phases_from_a_second_thread_are_refused_naming_the_owner(tiny_checkpoint):
     model = load(tiny_checkpoint)

@@ -1,5 +1,6 @@
-"""A Ctrl-C at any point of a switch, an attach, a detach, a master install or an optimizer step leaves the runtime
-telling the truth, the next phase working, and training bit for bit what plain torch trains (`swaprl.interrupts`).
+"""A Ctrl-C at any point of a switch, an attach, a detach, a master install, an optimizer step or an optimizer load
+leaves the runtime telling the truth, the next phase working, and training bit for bit what plain torch trains
+(`swaprl.interrupts`).
 
 A real SIGINT is sent to the process at the n-th function entry or C return of the code under test (a profile
 hook: deterministic), for n over the whole of it; Python's own handler raises KeyboardInterrupt wherever the main
@@ -11,6 +12,7 @@ kinds of outcome occurred. A real timer then interrupts many cycles at random po
 
 from __future__ import annotations
 
+import copy
 import logging
 import signal
 import sys
@@ -90,6 +92,42 @@ def interrupted_at(n: int, fn) -> bool:
         return True
     finally:
         sys.setprofile(None)
+    return False
+
+
+def lines_run(fn, files: tuple[str, ...], *, interrupt_at: int | None = None) -> int:
+    """Run `fn()`; returns the lines and instructions it ran in the files of swaprl named `files`. With
+    `interrupt_at` n, a SIGINT is sent at the n-th: finer than `interrupted_at`, since a loop of attribute stores
+    makes no function entry or C return, yet CPython checks for signals at each of its backward jumps."""
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if not frame.f_code.co_filename.endswith(files):
+            return None
+        frame.f_trace_opcodes = True
+        count += event in ("line", "opcode")
+        if count == interrupt_at:
+            sys.settrace(None)
+            signal.raise_signal(signal.SIGINT)
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def interrupted_at_line(n: int, fn, files: tuple[str, ...]) -> bool:
+    """`fn()` with a SIGINT sent at its n-th line or instruction in `files` (`lines_run`); True if KeyboardInterrupt
+    came out, False if it ran fewer than n (nothing was sent)."""
+    try:
+        ran = lines_run(fn, files, interrupt_at=n)
+    except KeyboardInterrupt:
+        return True
+    assert ran < n, f"the SIGINT sent at line event {n} never came out"
     return False
 
 
@@ -261,4 +299,62 @@ def test_a_timer_interrupting_many_cycles_leaves_the_runtime_true_and_training_e
         signal.signal(signal.SIGALRM, previous)
     assert hits > 0
     assert_same_training(snapshot(plain_model, plain.opt), snapshot(model, opt))
+    swaprl.detach()
+
+
+@pytest.mark.parametrize("kind", ["host", "masters"])
+def test_a_ctrl_c_anywhere_in_an_optimizer_load_keeps_the_model_and_loads_again_exactly(tiny_checkpoint, kind):
+    """`optimizer.load_state_dict` with the states homed in host memory points each parameter's data at an empty
+    host tensor for the length of torch's load, and the masters and the host buffer take the loaded values after
+    it: a Ctrl-C at any line of swaprl's part of it leaves the model's weights as they were and the runtime true,
+    and the load done again trains as plain torch does."""
+    plain_model, plain = plain_twin(tiny_checkpoint, kind)
+    model, opt = trainer(tiny_checkpoint, kind)
+    rt = swaprl.attach(model, opt, HFEngine(model), config=config(kind))
+    grpo.run(plain_model, plain, HFEngine(plain_model), steps=1)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    saved = copy.deepcopy(opt.state_dict())
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    files = ("swaprl/optimizer_hooks.py", "swaprl/streaming.py", "swaprl/master.py")
+    total = lines_run(lambda: opt.load_state_dict(saved), files)
+    raised = 0
+    for n in range(1, total + 1, max(total // 80, 1)):
+        raised += interrupted_at_line(n, lambda: opt.load_state_dict(saved), files)
+        now = model.state_dict()
+        assert all(now[k].shape == w.shape and torch.equal(now[k], w) for k, w in weights.items()), n
+        assert_consistent(rt)
+    assert raised > 60, raised
+    opt.load_state_dict(saved)
+    grpo.run(plain_model, plain, HFEngine(plain_model), steps=1, first=1)
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt, first=1)
+    assert_same_training(snapshot(plain_model, plain.opt if isinstance(plain, HandMasters) else plain),
+                         snapshot(model, opt))
+    swaprl.detach()
+
+
+def test_two_signals_inside_one_switch_both_reach_their_handlers(tiny_checkpoint):
+    """A Ctrl-C and a SIGTERM whose handler asks the loop to stop, both during one switch: the Ctrl-C comes out once
+    the switch is undone, and the SIGTERM handler has run too (CPython runs every pending handler; the first one's
+    KeyboardInterrupt must not drop the others)."""
+    model, opt = trainer(tiny_checkpoint, "swap")
+    rt = swaprl.attach(model, opt, HFEngine(model), config=config("swap"))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    stop = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+
+    def both(event):
+        if event["type"] == "step" and event["step"] == "offload optimizer":  # once, inside the switch
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGTERM)
+
+    remove = rt.add_listener(both)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with rt.phase("generate"):
+                pytest.fail("the block must not run")
+    finally:
+        remove()
+        signal.signal(signal.SIGTERM, previous)
+    assert stop == [signal.SIGTERM]
+    assert_consistent(rt)
     swaprl.detach()

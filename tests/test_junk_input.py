@@ -205,6 +205,32 @@ def test_every_kind_of_malformed_record_is_skipped_and_the_rest_reported(tmp_pat
     assert "| rank 0 | train->generate | offload optimizer |" in md
 
 
+@pytest.mark.parametrize("kind, field, value, expected", [
+    ("phase", "bytes", -10**12, '"bytes" is -1000000000000, expected an integer of bytes, 0 or more'),
+    ("phase", "seconds", -1.0, '"seconds" is -1.0, expected a number of seconds, 0 or more'),
+    ("step", "seconds", -0.5, '"seconds" is -0.5, expected a number of seconds, 0 or more'),
+    ("step", "bytes", -4096, '"bytes" is -4096, expected an integer of bytes, 0 or more')])
+def test_a_negative_size_or_duration_is_skipped_not_reported(tmp_path, caplog, kind, field, value, expected):
+    """No recorder writes a negative size or duration: such a record is junk, skipped and named, never a table row
+    of -931 GiB moved in -1 s. The attribution's categories may be negative ("unattributed" when the others
+    overcount), and stay accepted."""
+    from swaprl.profile.report import load_run, write_report
+
+    path = synthetic_profile(tmp_path / "run.jsonl")
+    number, rec = line_of(path, kind, 1)
+    rewrite(path, {number: rec | {field: value}})
+    run = load_run(path)
+    (warning,) = report_warnings(caplog)
+    assert warning.startswith(f"run.jsonl line {number}: ") and expected in warning, warning
+    write_report([run], tmp_path / "rep")
+    assert "-931" not in (tmp_path / "rep" / "report.md").read_text()
+    caplog.clear()
+    number, rec = line_of(path, "phase", 0)
+    categories = rec["attribution"]["categories"] | {"unattributed": -2**20}
+    rewrite(path, {number: rec | {"attribution": rec["attribution"] | {"categories": categories}}})
+    load_run(path)
+    assert not [w for w in report_warnings(caplog) if f"line {number}:" in w]
+
 def test_a_profile_with_no_usable_record_is_refused(tmp_path, capsys, caplog):
     path = synthetic_profile(tmp_path / "run.jsonl")
     header, *body = path.read_text().splitlines()

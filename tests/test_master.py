@@ -334,6 +334,19 @@ def test_a_group_added_after_attach_is_refused_at_the_step(tiny_checkpoint):
     swaprl.detach()
 
 
+def test_attach_with_masters_inside_inference_mode_is_refused_and_changes_nothing(tiny_checkpoint):
+    """Masters made inside `torch.inference_mode()` would be inference tensors, which torch lets no step outside it
+    update: refused naming the fix, before the optimizer is touched; outside it the same attach trains."""
+    model = load_bf16(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"inside torch.inference_mode\(\).*attach "
+                                                                   r"outside the inference_mode\(\) block"):
+        swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True))
+    assert masters_of(opt) is None and "step" not in vars(opt)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(master_weights=True))
+    grpo.run(model, opt, rt.engine, steps=1, runtime=rt)
+    swaprl.detach()
+
 def test_fp16_is_refused_naming_bf16(tiny_checkpoint):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float16)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -168,6 +168,77 @@ def test_a_run_killed_while_it_writes_its_summary_and_report_leaves_none_half_wr
             assert {"report.md", "report.html"} <= {f.name for f in report.iterdir()}, (k, report)
 
 
+
+def test_an_export_killed_between_its_renames_is_put_back_before_the_next_is_written(tmp_path, monkeypatch):
+    """`replace_dir` moves the older directory aside, then renames the new one into its place: killed between the
+    two, nothing is at the name and the older one waits beside it. The next call puts it back first, so that a
+    failure of its own (a full disk) still leaves the older one there, and a call that succeeds leaves nothing
+    beside."""
+    import run_files
+
+    target = tmp_path / "export"
+
+    def fill(text):
+        return lambda d: (d / "model.safetensors").write_text(text)
+
+    run_files.replace_dir(target, fill("old"))
+    real = os.replace
+
+    def killed_at_the_second_rename(src, dst):
+        if Path(src).name == ".export.tmp":
+            raise KeyboardInterrupt  # what a kill there leaves on disk
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_at_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        run_files.replace_dir(target, fill("new"))
+    monkeypatch.setattr(os, "replace", real)
+    assert not target.exists() and (tmp_path / ".export.old" / "model.safetensors").read_text() == "old"
+
+    def full_disk(d):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        run_files.replace_dir(target, full_disk)
+    assert (target / "model.safetensors").read_text() == "old"
+    run_files.replace_dir(target, fill("new"))
+    assert (target / "model.safetensors").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+def test_an_export_that_would_replace_the_runs_own_files_is_refused_before_anything_loads(tmp_path,
+                                                                                          tiny_checkpoint):
+    """--export-hf DIR is replaced whole at the end (moved aside, then removed): DIR being --out, a directory
+    holding it, the model's directory, or a directory of other files would lose the run's checkpoints and metrics,
+    the model it trains from, or whatever was there. Each is refused naming the flag, and nothing is touched."""
+    import grpo
+
+    out, mine = tmp_path / "runs" / "o", tmp_path / "mine"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    common = ["--engine", "hf", "--steps", "1", "--out", str(out), "--model", str(tiny_checkpoint)]
+    for export, said in ((out, f"is --out {out} or holds it"), (tmp_path / "runs", "is --out .* or holds it"),
+                         (tiny_checkpoint, "is the model's directory .* or holds it"),
+                         (mine, "holds files that are no model's \\(notes.txt\\)")):
+        with pytest.raises(SystemExit, match=f"--export-hf {export} {said}"):
+            grpo.main([*common, "--export-hf", str(export)])
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+def test_a_metrics_line_damaged_on_disk_is_skipped_like_a_cut_one(tmp_path, caplog):
+    """metrics.jsonl with bytes that are not UTF-8 (a damaged block), a cut line and a line of NULs: a resume keeps
+    the intact lines of the steps before it and names the one it lacks, where it read none of the file before."""
+    import grpo
+
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": k, "loss": 0.5}) for k in range(3)]
+    path.write_bytes(b"\n".join([good[0].encode(), b'{"step": 1, "loss": "\xe9\xff"}', good[2].encode(), b"\0" * 16,
+                                  b'{"step": 3, "lo']))
+    assert grpo.lines_before(path, 3) == [good[0], good[2]]
+    assert "lacks the lines of steps [1]" in caplog.text
+
 # ------------------------------------------------------------------------------------------- 2. damaged checkpoints
 def flip_a_bit(f: Path) -> None:
     data = bytearray(f.read_bytes())
@@ -235,6 +306,43 @@ def test_a_checkpoint_of_format_2_is_refused_naming_its_format(tmp_path, worker,
     assert "resume them with the grpo.py that wrote them" in said, said
     assert files(out / "checkpoints") == before
 
+
+@pytest.mark.parametrize("junk", [{"step": 2.0}, {"step": True}, {"meta": [1]}, {"files": [{"name": None}]},
+                                  {"files": [{"name": 5}]}], ids=str)
+def test_a_manifest_of_junk_types_is_named_unreadable_and_the_one_before_resumed(tmp_path, junk):
+    """A manifest whose step is no integer (a resume counts from it), whose files' names are no strings, or whose
+    meta is no object: the checkpoint is named unreadable and the one before resumed, never a raw TypeError or
+    AttributeError out of the resume."""
+    import run_files
+
+    root = tmp_path / "checkpoints"
+    checkpoints = run_files.Checkpoints(root, rank=0, world=1)
+
+    def write(d: Path) -> list[Path]:
+        (d / "rank0.pt").write_bytes(b"state")
+        return [d / "rank0.pt"]
+
+    for step in (1, 2):
+        checkpoints.save(step, write, meta={"settings": {}})
+    listed = root / "step-00000002" / run_files.MANIFEST
+    manifest = json.loads(listed.read_text())
+    if "files" in junk:
+        manifest["files"][0].update(junk["files"][0])
+    else:
+        manifest.update(junk)
+    listed.write_text(json.dumps(manifest))
+    assert "unreadable (TypeError: " in " ".join(checkpoints.problems(root / "step-00000002"))
+    assert checkpoints.newest_intact().path.name == "step-00000001"
+
+def test_a_manifest_whose_settings_are_no_object_refuses_the_resume_naming_the_settings():
+    """The manifest's checks pass (its meta is an object) but its settings are not grpo.py's record: nothing can be
+    compared, so the resume is refused as one of other settings, not with an AttributeError."""
+    import grpo
+
+    args = grpo.build_parser().parse_args(["--engine", "hf", "--steps", "3"])
+    grpo.resolve_precision(args)
+    with pytest.raises(SystemExit, match=r"other settings \(--model '\(not used\)' -> None; .*resume with its"):
+        grpo.check_resumable({"step": 2, "meta": {"settings": [1]}}, grpo.computation(args), args)
 
 def test_under_torchrun_a_damaged_file_of_one_rank_sends_every_rank_to_the_checkpoint_before(tmp_path):
     """Two CPU ranks (FSDP2 over gloo): a flipped bit in rank 1's file of the newest checkpoint, which only rank 1

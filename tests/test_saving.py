@@ -209,6 +209,47 @@ def test_a_load_of_another_model_is_refused_naming_what_differs_and_changes_noth
         saving.load(tmp_path, plain, plain_optimizer)
 
 
+
+def test_a_ctrl_c_anywhere_in_a_save_comes_out_as_a_ctrl_c_and_the_save_done_again_resumes(tiny_checkpoint,
+                                                                                          tmp_path):
+    """A SIGINT at any point of `save` (torch.distributed.checkpoint gathers every failure, and inside torch.save's
+    zip writer a KeyboardInterrupt comes out as the writer's "unexpected pos" RuntimeError): what comes out is the
+    KeyboardInterrupt, never a write error; the runtime stays true, and a save done again loads bit for bit."""
+    from .grpo import run
+    from .test_interrupts import assert_consistent, cases, events, interrupted_at
+
+    model, optimizer, rt = trained(tiny_checkpoint, steps=1)
+    total = events(lambda: saving.save(tmp_path / "probe", model, optimizer))
+    raised = 0
+    for n in cases(total, 40):
+        raised += interrupted_at(n, lambda: saving.save(tmp_path / f"cut{n}", model, optimizer))
+        assert_consistent(rt)
+    assert raised >= 35, raised
+    saving.save(tmp_path / "ck", model, optimizer, extra={"step": 1})
+
+    def now() -> dict:
+        return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                "optimizer": {str(i): {k: v.clone() for k, v in st.items()}
+                              for i, st in optimizer.state_dict()["state"].items()}}
+
+    saved = now()
+    run(model, optimizer, rt.engine, steps=1, runtime=rt, first=1)
+    assert saving.load(tmp_path / "ck", model, optimizer).extra == {"step": 1}
+    assert_same(now(), saved)
+
+
+@pytest.mark.parametrize("damage", ["cut short", "overwritten", "emptied"])
+def test_a_damaged_index_is_refused_naming_the_file(tiny_checkpoint, tmp_path, damage):
+    """DCP's .metadata (a pickle) cut short or overwritten: a ValueError naming the file and what is wrong, not the
+    unpickler's own error."""
+    model, optimizer, _ = trained(tiny_checkpoint, steps=0)
+    saving.save(tmp_path / "ck", model, optimizer)
+    index = tmp_path / "ck" / saving.METADATA
+    data = index.read_bytes()
+    index.write_bytes({"cut short": data[: len(data) // 2], "overwritten": b"\x80\x04junk" * 8, "emptied": b""}[damage])
+    with pytest.raises(ValueError, match=r"\.metadata cannot be read \(.*\): it is damaged"):
+        saving.load(tmp_path / "ck", model, optimizer)
+
 # ---------------------------------------------------------------- vLLM
 @pytest.mark.vllm
 def test_an_export_loads_in_vllm_and_scores_within_its_rounding(tiny_checkpoint, tmp_path):

@@ -114,8 +114,12 @@ def _is_number(v: object) -> bool:
 _KINDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "number": (_is_number, "a number"),
     "integer": (lambda v: _is_number(v) and isinstance(v, int), "an integer"),
-    # the recorder writes sizes as integers; a fraction of a byte would let a rate's floor round to zero
-    "bytes": (lambda v: _is_number(v) and isinstance(v, int), "an integer of bytes"),
+    # the recorder writes sizes as integers; a fraction of a byte would let a rate's floor round to zero. Sizes and
+    # durations are never negative (a report of -931 GiB moved in -1 s is the file's fault, not a figure); only the
+    # attribution's categories may be ("unattributed" when the others overcount).
+    "bytes": (lambda v: _is_number(v) and isinstance(v, int) and v >= 0, "an integer of bytes, 0 or more"),
+    "signed bytes": (lambda v: _is_number(v) and isinstance(v, int), "an integer of bytes"),
+    "seconds": (lambda v: _is_number(v) and v >= 0, "a number of seconds, 0 or more"),
     "string": (lambda v: isinstance(v, str), "a string"),
     "boolean": (lambda v: isinstance(v, bool), "true or false"),
     "phase": (lambda v: v in ("train", "generate"), '"train" or "generate"'),
@@ -125,8 +129,8 @@ _BANDWIDTH = {key: _opt("number", null=True) for key in ("h2d_GBps", "d2h_GBps",
 _PEAKS = {"torch_peak_allocated": _opt("bytes"), "torch_peak_reserved": _opt("bytes")}
 _BUFFER = {"name": "string", "bytes": "bytes", "locked_bytes": "bytes", "background": _opt("boolean", null=True),
            "lock_span": _opt("pair", null=True),
-           **{key: _opt("number", null=True) for key in ("lock_seconds", "waited_seconds", "attach_waited_seconds")}}
-_HEADER = {"rank": _opt("integer"), "t0": _opt("number"), "interval_s": _opt("number"),
+           **{key: _opt("seconds", null=True) for key in ("lock_seconds", "waited_seconds", "attach_waited_seconds")}}
+_HEADER = {"rank": _opt("integer"), "t0": _opt("number"), "interval_s": _opt("seconds"),
            "copy_bandwidth": _opt(_BANDWIDTH, null=True), "device_total": _opt("bytes", null=True),
            "device_used_source": _opt("string", null=True), "alloc_conf": _opt("string", null=True),
            "nvml": _opt("boolean"), "engine_lends": _opt("boolean"),
@@ -134,11 +138,11 @@ _HEADER = {"rank": _opt("integer"), "t0": _opt("number"), "interval_s": _opt("nu
 _RECORDS: dict[str, dict] = {
     "sample": {"t": "number", **{key: _opt("bytes") for key in ("host_rss", "host_buffers", "device_used",
                                                                  "torch_allocated", "torch_reserved")}},
-    "step": {"t": "number", "transition": "string", "step": "string", "bytes": "bytes", "seconds": "number",
-             "span_seconds": _opt("number"), "issued": _opt("boolean"), "h2d_bytes": _opt("bytes"),
+    "step": {"t": "number", "transition": "string", "step": "string", "bytes": "bytes", "seconds": "seconds",
+             "span_seconds": _opt("seconds"), "issued": _opt("boolean"), "h2d_bytes": _opt("bytes"),
              "d2h_bytes": _opt("bytes"), "chunks": _opt("integer")},
     "phase": {"t": "number", "phase": "phase", "from": _Field("phase", null=True), "cycle": _opt("integer", null=True),
-              "seconds": "number", "bytes": "bytes", "host_rss": _opt("bytes", null=True),
+              "seconds": "seconds", "bytes": "bytes", "host_rss": _opt("bytes", null=True),
               "status": {"host_buffers": _opt({"buffers": _opt([_BUFFER])}),
                          "device_memory": _opt({"torch_reserved": _opt("bytes"), "torch_allocated": _opt("bytes")},
                                                null=True)},
@@ -146,8 +150,8 @@ _RECORDS: dict[str, dict] = {
                               "notes": _opt(["string"])},
               "torch_private_free": _opt("bytes"), **_PEAKS},
     "sync": {"t": "number", "cycle": _opt("integer", null=True), "weights": _opt("string"),
-             "differing": _opt(["string"], null=True), "verify_seconds": "number",
-             **{key: _opt("number", null=True) for key in ("sync_seconds", "mismatch_seconds")},
+             "differing": _opt(["string"], null=True), "verify_seconds": "seconds",
+             **{key: _opt("seconds", null=True) for key in ("sync_seconds", "mismatch_seconds")},
              "mismatch": _opt({"max_abs": "number", "mean_abs": "number", "kl": "number",
                                "outside": _opt("number", null=True)}, null=True),
              "bounds": _opt("pair", null=True)},
@@ -193,7 +197,7 @@ def _problem(value: object, kind: object, where: str = "") -> str | None:
     if kind == "byte counts":  # an object of byte counts under any names (the attribution's categories)
         if not isinstance(value, dict):
             return f'"{where}" is {_shown(value)}, expected an object'
-        return next((p for k, v in value.items() if (p := _problem(v, "bytes", f"{where}.{k}"))), None)
+        return next((p for k, v in value.items() if (p := _problem(v, "signed bytes", f"{where}.{k}"))), None)
     ok, expected = _KINDS[kind]
     return None if ok(value) else f'"{where}" is {_shown(value)}, expected {expected}'
 
