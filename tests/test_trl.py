@@ -397,40 +397,42 @@ if __name__ == "__main__":
     _vllm_child(sys.argv[1], sys.argv[2], build_in_large_pages="--no-large-pages" not in sys.argv[3:])
 
 
-@pytest.mark.parametrize("states", ["auto", "host"])
-def test_trls_own_checkpoints_resume_a_wrapped_trainer_bit_for_bit(tiny_checkpoint, tmp_path, states):
-    """TRL's save_strategy and resume_from_checkpoint through the wrapper: four steps straight, against three with a
-    checkpoint at the second, then a new trainer resumed from it (the optimizer states loaded where their home is,
-    host memory included): the same weights and gradient norms, bit for bit."""
-    pytest.importorskip("trl")
+def straight_and_resumed(checkpoint, tmp_path, config, **kwargs):
+    """TRL's save_strategy and resume_from_checkpoint through the wrapper: four steps straight (in tmp_path/"a"),
+    against three with a checkpoint at the second (tmp_path/"b", as a run killed between its checkpoints), then a
+    new wrapped trainer resumed from it. Returns the straight, first and resumed trainers (each detached) and each
+    side's fp32 masters, where there are any."""
     from transformers import TrainerCallback
 
     from swaprl.integrations.trl import wrap
+    from swaprl.optimizer_hooks import masters_of
 
-    def config():
-        return swaprl.SwapConfig(optimizer_states=states, stream_chunk_bytes=2**20)
+    def masters(trainer) -> list[torch.Tensor]:
+        return [m.detach().clone() for m in masters_of(trainer.optimizer.optimizer) or ()]
 
     swaprl.detach()
-    straight = make_trainer(tiny_checkpoint, tmp_path / "a", steps=4)
+    straight = make_trainer(checkpoint, tmp_path / "a", steps=4, **kwargs)
     wrap(straight, config=config())
     straight.train()
+    straight_masters = masters(straight)
     swaprl.detach()
 
-    class StopAfterThree(TrainerCallback):  # as a run killed between its checkpoints
+    class StopAfterThree(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             control.should_training_stop = state.global_step == 3
 
-    saving = dict(steps=4, save_strategy="steps", save_steps=2)
-    first = make_trainer(tiny_checkpoint, tmp_path / "b", **saving)
+    saving = dict(steps=4, save_strategy="steps", save_steps=2, **kwargs)
+    first = make_trainer(checkpoint, tmp_path / "b", **saving)
     wrap(first, config=config())
     first.add_callback(StopAfterThree())
     first.train()
     swaprl.detach()
-    resumed = make_trainer(tiny_checkpoint, tmp_path / "b", **saving)
+    resumed = make_trainer(checkpoint, tmp_path / "b", **saving)
     rt = wrap(resumed, config=config())
     switches: list[str] = []
     rt.add_listener(lambda e: switches.append(e["phase"]) if e["type"] == "phase" else None)
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    resumed_masters = masters(resumed)
     swaprl.detach()
     # It went on from the checkpoint (starting over would match too: the seeds are fixed): two steps, not four.
     assert switches.count("generate") == 2, switches
@@ -441,64 +443,36 @@ def test_trls_own_checkpoints_resume_a_wrapped_trainer_bit_for_bit(tiny_checkpoi
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
     norms = [[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h] for t in (straight, resumed)]
     assert norms[0] == norms[1] and len(norms[0]) == 4
+    return straight, first, resumed, straight_masters, resumed_masters
+
+
+@pytest.mark.parametrize("states", ["auto", "host"])
+def test_trls_own_checkpoints_resume_a_wrapped_trainer_bit_for_bit(tiny_checkpoint, tmp_path, states):
+    """Four steps straight against three with a checkpoint at the second, then resumed (`straight_and_resumed`; the
+    optimizer states loaded where their home is, host memory included): the same weights and gradient norms."""
+    pytest.importorskip("trl")
+    straight_and_resumed(tiny_checkpoint, tmp_path,
+                         lambda: swaprl.SwapConfig(optimizer_states=states, stream_chunk_bytes=2**20))
 
 
 @pytest.mark.parametrize("states", ["auto", "host"])
 def test_trls_own_checkpoints_resume_a_wrapped_trainer_with_master_weights_bit_for_bit(tiny_checkpoint, tmp_path,
                                                                                        states):
-    """bf16 parameters with fp32 master weights (SwapConfig(master_weights=True)) through TRL's save_strategy and
-    resume_from_checkpoint: four steps straight, against three with a checkpoint at the second and a new wrapped
-    trainer resumed from it: the same weights, masters and gradient norms, bit for bit. Then plain TRL, without
-    swaprl, loads that checkpoint (the model's bf16 weights, the states cast to bf16) and trains on from it."""
+    """bf16 parameters with fp32 master weights (SwapConfig(master_weights=True)) through `straight_and_resumed`:
+    the same weights, masters and gradient norms, bit for bit. Then plain TRL, without swaprl, loads that checkpoint
+    (the model's bf16 weights, the states cast to bf16) and trains on from it."""
     pytest.importorskip("trl")
-    from transformers import TrainerCallback
-
-    from swaprl.integrations.trl import wrap
-    from swaprl.optimizer_hooks import masters_of
-
-    def config():
-        return swaprl.SwapConfig(master_weights=True, optimizer_states=states, stream_chunk_bytes=2**20)
-
-    def masters(trainer) -> list[torch.Tensor]:
-        return [m.detach().clone() for m in masters_of(trainer.optimizer.optimizer)]
-
-    swaprl.detach()
-    straight = make_trainer(tiny_checkpoint, tmp_path / "a", steps=4, dtype=torch.bfloat16)
-    wrap(straight, config=config())
-    straight.train()
-    straight_masters = masters(straight)
-    swaprl.detach()
-
-    class StopAfterThree(TrainerCallback):  # as a run killed between its checkpoints
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == 3
-
-    saving = dict(steps=4, save_strategy="steps", save_steps=2, dtype=torch.bfloat16)
-    first = make_trainer(tiny_checkpoint, tmp_path / "b", **saving)
-    wrap(first, config=config())
-    first.add_callback(StopAfterThree())
-    first.train()
-    swaprl.detach()
-    resumed = make_trainer(tiny_checkpoint, tmp_path / "b", **saving)
-    rt = wrap(resumed, config=config())
-    switches: list[str] = []
-    rt.add_listener(lambda e: switches.append(e["phase"]) if e["type"] == "phase" else None)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
-    resumed_masters = masters(resumed)
-    swaprl.detach()
-    assert switches.count("generate") == 2, switches  # it went on from the checkpoint: two steps, not four
-
-    a, b = params(straight.model), params(resumed.model)
+    straight, first, resumed, straight_masters, resumed_masters = straight_and_resumed(
+        tiny_checkpoint, tmp_path, lambda: swaprl.SwapConfig(master_weights=True, optimizer_states=states,
+                                                             stream_chunk_bytes=2**20), dtype=torch.bfloat16)
+    a = params(straight.model)
     assert {t.dtype for t in a.values()} == {torch.bfloat16}
-    assert any(not torch.equal(a[n], params(first.model)[n]) for n in a)  # step 4 did something
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
     assert len(straight_masters) == len(a) and all(m.dtype == torch.float32 for m in straight_masters)
+    assert len(resumed_masters) == len(straight_masters)
     for x, y in zip(straight_masters, resumed_masters):
         torch.testing.assert_close(y, x, rtol=0, atol=0)
-    norms = [[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h] for t in (straight, resumed)]
-    assert norms[0] == norms[1] and len(norms[0]) == 4
 
+    saving = dict(steps=4, save_strategy="steps", save_steps=2, dtype=torch.bfloat16)
     plain = make_trainer(tiny_checkpoint, tmp_path / "c", **saving)  # TRL alone, never wrapped
     plain.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
     assert plain.state.global_step == 4
