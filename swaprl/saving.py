@@ -54,7 +54,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from . import distributed
+from . import distributed, interrupts
 from ._extras import needs
 from .checkpoints import checkpoint_dir_of
 from .compat.torch import local_tensor
@@ -118,7 +118,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
                                    "extra": extra if extra is not None else {}})
     writer = _Writer(path)
     path.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
+    # Held: a KeyboardInterrupt raised inside torch's writers can abort the process (a Python exception through
+    # C++), leaving no error and no cleanup; the Ctrl-C is raised once the save is written (a second one at once).
+    with torch.no_grad(), interrupts.held(f"saving a checkpoint to {path}"):
         _reraised(lambda: dcp.save(content, storage_writer=writer, no_dist=world == 1), rank)
     files = [path / name for name in writer.files]
     if rank == 0:

@@ -212,9 +212,10 @@ def test_a_load_of_another_model_is_refused_naming_what_differs_and_changes_noth
 
 def test_a_ctrl_c_anywhere_in_a_save_comes_out_as_a_ctrl_c_and_the_save_done_again_resumes(tiny_checkpoint,
                                                                                           tmp_path):
-    """A SIGINT at any point of `save` (torch.distributed.checkpoint gathers every failure, and inside torch.save's
-    zip writer a KeyboardInterrupt comes out as the writer's "unexpected pos" RuntimeError): what comes out is the
-    KeyboardInterrupt, never a write error; the runtime stays true, and a save done again loads bit for bit."""
+    """A SIGINT at any point of `save`: what comes out is the KeyboardInterrupt, never a write error (inside
+    torch.save's zip writer an interrupt comes out as the writer's "unexpected pos" RuntimeError, and one inside
+    torch's C++ can abort the process: the write itself holds it); the runtime stays true, and a save done again
+    loads bit for bit."""
     from .grpo import run
     from .test_interrupts import assert_consistent, cases, events, interrupted_at
 
