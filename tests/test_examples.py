@@ -73,16 +73,22 @@ def test_grpo_example_splits_fp32_states_of_fp32_params(tmp_path):
         grpo.build_parser().parse_args(["--optimizer-states", "device=0.3,gpu=0.7"])
 
 
-@pytest.mark.parametrize("precision", [["--dtype", "float32"], ["--dtype", "bfloat16", "--master-weights"]],
-                         ids=["fp32", "bf16_master_weights"])
-def test_a_run_killed_mid_way_resumes_from_its_checkpoint_bit_for_bit(tmp_path, precision):
+@pytest.mark.parametrize("setting", [
+    ["--engine", "hf", "--optimizer-states", "host", "--dtype", "float32"],
+    ["--engine", "hf", "--optimizer-states", "host", "--dtype", "bfloat16", "--master-weights"],
+    # On the GPU: vLLM restarted by the resume, a real model's shapes, the precision and homes the defaults pick.
+    pytest.param(["--engine", "vllm", "--preset", "qwen2.5-0.5b", "--enforce-eager"], marks=[
+        pytest.mark.gpu, pytest.mark.vllm,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the GPU machine")]),
+], ids=["fp32", "bf16_master_weights", "vllm_0.5b_defaults"])
+def test_a_run_killed_mid_way_resumes_from_its_checkpoint_bit_for_bit(tmp_path, setting):
     """Six steps straight through, against six steps killed with SIGKILL after the third and resumed from the
     newest complete checkpoint: the same loss and reward at every step, bit for bit (the optimizer states, and the
-    fp32 masters with master weights, come back from host memory where they live)."""
+    fp32 masters with master weights, come back from where they live)."""
     def launch(out: Path, *extra: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(EXAMPLES / "grpo.py"), "--engine", "hf", "--steps", "6",
-                                 "--save-steps", "2", "--optimizer-states", "host", "--warmup", "0",
-                                 "--out", str(out), "--checkpoint-dir", str(tmp_path / "ck"), *precision, *extra],
+        return subprocess.Popen([sys.executable, str(EXAMPLES / "grpo.py"), "--steps", "6", "--save-steps", "2",
+                                 "--warmup", "0", "--out", str(out), "--checkpoint-dir", str(tmp_path / "ck"),
+                                 *setting, *extra],
                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
 
