@@ -38,6 +38,9 @@ from .optimizer_hooks import hooks_of, masters_of
 
 LOW_PRECISION = (torch.bfloat16,)
 KEY = "master_weights"
+# The device temporary of a cast from host memory (`cast_into`): small beside any home, large enough that the
+# pieces' copies run at the link's rate.
+CAST_PIECE_BYTES = 64 * 2**20
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +110,7 @@ class MasterWeights:
         with torch.no_grad():
             for m in masters:
                 if self.initial(local_tensor(m)) is None:
-                    local_tensor(self._param[id(m)]).copy_(local_tensor(m), non_blocking=True)
+                    cast_into(local_tensor(self._param[id(m)]), local_tensor(m))
 
     def step(self, plain: Callable, closure: Callable | None = None) -> object:
         """The whole step without the runtime: every gradient in, the optimizer's own step (`plain()`, its hooks
@@ -215,6 +218,19 @@ class MasterWeights:
                 self.filled([local])
         self.fill()  # any the state dict left out keep the model's values
         self.write_back(self._masters)
+
+
+def cast_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src, non_blocking=True)`, a piece at a time where it casts across devices: torch casts such a copy
+    on the destination's device, through a temporary of the source's dtype and whole size, which for a master in
+    host memory (a load, a failed step's repair) would put one fp32 tensor of the largest parameter on the device."""
+    if dst.device == src.device or dst.dtype == src.dtype or not (dst.is_contiguous() and src.is_contiguous()):
+        dst.copy_(src, non_blocking=True)
+        return
+    step = max(1, CAST_PIECE_BYTES // src.element_size())
+    flat_dst, flat_src = dst.view(-1), src.view(-1)
+    for start in range(0, flat_src.numel(), step):
+        flat_dst[start:start + step].copy_(flat_src[start:start + step], non_blocking=True)
 
 
 def install(optimizer: torch.optim.Optimizer) -> tuple[MasterWeights, Callable[[], None]]:

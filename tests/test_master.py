@@ -369,3 +369,19 @@ def test_attaching_masters_again_with_another_home_trains_them_there(tiny_checkp
     assert_bitwise_equal(model_state(ours), model_state(model))
     swaprl.detach()
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the GPU machine")
+def test_a_cast_from_host_memory_holds_the_device_to_one_piece_and_equals_the_whole_cast():
+    """A master in host memory cast into its bf16 parameter (a load, a failed step's repair): torch's own
+    non-blocking copy would cast on the device through an fp32 temporary of the whole tensor."""
+    src = torch.randn(3 * master.CAST_PIECE_BYTES // 4 + 5, dtype=torch.float32).pin_memory()
+    dst = torch.empty(src.shape, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    master.cast_into(dst, src)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= master.CAST_PIECE_BYTES
+    assert torch.equal(dst.cpu(), src.to(torch.bfloat16))
