@@ -201,7 +201,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         index = FileSystemReader(path).read_metadata()
     except Exception as exc:  # a pickle cut short or overwritten: UnpicklingError, EOFError, and whatever it decodes to
         raise ValueError(f"{path / METADATA} cannot be read ({type(exc).__name__}: {exc}): it is damaged (cut "
-                         "short, or overwritten); load a checkpoint whose files are intact") from exc
+                         "short, or overwritten), or written by a newer torch than this one (torch 2.15's index "
+                         f"does not load in earlier releases; this is torch {torch.__version__}); load a checkpoint "
+                         "whose files are intact, or load it with the torch that wrote it") from exc
     saved = index.state_dict_metadata
     if "swaprl" not in saved:
         raise ValueError(f"{path} is a torch.distributed.checkpoint without swaprl.saving's record: written by "

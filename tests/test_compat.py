@@ -48,7 +48,7 @@ def test_vllm_033_is_refused_naming_what_changed(version):
         vllm_compat.check_version(version)
     message = str(raised.value)
     assert f"found vllm {version}." in message and f"pip install 'vllm{vllm_compat.SUPPORTED}'" in message
-    assert "torch 2.14.0" in message and f"torch{torch_compat.SUPPORTED}" in message
+    assert "torch 2.14.0" in message and f"torch{torch_compat.CHECKED_ON_A_GPU}" in message
     assert all(f"'{tag}'" in message for tag in ("runtime", "workspace", "cudagraph")), message
     assert "docs/compat.md" in message
 
@@ -86,10 +86,17 @@ def test_the_installed_torch_is_supported():
     torch_compat.check_version()
 
 
-@pytest.mark.parametrize("version", ["2.10.0", "2.14.0", "unknown"])
+@pytest.mark.parametrize("version", ["2.10.0", "2.16.0", "unknown"])
 def test_a_torch_outside_the_range_is_refused_with_the_fix(version):
     with pytest.raises(RuntimeError, match=rf"found torch {version}\..*pip install 'torch{torch_compat.SUPPORTED}'"):
         torch_compat.check_version(version)
+
+
+def test_a_torch_checked_on_the_cpu_only_is_refused_beside_a_gpu_naming_the_range_a_gpu_ran():
+    torch_compat.check_version("2.15.0", cuda=False)
+    torch_compat.check_version("2.13.0", cuda=True)
+    with pytest.raises(RuntimeError, match=rf"torch 2.15.0 with a GPU.*pip install 'torch{torch_compat.CHECKED_ON_A_GPU}'"):
+        torch_compat.check_version("2.15.0", cuda=True)
 
 
 LAZY_GROUPS = """
@@ -241,7 +248,9 @@ def test_vllms_load_split_is_raised_to_torchs_pages_and_left_alone_otherwise(mon
                             ("large_segment_size_mb:20,large_segment_size_mb:40", 40),  # the last entry counts
                             ("expandable_segments:True,large_segment_size_mb:20", 20),
                             ("large_segment_size_mb:40,large_segment_size_mb:20", 20),
-                            ("backend:cudaMallocAsync,large_segment_size_mb:40", 40),
+                            # (a CUDA build refuses another backend than the one it started with)
+                            *([("backend:cudaMallocAsync,large_segment_size_mb:40", 40)] if torch.version.cuda is None
+                              else []),
                             ("expandable_segments:True", None), ("", None)):
             set_settings(conf)
             assert torch_compat.large_segment_mib() == pages, conf
@@ -268,6 +277,9 @@ def test_the_load_split_patch_comes_off_when_the_engine_fails_to_start(monkeypat
     pytest.importorskip("vllm")
     from vllm.v1.worker import gpu_worker
 
+    # torch parses the environment's settings at their first read and keeps them: read them before the test sets
+    # its own, as a process started without them would have (else the test's order decides what torch holds)
+    torch_compat.allocator_setting("large_segment_size_mb")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,large_segment_size_mb:64")
     own = vars(gpu_worker.Worker)["_scoped_allocator_max_split"]
     with pytest.raises(RuntimeError, match="engine start failed"):

@@ -3,7 +3,8 @@
 swaprl moves tensors by re-pointing their `.data`, which for a DTensor (FSDP2) must reach the local shard, and with
 `SwapConfig(optimizer_states="host")` replaces `optimizer.step` on the instance, which must keep what torch's own
 step wrapper and the LR scheduler's wrapper do. Each function below names the private attribute it reads and why;
-all were checked against torch 2.11 (CUDA) and 2.13 (CPU), the `SUPPORTED` range.
+all were checked against torch 2.11 (CUDA) and 2.13 (CPU), and read in 2.14's and 2.15's source and run
+on the CPU under 2.15: the `SUPPORTED` range, of which `CHECKED_ON_A_GPU` has run on a GPU.
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ import torch.distributed as dist
 
 from . import in_range
 
-SUPPORTED = ">=2.11,<2.14"
+SUPPORTED = ">=2.11,<2.16"
 """torch versions swaprl was checked against (PEP 440 specifier; local builds such as 2.13.0+cpu count as their
 base release)."""
 
+CHECKED_ON_A_GPU = ">=2.11,<2.14"
+"""The part of `SUPPORTED` a GPU run has checked. The CUDA paths (routing to memory pools, lending pages, the
+allocator's settings under vLLM) read internals a CPU run never reaches; 2.14 and 2.15 were read in their source
+and run on the CPU only, so a process that sees a GPU is held to this range."""
 
-def check_version(version: str | None = None) -> None:
-    """Raise if `version` (default: the installed torch's) is outside `SUPPORTED`."""
+
+def check_version(version: str | None = None, *, cuda: bool | None = None) -> None:
+    """Raise if `version` (default: the installed torch's) is outside `SUPPORTED`, or, where `cuda` (default: a GPU
+    is visible), outside `CHECKED_ON_A_GPU`."""
     version = version if version is not None else torch.__version__
     if not in_range(version, SUPPORTED):
         raise RuntimeError(
@@ -31,6 +38,11 @@ def check_version(version: str | None = None) -> None:
             "included) and wraps optimizer.step() through torch internals that change between releases, so other "
             f"versions are refused rather than silently mis-moved. Install a supported one: pip install "
             f"'torch{SUPPORTED}'.")
+    if (torch.cuda.is_available() if cuda is None else cuda) and not in_range(version, CHECKED_ON_A_GPU):
+        raise RuntimeError(
+            f"torch {version} with a GPU: swaprl's CUDA paths (memory pools, lent pages, allocator settings) were "
+            f"checked on a GPU with torch{CHECKED_ON_A_GPU} only; {version} was checked on the CPU. Install one the "
+            f"GPU runs used: pip install 'torch{CHECKED_ON_A_GPU}', or train on the CPU (CUDA_VISIBLE_DEVICES=).")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ SUPPORTED = ">=0.26,<0.33"
 """vLLM versions swaprl was checked against (PEP 440 specifier; development and local builds count as their base)."""
 
 REFUSED_BECAUSE: dict[str, str] = {
-    "0.33": f"vLLM 0.33 pins torch 2.14.0, outside swaprl's torch{torch_compat.SUPPORTED}, and its sleep-mode "
+    "0.33": f"vLLM 0.33 pins torch 2.14.0, which swaprl has run on the CPU only (a GPU, where vLLM runs, holds it "
+            f"to torch{torch_compat.CHECKED_ON_A_GPU}), and its sleep-mode "
             "allocator keeps allocations under tags beyond 'weights' and 'kv_cache' ('runtime': state built with the "
             "KV cache; 'workspace': its scratch buffers; 'cudagraph' with sleep_mode_offload_cudagraph=True), which "
             "every wake_up maps whatever tags it is given: swaprl's staged wake-up, the room it checks before waking "
