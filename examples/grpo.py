@@ -660,6 +660,10 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     if newest is not None and not args.resume:  # a fresh run would rewrite the logs that run's resume goes on with
         raise SystemExit(f"{out / 'checkpoints'} holds another run's checkpoints (newest {newest.name}): --resume "
                          "to go on with it, or give a new --out (nothing was deleted)")
+    if out is not None and not args.resume and (out / "metrics.jsonl").is_file() and \
+            (out / "metrics.jsonl").stat().st_size:  # its lines would be replaced by this run's
+        raise SystemExit(f"{out / 'metrics.jsonl'} holds another run's metrics: give a new --out, or remove that "
+                         "run's directory first (nothing was deleted)")
     resumed = resumed_step = None
     if args.resume:  # the newest intact checkpoint, checked before anything loads
         try:

@@ -552,6 +552,20 @@ def test_grpo_exports_the_trained_model_as_a_transformers_checkpoint(tmp_path):
         grpo.main(["--engine", "hf", "--steps", "1", "--export-hf", str(export / "config.json")])
 
 
+def test_a_fresh_run_into_another_runs_folder_keeps_its_metrics(tmp_path):
+    """A run without checkpoints leaves only its metrics.jsonl to go on from: a fresh run into its --out is refused
+    rather than writing over them; the lines stay as they were."""
+    import grpo
+
+    common = ["--engine", "hf", "--steps", "1", "--out", str(tmp_path / "o"), "--checkpoint-dir", str(tmp_path / "ck")]
+    grpo.main(common)
+    before = (tmp_path / "o" / "metrics.jsonl").read_bytes()
+    assert before
+    with pytest.raises(SystemExit, match="metrics.jsonl holds another run's metrics: give a new --out"):
+        grpo.main(common)
+    assert (tmp_path / "o" / "metrics.jsonl").read_bytes() == before
+
+
 def test_checkpoints_are_never_mixed_with_another_run(tmp_path):
     """A fresh run into a folder with checkpoints is refused (its own would be deleted as the older ones), and a
     resume refuses other settings and a --steps it has already reached; nothing is deleted."""
