@@ -233,8 +233,12 @@ class Checkpoints:
         final, tmp = self.root / f"step-{step:08d}", self.root / f".step-{step:08d}.tmp"
 
         def prepare() -> None:
-            if tmp.exists():  # a save killed before its rename
-                shutil.rmtree(tmp)
+            # Saves killed before their rename, of this step or any other (a resume goes on from an earlier one):
+            # each holds up to a whole checkpoint's bytes of the disk, and none is resumed from.
+            for killed in self.root.glob(".step-*.tmp") if self.root.is_dir() else []:
+                shutil.rmtree(killed)
+                if killed != tmp:
+                    log.info("removed %s, left by a save that did not finish", killed.name)
             tmp.mkdir(parents=True)
 
         def files() -> list[dict]:

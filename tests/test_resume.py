@@ -489,6 +489,26 @@ def test_a_save_that_fails_for_want_of_room_or_rights_says_so(tmp_path):
     assert checkpoints.newest_intact()[0].name == "step-00000001"
 
 
+
+def test_the_next_save_removes_what_killed_saves_left_of_any_step(tmp_path):
+    """A save killed before its rename leaves its temporary directory (up to a whole checkpoint of the disk); a
+    resume goes on from an earlier step, so the next save may be of another step: it removes them all."""
+    import run_files
+
+    root = tmp_path / "checkpoints"
+    checkpoints = run_files.Checkpoints(root, rank=0, world=1)
+
+    def write(d: Path) -> list[Path]:
+        (d / "rank0.pt").write_bytes(b"state")
+        return [d / "rank0.pt"]
+
+    checkpoints.save(2, write)
+    for killed in (".step-00000004.tmp", ".step-00000006.tmp"):
+        (root / killed).mkdir()
+        (root / killed / "rank0.pt").write_bytes(b"half")
+    checkpoints.save(3, write)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000003"]
+
 # ------------------------------------------------------------------------------------------- 6. nothing left attached
 def test_a_run_that_fails_after_attaching_leaves_nothing_attached(tmp_path, monkeypatch):
     """main() whose profile cannot be opened (a full disk): the error comes out, the runtime is detached, and the
