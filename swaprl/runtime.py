@@ -142,8 +142,10 @@ class PhaseMachine:
             raise PhaseError(f"detach() called inside a `with phase(...)` block or a switch{where}; leave the "
                              "block first")
         if self._unbound is not None:  # pending: nothing was taken, only what was registered is undone
-            self._detach_callbacks.run()
-            self._close()
+            try:
+                self._detach_callbacks.run()
+            finally:  # detached also when a callback exits
+                self._close()
             logger.info("detached before binding to a trainer: nothing to bring back")
             return {}
         if self._unsettled is not None and self._phase == "train":  # a failed rollback left something out
@@ -155,8 +157,10 @@ class PhaseMachine:
             back += self._placement.states_to_device()
         released = self._placement.status()["host_buffers"]["bytes"]
         self._restore.run()  # the hooks, the streamed step, the host buffers
-        self._detach_callbacks.run()
-        self._close()
+        try:
+            self._detach_callbacks.run()
+        finally:  # detached also when a callback exits
+            self._close()
         logger.info("detached: %.2f GiB brought back to %s, %.2f GiB of host buffers released", memory.gib(back),
                     self.device, memory.gib(released))
         return {"brought_back_bytes": back, "host_released_bytes": released}

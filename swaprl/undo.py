@@ -46,6 +46,7 @@ class Undo:
         Ctrl-C is held until all have run (stopping halfway would leave more out of place than finishing). Returns
         what could not be reverted ("name: error" per change), so the caller can say what is left."""
         failed: list[str] = []
+        stops: list[BaseException] = []
 
         def undo_all() -> None:
             while self._stack:
@@ -55,9 +56,13 @@ class Undo:
                 except BaseException as exc:  # keep going: the remaining changes still have tensors or methods
                     logger.exception("undoing %r of %s failed", name, self.what)
                     failed.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
+                    if not isinstance(exc, Exception):  # a sys.exit() or Ctrl-C of a callback is the caller's
+                        stops.append(exc)
                 self._stack.pop()  # after it ran: an entry that was not run stays on the stack
 
         interrupts.finish(f"undoing {self.what}", undo_all)
+        if stops:  # raised once everything is undone, as it would have been without the others
+            raise stops[0]
         return failed
 
     def clear(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import sys
 import threading
 
 import pytest
@@ -337,6 +338,24 @@ def test_detach_says_what_it_brought_back_and_runs_on_detach_newest_first(tiny_c
     assert calls == ["last", "first"]
     assert done["brought_back_bytes"] >= states and done["host_released_bytes"] >= states
     assert rt.detach() == {}  # a second detach does nothing
+    opt.step()  # plain torch again
+
+
+def test_a_callback_that_exits_still_lets_detach_finish_and_the_exit_goes_on(tiny_checkpoint):
+    """sys.exit() inside an on_detach callback: every other callback runs, the runtime is detached, and the
+    SystemExit reaches the caller (it is not logged away as a failed callback)."""
+    model = load(tiny_checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = swaprl.attach(model, opt, config=swaprl.SwapConfig(optimizer_states="host"))
+    calls = []
+    rt.on_detach(lambda: calls.append("first"))
+    rt.on_detach(lambda: sys.exit(3))
+    rt.on_detach(lambda: calls.append("last"))
+    with pytest.raises(SystemExit) as exited:
+        rt.detach()
+    assert exited.value.code == 3 and calls == ["last", "first"]
+    with pytest.raises(swaprl.PhaseError, match="no swaprl runtime is attached"):
+        swaprl.current()
     opt.step()  # plain torch again
 
 
