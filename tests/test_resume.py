@@ -307,6 +307,12 @@ def test_a_checkpoint_of_format_2_is_refused_naming_its_format(tmp_path, worker,
     assert files(out / "checkpoints") == before
 
 
+def one_rank_file(d: Path) -> list[Path]:
+    """A serializer for run_files.Checkpoints alone: one small file of rank 0's."""
+    (d / "rank0.pt").write_bytes(b"state")
+    return [d / "rank0.pt"]
+
+
 @pytest.mark.parametrize("junk", [{"step": 2.0}, {"step": True}, {"meta": [1]}, {"files": [{"name": None}]},
                                   {"files": [{"name": 5}]}], ids=str)
 def test_a_manifest_of_junk_types_is_named_unreadable_and_the_one_before_resumed(tmp_path, junk):
@@ -318,12 +324,8 @@ def test_a_manifest_of_junk_types_is_named_unreadable_and_the_one_before_resumed
     root = tmp_path / "checkpoints"
     checkpoints = run_files.Checkpoints(root, rank=0, world=1)
 
-    def write(d: Path) -> list[Path]:
-        (d / "rank0.pt").write_bytes(b"state")
-        return [d / "rank0.pt"]
-
     for step in (1, 2):
-        checkpoints.save(step, write, meta={"settings": {}})
+        checkpoints.save(step, one_rank_file, meta={"settings": {}})
     listed = root / "step-00000002" / run_files.MANIFEST
     manifest = json.loads(listed.read_text())
     if "files" in junk:
@@ -471,11 +473,7 @@ def test_a_save_that_fails_for_want_of_room_or_rights_says_so(tmp_path):
     root = tmp_path / "checkpoints"
     checkpoints = run_files.Checkpoints(root, rank=0, world=1)
 
-    def good(d: Path) -> list[Path]:
-        (d / "rank0.pt").write_bytes(b"state")
-        return [d / "rank0.pt"]
-
-    checkpoints.save(1, good)
+    checkpoints.save(1, one_rank_file)
     for code, cause, fix in ((errno.ENOSPC, "disk full", "free space"), (errno.EACCES, "permission", "writable")):
         def bad(d: Path, code=code) -> list[Path]:
             (d / "rank0.pt").write_bytes(b"sta")
@@ -498,15 +496,11 @@ def test_the_next_save_removes_what_killed_saves_left_of_any_step(tmp_path):
     root = tmp_path / "checkpoints"
     checkpoints = run_files.Checkpoints(root, rank=0, world=1)
 
-    def write(d: Path) -> list[Path]:
-        (d / "rank0.pt").write_bytes(b"state")
-        return [d / "rank0.pt"]
-
-    checkpoints.save(2, write)
+    checkpoints.save(2, one_rank_file)
     for killed in (".step-00000004.tmp", ".step-00000006.tmp"):
         (root / killed).mkdir()
         (root / killed / "rank0.pt").write_bytes(b"half")
-    checkpoints.save(3, write)
+    checkpoints.save(3, one_rank_file)
     assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000003"]
 
 # ------------------------------------------------------------------------------------------- 6. nothing left attached
