@@ -143,7 +143,7 @@ class PhaseMachine:
                              "block first")
         if self._unbound is not None:  # pending: nothing was taken, only what was registered is undone
             try:
-                self._detach_callbacks.run()
+                self._detach_callbacks.run(raise_exits=True)
             finally:  # detached also when a callback exits
                 self._close()
             logger.info("detached before binding to a trainer: nothing to bring back")
@@ -158,7 +158,7 @@ class PhaseMachine:
         released = self._placement.status()["host_buffers"]["bytes"]
         self._restore.run()  # the hooks, the streamed step, the host buffers
         try:
-            self._detach_callbacks.run()
+            self._detach_callbacks.run(raise_exits=True)
         finally:  # detached also when a callback exits
             self._close()
         logger.info("detached: %.2f GiB brought back to %s, %.2f GiB of host buffers released", memory.gib(back),

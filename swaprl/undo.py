@@ -41,10 +41,12 @@ class Undo:
         return len(self._stack)
 
     @interrupts.protected
-    def run(self) -> list[str]:
+    def run(self, *, raise_exits: bool = False) -> list[str]:
         """Revert every recorded change, newest first; a revert that raises is logged and the rest still run, and a
         Ctrl-C is held until all have run (stopping halfway would leave more out of place than finishing). Returns
-        what could not be reverted ("name: error" per change), so the caller can say what is left."""
+        what could not be reverted ("name: error" per change), so the caller can say what is left. `raise_exits`:
+        for callbacks of the user's, a sys.exit() or KeyboardInterrupt one raises is raised again once all have
+        run (a rollback's own reverts keep the error that started it)."""
         failed: list[str] = []
         stops: list[BaseException] = []
 
@@ -56,12 +58,12 @@ class Undo:
                 except BaseException as exc:  # keep going: the remaining changes still have tensors or methods
                     logger.exception("undoing %r of %s failed", name, self.what)
                     failed.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
-                    if not isinstance(exc, Exception):  # a sys.exit() or Ctrl-C of a callback is the caller's
+                    if raise_exits and not isinstance(exc, Exception):
                         stops.append(exc)
                 self._stack.pop()  # after it ran: an entry that was not run stays on the stack
 
         interrupts.finish(f"undoing {self.what}", undo_all)
-        if stops:  # raised once everything is undone, as it would have been without the others
+        if stops:
             raise stops[0]
         return failed
 
