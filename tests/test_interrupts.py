@@ -29,6 +29,7 @@ from .test_master import LR, HandMasters
 from .test_runtime import load
 from .test_streamed_step import assert_same_training, snapshot
 
+pytestmark = pytest.mark.usefixtures("ctrl_c")
 MiB = 2**20
 CONFIGS = {"swap": dict(optimizer_states="swap"), "host": dict(optimizer_states="host", stream_chunk_bytes=MiB),
            "masters": dict(master_weights=True, optimizer_states="host", stream_chunk_bytes=MiB),

@@ -209,7 +209,7 @@ def test_a_load_of_another_model_is_refused_naming_what_differs_and_changes_noth
         saving.load(tmp_path, plain, plain_optimizer)
 
 
-
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_ctrl_c_anywhere_in_a_save_comes_out_as_a_ctrl_c_and_the_save_done_again_resumes(tiny_checkpoint,
                                                                                           tmp_path):
     """A SIGINT at any point of `save`: what comes out is the KeyboardInterrupt, never a write error (inside
