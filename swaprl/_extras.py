@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "report": ("swaprl report's figures", ("matplotlib",)),
@@ -28,10 +29,19 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 def install_hint(extra: str) -> str:
-    """The pip command that installs `extra`; vLLM's also names the CPU build."""
+    """The pip command that installs `extra`, in the form the install in use takes: from a checkout (the README's
+    `pip install -e .`, where pyproject.toml sits beside the package) its own extras, else the released package's.
+    vLLM's also names the CPU build."""
+    from_checkout = (Path(__file__).resolve().parent.parent / "pyproject.toml").is_file()
+
+    def command(name: str) -> str:
+        if from_checkout:
+            return f'pip install -e ".[{name}]" (in the swaprl checkout)'
+        return f"pip install 'swaprl[{name}]'"
+
     if extra == "vllm":
-        return "pip install 'swaprl[vllm]' (on a CPU-only machine: pip install 'swaprl[cpu-vllm]')"
-    return f"pip install 'swaprl[{extra}]'"
+        return f"{command('vllm')}; on a CPU-only machine: {command('cpu-vllm')}"
+    return command(extra)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ is written in one place."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -83,21 +84,32 @@ def test_a_missing_extra_is_named_with_its_pip_command(monkeypatch, tmp_path):
     from swaprl.integrations import trl as trl_integration
     from swaprl.profile import report
 
+    pip = re.escape('pip install -e ".[')  # the suite runs from the checkout: its own extras are the ones to name
     _without(monkeypatch, "matplotlib")
-    with pytest.raises(ImportError, match=r"swaprl report's figures: matplotlib is not installed.*pip install 'swaprl\[report\]'"):
+    with pytest.raises(ImportError, match=rf"swaprl report's figures: matplotlib is not installed.*{pip}report\]"):
         report.memory_figure(None)
     _without(monkeypatch, "transformers")
-    with pytest.raises(ImportError, match=r"transformers is not installed.*pip install 'swaprl\[hf\]'"):
+    with pytest.raises(ImportError, match=rf"transformers is not installed.*{pip}hf\]"):
         hf_config("tiny")
     _without(monkeypatch, "safetensors")
-    with pytest.raises(ImportError, match=r"safetensors is not installed.*pip install 'swaprl\[hf\]'"):
+    with pytest.raises(ImportError, match=rf"safetensors is not installed.*{pip}hf\]"):
         write_random_checkpoint("tiny", tmp_path)
     _without(monkeypatch, "trl")
-    with pytest.raises(ImportError, match=r"swaprl.integrations.trl: trl is not installed.*pip install 'swaprl\[trl\]'"):
+    with pytest.raises(ImportError, match=rf"swaprl.integrations.trl: trl is not installed.*{pip}trl\]"):
         trl_integration.wrap(object())
     _without(monkeypatch, "vllm")
-    with pytest.raises(ImportError, match=r"VLLMEngine: vllm is not installed.*'swaprl\[vllm\]'.*'swaprl\[cpu-vllm\]'"):
+    with pytest.raises(ImportError, match=rf"VLLMEngine: vllm is not installed.*{pip}vllm\].*{pip}cpu-vllm\]"):
         vllm_compat.installed_version()
+
+
+def test_an_installed_release_is_told_the_released_packages_extras(monkeypatch, tmp_path):
+    """Without pyproject.toml beside the package (a wheel's install), the hint names `swaprl[extra]`."""
+    from swaprl import _extras
+
+    monkeypatch.setattr(_extras, "__file__", str(tmp_path / "site-packages" / "swaprl" / "_extras.py"))
+    assert _extras.install_hint("trl") == "pip install 'swaprl[trl]'"
+    assert _extras.install_hint("vllm") == ("pip install 'swaprl[vllm]'; on a CPU-only machine: "
+                                            "pip install 'swaprl[cpu-vllm]'")
 
 
 def test_a_missing_module_of_another_package_is_left_as_it_is():

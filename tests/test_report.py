@@ -212,7 +212,7 @@ def test_without_matplotlib_the_report_names_its_extra(tmp_path, capsys, monkeyp
     for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)
     rc, _, err = report(capsys, synthetic_profile(tmp_path / "run.jsonl"), "-o", tmp_path / "out")
-    assert rc == 1 and "pip install 'swaprl[report]'" in err and "Traceback" not in err
+    assert rc == 1 and 'pip install -e ".[report]"' in err and "Traceback" not in err
 
 
 def test_multi_rank_report_has_a_row_per_rank(tmp_path, capsys):

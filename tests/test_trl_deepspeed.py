@@ -26,7 +26,7 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
-pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install 'swaprl[deepspeed]'")
+pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'")
 
 WORKER = Path(__file__).resolve().parent / "ds_worker.py"
 DONE = "ds_worker: main returned"

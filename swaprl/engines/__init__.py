@@ -14,7 +14,7 @@ __all__ = ["Engine", "EngineStateError", "HFEngine", "Sampling", "VLLMEngine", "
 
 
 def vllm_available() -> bool:
-    """True when the `vllm` package can be imported (it is an optional extra: `pip install swaprl[vllm]`)."""
+    """True when the `vllm` package can be imported (it is an optional extra: `pip install -e ".[vllm]"`)."""
     return importlib.util.find_spec("vllm") is not None
 
 
