@@ -1,9 +1,9 @@
 """Qwen2.5-72B GRPO with swaprl: print the memory plan, refuse if it cannot fit, else run the GRPO loop.
 
 Whatever the machine, the first thing printed is the plan of the target this example stands for: the full model
-on one 8 x H200 node, two engines of TP 4, in fp32 precision with fp32 AdamW states (`swaprl plan qwen2.5-72b
---cluster 8xH200 --tp 4`), with the precise mode the planner picks and why. Then comes the plan of what this machine
-runs, and the run.
+on one 8 x H200 node, in fp32 precision with fp32 AdamW states (`swaprl plan qwen2.5-72b --cluster 8xH200`), at the
+vLLM TP and in the precise mode the planner picks, and why. Then comes the plan of what this machine runs, and the
+run.
 
 It trains in fp32 precision by default, since RL fine-tuning's updates at lr ~1e-6 are mostly lost on bf16
 parameters: the plan compares fp32 master weights beside bf16 parameters (`--master-weights`) with fp32 parameter
@@ -14,7 +14,7 @@ with no fp32 copy, as this example did before.
     python examples/qwen72b.py                          # no GPU: the same loop on the tiny preset, on the CPU
     python examples/qwen72b.py --layers 2               # one GPU: 72B's layer shapes cut to 2 of its 80 layers
     python examples/qwen72b.py --model /path/to/Qwen2.5-72B    # a local checkpoint
-    torchrun --nproc-per-node 8 examples/qwen72b.py --layers 80 --tp 4    # the full model on one 8-GPU node
+    torchrun --nproc-per-node 8 examples/qwen72b.py --layers 80    # the full model on one 8-GPU node, vLLM TP 8
     torchrun --nproc-per-node 2 examples/qwen72b.py --layers 20 --tp 1 --host-memory-gib 140
         # one GPU's share of that node on two: each GPU holds the engine weights of TP 4 at full depth, 1/8 of the
         # trainer, and 70 GiB of host memory (add --master-weights to pin fp32 master weights, kept with their
@@ -54,7 +54,7 @@ from swaprl.plan.result import describe_precision  # noqa: E402
 
 
 # The mission: Qwen2.5-72B, full-parameter, trained and served on the same GPUs of one 8-GPU node.
-TARGET = ["qwen2.5-72b", "--cluster", "8xH200", "--tp", "4"]
+TARGET = ["qwen2.5-72b", "--cluster", "8xH200"]  # the TP too is the plan's: --tp auto, by predicted step cost
 
 
 def print_target() -> None:
@@ -63,7 +63,7 @@ def print_target() -> None:
     planner.add_arguments(parser)
     target = planner.from_args(parser.parse_args(TARGET))
     r = target.inputs["rollout"]
-    print(f"the target: Qwen2.5-72B, all {target.layers} layers, on one 8 x H200 node, vLLM TP 4, "
+    print(f"the target: Qwen2.5-72B, all {target.layers} layers, on one 8 x H200 node, vLLM TP {target.inputs['tp']}, "
           f"{r['prompts']} prompts x {r['completions_per_prompt']} completions of {r['prompt_tokens']} + "
           f"{r['completion_tokens']} tokens per step (`swaprl plan {' '.join(TARGET)}` for the whole plan)")
     print(f"  precision {why_precision(target)}")
