@@ -189,11 +189,12 @@ class HostStates:
             any_made = True
         return any_made
 
-    def send_home(self, t: torch.Tensor) -> int:
+    def send_home(self, t: torch.Tensor, stream: torch.cuda.Stream | None = None) -> int:
         """Copy a state tensor on the device to its old home if it still fits there, else to the next free slot of
         the buffer (laid out ahead for the states the first step creates: `Placement.expected_host_bytes`), else
         to new ordinary host memory (moved into the buffer by `move_into_buffer`), and point it there. Waits for
-        the copy."""
+        the copy, or with `stream` queues it there: the device memory it leaves is then not reused before the copy
+        is done, and the caller waits for `stream` before anything reads the home."""
         h = self._records.get(id(t))
         if h is not None and h.tensor is t and (h.view.dtype, h.view.shape, h.view.stride()) == (
                 t.dtype, t.shape, t.stride()):
@@ -201,7 +202,13 @@ class HostStates:
         else:
             home, offset = self.slot(t)
             h = _Home(t, home, offset)
-        home.copy_(t.data)
+        if stream is None or t.device.type != "cuda":
+            home.copy_(t.data)
+        else:
+            source = t.data
+            with torch.cuda.stream(stream):
+                home.copy_(source, non_blocking=True)
+            source.record_stream(stream)
         t.data = home
         self._records[id(t)] = h
         return nbytes(t)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,6 +65,12 @@ SLICEABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 parameter's scalar states: a parameter may be stepped in pieces."""
 PIECE_ALIGN = 4096
 """Elements a piece's length is a multiple of."""
+SENDS_IN_FLIGHT = 1
+"""Chunks whose created states may be on their way home while the next chunk steps, in a first step
+(`StateStreamer._send_created`): one keeps the copy-out stream busy (the next copy is queued behind it), and the
+device holds at most two chunks of states, as the steady steps' two staging buffers do."""
+
+
 @dataclass(slots=True)
 class _Chunk:
     """Consecutive parameters stepped together, and the copies that bring their states in and out."""
@@ -322,6 +329,7 @@ class StateStreamer:
         copied_in: list[torch.cuda.Event | None] = [None] * len(chunks)
         carried: dict = {}  # a sliced parameter's scalar states and flattened gradient, from its first piece on
         emptied: list[torch.cuda.Event | None] = [None, None]  # per staging buffer: its last copy out is done
+        sending: deque[torch.cuda.Event] = deque()  # the copies home of the states the chunks before created
         if cuda:  # the staging memory may have been freed by work still queued on the compute stream
             self._h2d.wait_stream(compute)
             self._d2h.wait_stream(compute)
@@ -361,8 +369,7 @@ class StateStreamer:
                     self.masters.write_back(masters)
                 figures["h2d_bytes"] += sum(nbytes(t) for t, _, _ in chunk.staged)
                 figures["d2h_bytes"] += self._copy_out(chunk, buf, emptied)
-                figures["d2h_bytes"] += sum(self.layout.send_home(t) for p, g in chunk.params for t in self.layout.states(p, g)
-                                            if not self.layout.at_home(t))  # states this step created
+                figures["d2h_bytes"] += self._send_created(chunk, sending)
             if cuda:  # the states are complete host tensors when step() returns
                 self._d2h.synchronize()
         except BaseException:
@@ -372,6 +379,25 @@ class StateStreamer:
                              tuple(chunks[i].params[0][0].shape), chunks[i].piece[0])
             self._rescue([pg for c in chunks for pg in c.params])
             raise
+
+    def _send_created(self, chunk: _Chunk, sending: deque) -> int:
+        """Send home the states the chunk's step created (a parameter's first step makes them on the device) and
+        return their bytes. On CUDA the copies queue behind the update on the copy-out stream, so they overlap the
+        next chunks' work; at most `SENDS_IN_FLIGHT` chunks' worth are queued, each one's device memory held until
+        its copy is done, so a step that creates every state holds a few chunks of them at once, not all."""
+        created = [t for p, g in chunk.params for t in self.layout.states(p, g) if not self.layout.at_home(t)]
+        if not created:
+            return 0
+        if self._d2h is None:
+            return sum(self.layout.send_home(t) for t in created)
+        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        moved = sum(self.layout.send_home(t, self._d2h) for t in created)
+        done = torch.cuda.Event()
+        done.record(self._d2h)
+        sending.append(done)
+        while len(sending) > SENDS_IN_FLIGHT:
+            sending.popleft().synchronize()
+        return moved
 
     def _copy_in(self, chunk: _Chunk, staging: list[torch.Tensor], emptied: list) -> torch.cuda.Event | None:
         if not chunk.bytes:
