@@ -62,6 +62,9 @@ class HostStates:
         self.chunk_bytes = chunk_bytes
         self._check_budget = check_budget
         self._records: dict[int, _Home] = {}  # id(state tensor) -> its home; holding the tensor keeps the id unique
+        # States `start_at_home` made without writing their zeros (`zeros_on_host=False`): their homes hold nothing
+        # yet, and the step that follows fills their staging with zeros on the device instead of copying them in.
+        self.unwritten: set[int] = set()
         self._end: int | None = None  # `_buffer_end()`, while known
         # Tensors outside the optimizer that view the buffer: a state_dict()'s (`note_views`) and states the
         # optimizer let go of (load_state_dict replaced them): (tensor, offset, end).
@@ -148,9 +151,13 @@ class HostStates:
         """What `p` steps on: its gradient, or a master's model parameter's."""
         return self.masters.grad(p) if self.is_master(p) else p.grad
 
-    def start_at_home(self, stepping: list[tuple[torch.nn.Parameter, dict]]) -> bool:
+    def start_at_home(self, stepping: list[tuple[torch.nn.Parameter, dict]], *, zeros_on_host: bool = True) -> bool:
         """Give each owned parameter without states that will be stepped in pieces the states torch would make at
-        its first step, made at their host home: zeros, and the scalars as torch makes them. True if any were."""
+        its first step, made at their host home: zeros, and the scalars as torch makes them. True if any were.
+
+        With `zeros_on_host` False the zeros are not written (a first step's largest cost after its copies: the
+        host writes every byte of them); the homes are listed in `unwritten`, and the caller must fill them, with
+        the step's own copies out or `zero_unwritten`."""
         if type(self.optimizer) not in ZERO_START:
             return False
         any_made = False
@@ -179,15 +186,29 @@ class HostStates:
                 like = torch.empty_strided(p.shape, p.stride(), dtype=v.dtype, device="meta") if v.dim() else \
                     torch.empty((), dtype=v.dtype, device="meta")
                 view, offset = self.slot(like)
-                if v.dim():
+                state[key] = t = view.detach()  # its own object: a step points it at the staging buffer
+                if not v.dim():
+                    view.copy_(v)
+                elif zeros_on_host or offset is None:  # a home outside the buffer is no run of the step's copies
                     view.zero_()
                 else:
-                    view.copy_(v)
-                state[key] = t = view.detach()  # its own object: a step points it at the staging buffer
+                    self.unwritten.add(id(t))
                 self._records[id(t)] = _Home(t, view, offset)
             self.optimizer.state[p] = state
             any_made = True
         return any_made
+
+    def is_unwritten(self, t: torch.Tensor) -> bool:
+        return id(t) in self.unwritten and self.at_home(t)
+
+    def zero_unwritten(self, homes: list[torch.Tensor] | None = None) -> None:
+        """Write the zeros of `homes` (views of unwritten states' homes a step did not fill; None: every unwritten
+        state's whole home), then forget which states were unwritten: every home holds its state."""
+        if homes is None:
+            homes = [h.view for h in self._records.values() if self.is_unwritten(h.tensor)]
+        for home in homes:
+            home.zero_()
+        self.unwritten.clear()
 
     def send_home(self, t: torch.Tensor, stream: torch.cuda.Stream | None = None) -> int:
         """Copy a state tensor on the device to its old home if it still fits there, else to the next free slot of

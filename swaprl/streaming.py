@@ -85,6 +85,9 @@ class _Chunk:
     """[buffer offset, staging offset, bytes]: slices of the host buffer copied whole (neighbouring states)."""
     loose: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     """(home, staging offset) for homes outside the buffer, copied one by one."""
+    fresh: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    """(home, staging offset) for homes of states made at home and not written yet (`HostStates.unwritten`): zeroed
+    on the device instead of copied in, copied out one by one."""
     bytes: int = 0
     """Staging bytes."""
     slot: int = 0
@@ -135,8 +138,13 @@ class StateStreamer:
             self.masters.check()
         stepping = [(p, g) for p, g in self.layout.params() if self.layout.grad(p) is not None]
         had = list(self.optimizer.state)
-        made = self.layout.start_at_home(stepping)
-        chunks = self._plan(stepping)
+        # On a GPU the zeros of states made at home are filled in on the device, by the step's own copies in.
+        made = self.layout.start_at_home(stepping, zeros_on_host=self._h2d is None)
+        try:
+            chunks = self._plan(stepping)
+        except BaseException:  # a refused step leaves the states it made as complete zeros
+            self.layout.zero_unwritten()
+            raise
         grads = {p: self.layout.grad(p) for p, _ in stepping}
         figures = {"h2d_bytes": 0, "d2h_bytes": 0}
         try:
@@ -262,7 +270,7 @@ class StateStreamer:
                 continue
             home = self.layout.record(local_tensor(v)).view.reshape(-1)[a:e]
             chunk.slices.append((key, home, chunk.bytes))
-            chunk.loose.append((home, chunk.bytes))
+            (chunk.fresh if self.layout.is_unwritten(local_tensor(v)) else chunk.loose).append((home, chunk.bytes))
             chunk.bytes += align(nbytes(home))
 
     def _step_piece(self, chunk: _Chunk, buf: torch.Tensor, grad: torch.Tensor, raw_step: Callable[[], object],
@@ -310,6 +318,9 @@ class StateStreamer:
         offset, size = chunk.bytes, align(nbytes(t))
         chunk.staged.append((t, h.view, offset))
         chunk.bytes += size
+        if self.layout.is_unwritten(t):
+            chunk.fresh.append((h.view, offset))
+            return
         if not self.layout.in_buffer(h):
             chunk.loose.append((h.view, offset))
             return
@@ -333,7 +344,7 @@ class StateStreamer:
         if cuda:  # the staging memory may have been freed by work still queued on the compute stream
             self._h2d.wait_stream(compute)
             self._d2h.wait_stream(compute)
-        i = 0
+        i = out = 0  # `out`: the chunks whose copies out are queued
         try:
             if chunks:
                 copied_in[0] = self._copy_in(chunks[0], staging, emptied)
@@ -347,7 +358,8 @@ class StateStreamer:
                     self._step_piece(chunk, buf, grads[chunk.params[0][0]], raw_step, carried)
                     moved = sum(nbytes(home) for _, home, _ in chunk.slices)
                     self._copy_out(chunk, buf, emptied)
-                    figures["h2d_bytes"] += moved
+                    out = i + 1
+                    figures["h2d_bytes"] += moved - sum(nbytes(home) for home, _ in chunk.fresh)
                     figures["d2h_bytes"] += moved
                     continue
                 for t, _, offset in chunk.staged:
@@ -367,17 +379,20 @@ class StateStreamer:
                         p.grad = None
                 if masters:  # cast into the model's parameters while the masters are on the device
                     self.masters.write_back(masters)
-                figures["h2d_bytes"] += sum(nbytes(t) for t, _, _ in chunk.staged)
+                figures["h2d_bytes"] += sum(nbytes(t) for t, _, _ in chunk.staged) - sum(
+                    nbytes(home) for home, _ in chunk.fresh)
                 figures["d2h_bytes"] += self._copy_out(chunk, buf, emptied)
+                out = i + 1
                 figures["d2h_bytes"] += self._send_created(chunk, sending)
             if cuda:  # the states are complete host tensors when step() returns
                 self._d2h.synchronize()
+            self.layout.unwritten.clear()  # every copy out is done: the homes hold their states
         except BaseException:
             if chunks and chunks[i].piece is not None and chunks[i].piece[0] > 0:
                 logger.error("the step failed inside a parameter of shape %s stepped in pieces: its elements before "
                              "%d are updated, the rest and its step counter are not",
                              tuple(chunks[i].params[0][0].shape), chunks[i].piece[0])
-            self._rescue([pg for c in chunks for pg in c.params])
+            self._rescue([pg for c in chunks for pg in c.params], [home for c in chunks[out:] for home, _ in c.fresh])
             raise
 
     def _send_created(self, chunk: _Chunk, sending: deque) -> int:
@@ -441,13 +456,21 @@ class StateStreamer:
             dev = host_view(buf, s, home)
             dst, src = (dev, home) if inward else (home, dev)
             dst.copy_(src, non_blocking=non_blocking)
+        for home, s in chunk.fresh:
+            dev = host_view(buf, s, home)
+            if inward:
+                dev.zero_()
+            else:
+                home.copy_(dev, non_blocking=non_blocking)
 
-    def _rescue(self, params: list[tuple[torch.nn.Parameter, dict]]) -> None:
-        """After an error inside the step: every state back home, holding what the optimizer last wrote to it."""
+    def _rescue(self, params: list[tuple[torch.nn.Parameter, dict]], unfilled: list[torch.Tensor]) -> None:
+        """After an error inside the step: every state back home, holding what the optimizer last wrote to it, and
+        the `unfilled` homes of unwritten states (chunks that never copied out) their zeros."""
         try:
             if self._h2d is not None:
                 for stream in (self._h2d, self._d2h, torch.cuda.current_stream(self.device)):
                     stream.synchronize()
+            self.layout.zero_unwritten(unfilled)  # before the sends below: a state on the device goes home over it
             # A chunk's masters may hold its update already: the model gets them, so the two agree whatever the
             # step left done (the chunks before were written back; the step is not atomic).
             masters = [p for p, _ in params if self.layout.is_master(p)]
