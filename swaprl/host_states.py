@@ -62,8 +62,8 @@ class HostStates:
         self.chunk_bytes = chunk_bytes
         self._check_budget = check_budget
         self._records: dict[int, _Home] = {}  # id(state tensor) -> its home; holding the tensor keeps the id unique
-        # States `start_at_home` made without writing their zeros (`zeros_on_host=False`): their homes hold nothing
-        # yet, and the step that follows fills their staging with zeros on the device instead of copying them in.
+        # States `start_at_home` made without writing their zeros: their homes hold nothing yet, and the step that
+        # follows fills their staging with zeros instead of copying them in.
         self.unwritten: set[int] = set()
         self._end: int | None = None  # `_buffer_end()`, while known
         # Tensors outside the optimizer that view the buffer: a state_dict()'s (`note_views`) and states the
@@ -151,13 +151,13 @@ class HostStates:
         """What `p` steps on: its gradient, or a master's model parameter's."""
         return self.masters.grad(p) if self.is_master(p) else p.grad
 
-    def start_at_home(self, stepping: list[tuple[torch.nn.Parameter, dict]], *, zeros_on_host: bool = True) -> bool:
+    def start_at_home(self, stepping: list[tuple[torch.nn.Parameter, dict]]) -> bool:
         """Give each owned parameter without states that will be stepped in pieces the states torch would make at
         its first step, made at their host home: zeros, and the scalars as torch makes them. True if any were.
 
-        With `zeros_on_host` False the zeros are not written (a first step's largest cost after its copies: the
-        host writes every byte of them); the homes are listed in `unwritten`, and the caller must fill them, with
-        the step's own copies out or `zero_unwritten`."""
+        The zeros of a home in the buffer are not written here (the host writing every byte of them was most of a
+        first step's cost over a steady one): the home is listed in `unwritten`, the step fills its staging with
+        zeros where it runs, and its copies out, or `zero_unwritten` after a failure, fill the home."""
         if type(self.optimizer) not in ZERO_START:
             return False
         any_made = False
@@ -189,7 +189,7 @@ class HostStates:
                 state[key] = t = view.detach()  # its own object: a step points it at the staging buffer
                 if not v.dim():
                     view.copy_(v)
-                elif zeros_on_host or offset is None:  # a home outside the buffer is no run of the step's copies
+                elif offset is None:  # a home outside the buffer: written here, as it is copied in whole
                     view.zero_()
                 else:
                     self.unwritten.add(id(t))

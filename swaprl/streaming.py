@@ -86,8 +86,8 @@ class _Chunk:
     loose: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     """(home, staging offset) for homes outside the buffer, copied one by one."""
     fresh: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    """(home, staging offset) for homes of states made at home and not written yet (`HostStates.unwritten`): zeroed
-    on the device instead of copied in, copied out one by one."""
+    """(home, staging offset) for homes of states made at home and not written yet (`HostStates.unwritten`): their
+    staging is zeroed instead of copied in, and copied out one by one."""
     bytes: int = 0
     """Staging bytes."""
     slot: int = 0
@@ -138,8 +138,7 @@ class StateStreamer:
             self.masters.check()
         stepping = [(p, g) for p, g in self.layout.params() if self.layout.grad(p) is not None]
         had = list(self.optimizer.state)
-        # On a GPU the zeros of states made at home are filled in on the device, by the step's own copies in.
-        made = self.layout.start_at_home(stepping, zeros_on_host=self._h2d is None)
+        made = self.layout.start_at_home(stepping)
         try:
             chunks = self._plan(stepping)
         except BaseException:  # a refused step leaves the states it made as complete zeros

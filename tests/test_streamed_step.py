@@ -702,6 +702,36 @@ def test_states_made_at_home_keep_torchs_order_and_a_sparse_gradient_is_refused(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_first_step_that_fails_before_a_parameter_in_pieces_leaves_its_states_zeros(device):
+    """The embedding's first states are made at their host home, whose zeros only the step's copies out write. A
+    first step that fails before the embedding's pieces step leaves those homes holding zeros, not the junk the
+    buffer held before: training then goes on bit for bit as plain torch's after the same failure."""
+    model = embedding_model(device)
+    ref = copy.deepcopy(model)
+    groups = lambda m: [{"params": [m[1].weight, m[1].bias]}, {"params": [m[0].weight]}]  # the embedding last
+    opt, ref_opt = torch.optim.AdamW(groups(model), lr=1e-2), torch.optim.AdamW(groups(ref), lr=1e-2)
+    rt = swaprl.attach(model, opt, "hf", config=host_config())
+    buffer = rt._placement.streamer.layout.buffer
+    buffer.span(buffer.capacity).fill_(0xFF)  # whatever the memory held before: as floats, NaNs
+    events = streamed_steps(rt)
+    for o in (opt, ref_opt):
+        o.param_groups[1]["betas"] = (0.9,)  # unpacking it fails before the group is touched
+    for m, o in ((model, opt), (ref, ref_opt)):
+        gen = torch.Generator().manual_seed(0)
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+        with pytest.raises(ValueError, match="not enough values to unpack"):
+            o.step()
+        o.param_groups[1]["betas"] = (0.9, 0.999)
+    state = opt.state[model[0].weight]
+    assert all(not torch.any(v) for v in state.values())  # made at home, zeros after the failure
+    step_both(model, opt, ref, ref_opt, steps=2)
+    assert_same_training(snapshot(model, opt), snapshot(ref, ref_opt))
+    assert events and all(e["chunks"] > 2 for e in events)  # the embedding went in pieces
+    swaprl.detach()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fp32_masters_larger_than_a_chunk_are_stepped_in_pieces_bit_for_bit(device):
     """bf16 parameters with fp32 masters: the embedding's master and its states (12 MiB) in pieces of 1 MiB, each
     piece's master cast into the model's bf16 embedding; against the recipe written by hand."""
