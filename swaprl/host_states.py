@@ -64,7 +64,7 @@ class HostStates:
         self._records: dict[int, _Home] = {}  # id(state tensor) -> its home; holding the tensor keeps the id unique
         # States `start_at_home` made without writing their zeros: their homes hold nothing yet, and the step that
         # follows fills their staging with zeros instead of copying them in.
-        self.unwritten: set[int] = set()
+        self.unwritten: dict[int, torch.Tensor] = {}  # id -> the tensor: holding it keeps the id unique
         self._end: int | None = None  # `_buffer_end()`, while known
         # Tensors outside the optimizer that view the buffer: a state_dict()'s (`note_views`) and states the
         # optimizer let go of (load_state_dict replaced them): (tensor, offset, end).
@@ -96,6 +96,7 @@ class HostStates:
     def forget(self) -> None:
         """Drop every record (the states went back to the device for good)."""
         self._records.clear()
+        self.unwritten.clear()
         self._end = None
 
     def owned(self) -> list[tuple[torch.nn.Parameter, dict]]:
@@ -192,14 +193,14 @@ class HostStates:
                 elif offset is None:  # a home outside the buffer: written here, as it is copied in whole
                     view.zero_()
                 else:
-                    self.unwritten.add(id(t))
+                    self.unwritten[id(t)] = t
                 self._records[id(t)] = _Home(t, view, offset)
             self.optimizer.state[p] = state
             any_made = True
         return any_made
 
     def is_unwritten(self, t: torch.Tensor) -> bool:
-        return id(t) in self.unwritten and self.at_home(t)
+        return self.unwritten.get(id(t)) is t and self.at_home(t)
 
     def zero_unwritten(self, homes: list[torch.Tensor] | None = None) -> None:
         """Write the zeros of `homes` (views of unwritten states' homes a step did not fill; None: every unwritten
@@ -306,6 +307,7 @@ class HostStates:
         live = {id(t) for t in managed}
         for key in [k for k in self._records if k not in live]:  # replaced or dropped by the optimizer: let them go
             self._retire(self._records.pop(key))
+            self.unwritten.pop(key, None)
 
         def in_buffer(t: torch.Tensor) -> bool:
             return self.at_home(t) and self.in_buffer(self._records[id(t)])

@@ -150,6 +150,10 @@ class StateStreamer:
             for p in grads:
                 p.grad = None
             self._run(chunks, grads, raw_step, figures)
+        except BaseException:
+            if self.layout.unwritten:  # `_run` failed before its rescue could zero them (or inside it)
+                self.layout.zero_unwritten()
+            raise
         finally:
             for p, g in grads.items():  # after an error too: a hidden gradient must come back
                 if not self.layout.is_master(p):  # a master's gradient is its model parameter's, never hidden
