@@ -139,19 +139,16 @@ class StateStreamer:
         stepping = [(p, g) for p, g in self.layout.params() if self.layout.grad(p) is not None]
         had = list(self.optimizer.state)
         made = self.layout.start_at_home(stepping)
-        try:
-            chunks = self._plan(stepping)
-        except BaseException:  # a refused step leaves the states it made as complete zeros
-            self.layout.zero_unwritten()
-            raise
         grads = {p: self.layout.grad(p) for p, _ in stepping}
         figures = {"h2d_bytes": 0, "d2h_bytes": 0}
         try:
+            chunks = self._plan(stepping)
             for p in grads:
                 p.grad = None
             self._run(chunks, grads, raw_step, figures)
         except BaseException:
-            if self.layout.unwritten:  # `_run` failed before its rescue could zero them (or inside it)
+            # A refused plan, or a run stopped before its rescue could zero them: the states made at home are zeros.
+            if self.layout.unwritten:
                 self.layout.zero_unwritten()
             raise
         finally:
@@ -402,7 +399,7 @@ class StateStreamer:
         """Send home the states the chunk's step created (a parameter's first step makes them on the device) and
         return their bytes. On CUDA the copies queue behind the update on the copy-out stream, so they overlap the
         next chunks' work; at most `SENDS_IN_FLIGHT` chunks' worth are queued, each one's device memory held until
-        its copy is done, so a step that creates every state holds a few chunks of them at once, not all."""
+        its copy is done, so a step that creates every state holds two chunks of them at once, not all."""
         created = [t for p, g in chunk.params for t in self.layout.states(p, g) if not self.layout.at_home(t)]
         if not created:
             return 0
