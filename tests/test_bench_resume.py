@@ -42,6 +42,8 @@ def test_a_figure_that_differs_or_a_step_with_nothing_to_compare_is_not_equal(be
     assert all(r["equal"] for r in bench.compare([{**reference[0], "step_s": 9.0}, reference[1]], reference))
     assert not bench.compare([{**reference[1], "loss": 0.25000001}], reference)[0]["equal"]
     assert not bench.compare([{"step": 2, "loss": 0.5}], reference)[0]["equal"]
+    nan = [{"step": 0, "loss": float("nan")}]
+    assert bench.compare([{"step": 0, "loss": float("nan")}], nan)[0]["equal"]  # the same bits, though NaN != NaN
 
 
 def test_a_run_that_cannot_be_resumed_or_compared_is_refused_with_the_fix(tmp_path, bench):
