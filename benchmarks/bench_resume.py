@@ -1,6 +1,6 @@
 """A run killed and resumed against the same run never interrupted: does it go on bit for bit, and what does it cost?
 
-    python benchmarks/bench_resume.py --out benchmarks/results/resume_72b_1l_h200 --kill-after 3 -- \
+    python benchmarks/bench_resume.py --out out/resume_72b_1l --kill-after 3 -- \
         python examples/qwen72b.py --layers 1 --host-memory-gib 70 --bf16-only --save-steps 2 --steps 4
     python benchmarks/bench_resume.py --out /tmp/resume --kill-after 3 -- \
         python examples/grpo.py --preset tiny --engine hf --warmup 0 --save-steps 2 --steps 4    # CPU
@@ -17,9 +17,10 @@ The command after `--` is a run of examples/grpo.py or examples/qwen72b.py with 
 
 The killed run's lines must equal the straight run's (the run is reproducible at all: if not, nothing below can be
 compared, and the script says so); the resumed run's lines, the steps it did again included, must equal the straight
-run's, every figure but the timings. Writes OUT/resume.json and the three runs' logs and metrics; exits 1 when a line
-differs. Each run's seconds from its start to its first metrics line are given with the others, to show what a resume
-costs beyond the steps themselves (the engine's start is in each of them).
+run's, every figure but the timings, and the resume must have gone on from a checkpoint before the kill. Writes
+OUT/resume.json and the three runs' logs and metrics beside the runs' own directories (their profiles and reports);
+exits 1 when a line differs. Each run's seconds from its start to its first metrics line are given with the others,
+to show what a resume costs beyond the steps themselves (the engine's start is in each of them).
 """
 
 from __future__ import annotations
@@ -65,15 +66,21 @@ def run(cmd: list[str], out: Path, log: Path, *, kill_after: int | None = None) 
     with open(log, "w") as f:
         proc = subprocess.Popen([*cmd, "--out", str(out)], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         killed = False
-        while proc.poll() is None:
-            n = len(metrics(out))
-            if n > had and first is None:
-                first = time.perf_counter() - start
-            if kill_after is not None and n >= kill_after:
-                os.killpg(proc.pid, signal.SIGKILL)
-                killed = True
-                break
-            time.sleep(0.02)  # a step of the CPU's tiny model takes a few tenths of a second
+        try:
+            while proc.poll() is None:
+                n = len(metrics(out))
+                if n > had and first is None:
+                    first = time.perf_counter() - start
+                if kill_after is not None and n >= kill_after:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed = True
+                    break
+                time.sleep(0.02)  # a step of the CPU's tiny model takes a few tenths of a second
+        except BaseException:  # a Ctrl-C here does not reach the run's own session: its engine would hold the GPU
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()  # reaped first: a zombie still counts as a member of its group
+            gone(proc.pid)
+            raise
         proc.wait()
     if killed:
         gone(proc.pid)
@@ -149,13 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the resume failed (exit {runs['resumed']['returncode']}): see {out / 'resumed.log'}")
     summary = json.loads((resumed / "metrics.json").read_text())
     after = metrics(resumed)
+    resumed_from = summary.get("resumed_from")
 
     reproducible = compare(before, reference)
     continued = compare(after, reference)
     result = {"benchmark": "resume", "command": cmd, "kill_after": args.kill_after,
-              "resumed_from": summary.get("resumed_from"), "runs": runs,
-              "reproducible": all(r["equal"] for r in reproducible) and len(before) >= args.kill_after,
-              "bit_for_bit": (all(r["equal"] for r in continued) and
+              "resumed_from": resumed_from, "runs": runs,
+              "reproducible": all(r["equal"] for r in reproducible),
+              # a run that started again from nothing would match a reproducible straight run too
+              "bit_for_bit": (isinstance(resumed_from, int) and 0 < resumed_from <= args.kill_after and
+                              all(r["equal"] for r in continued) and
                               [r["step"] for r in after] == [r["step"] for r in reference]),
               "killed_run": reproducible, "resumed_run": continued}
     (out / "resume.json").write_text(json.dumps(result, indent=1))

@@ -27,7 +27,8 @@ def bench(monkeypatch):
 
 def test_a_run_killed_after_a_step_past_its_checkpoint_resumes_bit_for_bit(tmp_path, bench, capsys):
     out = tmp_path / "out"
-    assert bench.main(["--out", str(out), "--kill-after", "3", "--", *RUN, "--checkpoint-dir", str(tmp_path / "ck")]) == 0
+    run = [*RUN, "--checkpoint-dir", str(tmp_path / "ck")]
+    assert bench.main(["--out", str(out), "--kill-after", "3", "--", *run]) == 0
     result = json.loads((out / "resume.json").read_text())
     assert result["reproducible"] and result["bit_for_bit"] and result["resumed_from"] == 2
     assert result["runs"]["killed"]["killed"] and result["runs"]["killed"]["lines"] == 3
