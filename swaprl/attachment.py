@@ -207,6 +207,9 @@ class Runtime(PhaseMachine):
                 wired.push(optimizer_hooks.attach_runtime(
                     optimizer, check_step=self._check_step, wait_reload=self.wait_reload, streamer=place.streamer,
                     before_streamed_step=place.home_new_states), "the optimizer's hooks")
+                if place.streamer is not None and partitions is not None and partitions.prepare_streaming:
+                    wired.push(partitions.prepare_streaming(place.streamer.layout.at_home),
+                               f"{partitions.owner}'s step over partitions at their host home")
             steps = [Step("optimizer states to host", place.states_to_host, place.states_to_device)] \
                 if place.streamer is not None else []
             steps += self._link.attach_steps()

@@ -79,11 +79,12 @@ def _check_partitions(model_params: set[int], partitions: FlatPartitions, config
     if config.master_weights:
         raise ValueError(f"SwapConfig(master_weights=True) with {owner}: its optimizer steps fp32 partitions "
                          f"{owner} keeps itself, its own master weights; leave master_weights=False")
-    if config.optimizer_states != "auto" and config.state_split()["host"] > 0:
+    if config.optimizer_states != "auto" and config.state_split()["host"] > 0 and not partitions.streamable:
         raise ValueError(f"SwapConfig(optimizer_states={config.optimizer_states!r}) with {owner}: the 'host' home "
                          f"streams the states through the device inside optimizer.step(), which runs inside "
-                         f"{owner}'s own step over its partitions. Use 'swap' (or a split of 'device' and 'swap'), "
-                         f"or have {owner} keep the states in host memory itself (its optimizer offload)")
+                         f"{owner}'s own step over its partitions, and {owner} does not declare that step streamable "
+                         f"(FlatPartitions.models). Use 'swap' (or a split of 'device' and 'swap'), or have {owner} "
+                         f"keep the states in host memory itself (its optimizer offload)")
     if config.params == "offload":
         raise ValueError(f"SwapConfig(params='offload') with {owner}: the model's parameters are views of (or "
                          f"placeholders for) flat buffers {owner} owns, which swaprl cannot move; use params='keep', "

@@ -27,6 +27,7 @@ import torch
 from .compat import torch as compat
 from .compat.torch import local_tensor
 from .master import MasterWeights
+from .partitions import PartitionCopies
 from .residency import HostBuffer, Moved, align, check_dense, host_view, is_dense, layout_bytes, nbytes
 
 logger = logging.getLogger(__name__)
@@ -52,13 +53,19 @@ class HostStates:
     `check_budget(growth, releasing, context)` is asked before the buffer grows by `growth` bytes while `releasing`
     bytes of ordinary host memory are about to be freed; it raises `HostBufferError` to refuse (the runtime's host
     budget), with `context` saying what state things are left in. `chunk_bytes`: the streamed step's chunk, which
-    decides which parameters' first states are made here (`start_at_home`)."""
+    decides which parameters' first states are made here (`start_at_home`). `masters`: the fp32 masters, or the
+    flat partitions that are copies (`swaprl.partitions.PartitionCopies`), each of which lives with its states.
+    `params`: what lists the parameters with their groups, for an optimizer whose groups list them only inside its
+    owner's step (`swaprl.partitions.FlatPartitions.with_groups`); by default, the groups as they are."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, buffer: HostBuffer, *,
                  chunk_bytes: int, check_budget: Callable[[int, int, str], None],
-                 owns: Callable[[torch.Tensor], bool] = lambda p: True, masters: MasterWeights | None = None) -> None:
+                 owns: Callable[[torch.Tensor], bool] = lambda p: True,
+                 masters: MasterWeights | PartitionCopies | None = None,
+                 params: Callable[[], list[tuple[torch.Tensor, dict]]] | None = None) -> None:
         self.optimizer, self.device, self.buffer, self.owns = optimizer, device, buffer, owns
         self.masters = masters
+        self._listed = params
         self.chunk_bytes = chunk_bytes
         self._check_budget = check_budget
         self._records: dict[int, _Home] = {}  # id(state tensor) -> its home; holding the tensor keeps the id unique
@@ -105,6 +112,8 @@ class HostStates:
 
     def params(self) -> list[tuple[torch.nn.Parameter, dict]]:
         """The optimizer's parameters in order, each with its group."""
+        if self._listed is not None:
+            return self._listed()
         seen: set[int] = set()
         out = []
         for group in self.optimizer.param_groups:

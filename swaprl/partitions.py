@@ -8,13 +8,22 @@ the optimizer's groups only inside its step). Those tensors and their states are
 model's parameters are views of, or placeholders for, buffers ZeRO keeps. `FlatPartitions` says so explicitly, so
 that `swaprl.checks` accepts an optimizer over them and the homes (`swaprl.state_homes`) place them, rather than
 either check being bypassed. `swaprl.compat.deepspeed.partitions` builds one from a ZeRO optimizer.
+
+An owner whose step calls `optimizer.step()` with each partition's gradient in place and then copies the partition
+into the model (ZeRO-3) can also have them streamed (the "host" home, `swaprl.streaming`): the owner declares which
+model tensor each copy is cast into (`models`) and what its step needs changed to run over a partition whose data
+is at its host home (`prepare_streaming`). The streamed step then treats each copy as it treats an fp32 master
+(`PartitionCopies`): staged with its states a piece at a time, updated on the device, cast into the model there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+
+from .master import cast_into
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +41,15 @@ class FlatPartitions:
     kept: frozenset[int] = frozenset()
     """`id`s of the tensors the owner keeps in host memory for good with their states (its own optimizer offload):
     swaprl neither homes nor moves them."""
+    groups: tuple[int, ...] = ()
+    """The index of each tensor's parameter group in the optimizer, for an owner that lists its tensors in the groups
+    only inside its step (ZeRO-3); empty: each tensor is listed in its group."""
+    models: tuple[torch.Tensor | None, ...] = ()
+    """For an owner whose partitions may be streamed: the model tensor each copy's values are cast into after its
+    update (None for the tensors that are not copies). Empty: the owner's step cannot be streamed."""
+    prepare_streaming: Callable[[Callable[[torch.Tensor], bool]], Callable[[], None]] | None = None
+    """Given what tells whether a tensor's data is at its host home now, change what the owner's step needs changed
+    to step such a tensor through the streamed step; returns what undoes it."""
 
     def __post_init__(self) -> None:
         ids = [id(t) for t in self.tensors]
@@ -39,6 +57,12 @@ class FlatPartitions:
             raise ValueError(f"FlatPartitions of {self.owner}: tensors must be distinct tensors, each listed once")
         if not (self.copies | self.kept) <= set(ids):
             raise ValueError(f"FlatPartitions of {self.owner}: copies and kept must name listed tensors")
+        for name in ("groups", "models"):
+            if getattr(self, name) and len(getattr(self, name)) != len(self.tensors):
+                raise ValueError(f"FlatPartitions of {self.owner}: {name} must give one entry per tensor, or none")
+        if self.models and any((m is None) == self.is_copy(t) for t, m in zip(self.tensors, self.models)):
+            raise ValueError(f"FlatPartitions of {self.owner}: models must name a model tensor for each copy, and "
+                             "None for the others")
 
     def placed(self) -> list[torch.Tensor]:
         """The tensors whose states swaprl homes and moves: all but those the owner keeps."""
@@ -46,3 +70,56 @@ class FlatPartitions:
 
     def is_copy(self, t: torch.Tensor) -> bool:
         return id(t) in self.copies
+
+    @property
+    def streamable(self) -> bool:
+        """Whether the owner's step may be streamed: the "host" home is open to these partitions."""
+        return bool(self.models)
+
+    def with_groups(self, optimizer: torch.optim.Optimizer) -> Callable[[], list[tuple[torch.Tensor, dict]]]:
+        """What lists the placed tensors, each with its parameter group (the dict itself), in order, whether or not
+        the groups list them now."""
+        if not self.groups:
+            def listed() -> list[tuple[torch.Tensor, dict]]:
+                of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+                return [(t, of[id(t)]) for t in self.placed() if id(t) in of]
+            return listed
+        pairs = [(t, g) for t, g in zip(self.tensors, self.groups) if id(t) not in self.kept]
+        return lambda: [(t, optimizer.param_groups[g]) for t, g in pairs]
+
+
+class PartitionCopies:
+    """The streamed step's view of streamable partitions that are copies (`FlatPartitions.models`): what it asks of
+    an fp32 master (`swaprl.master.MasterWeights`), answered for a copy. A copy steps on its own gradient, which the
+    owner's step gave it; once updated on the device it is cast into its model tensor there, so the owner's copy
+    back (from host memory, cast on the host) is skipped for it (`FlatPartitions.prepare_streaming`)."""
+
+    def __init__(self, partitions: FlatPartitions) -> None:
+        self._model = {id(t): m for t, m in zip(partitions.tensors, partitions.models) if m is not None}
+
+    def is_master(self, t: torch.Tensor) -> bool:
+        return id(t) in self._model
+
+    def check(self) -> None:
+        """Nothing to refuse: the owner made a copy of every tensor it steps."""
+
+    def model_param(self, copy: torch.Tensor) -> torch.Tensor:
+        return self._model[id(copy)]
+
+    def grad(self, copy: torch.Tensor) -> torch.Tensor | None:
+        return copy.grad
+
+    def load_grad(self, copy: torch.Tensor, grad: torch.Tensor) -> None:
+        copy.grad = grad.to(dtype=copy.dtype)
+
+    def initial(self, local: torch.Tensor) -> None:
+        """A copy holds its values from the start: nothing fills it."""
+        return None
+
+    def filled(self, locals_: Iterable[torch.Tensor]) -> None:
+        return None
+
+    def write_back(self, copies: Iterable[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for c in copies:
+                cast_into(self._model[id(c)], c)

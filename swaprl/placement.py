@@ -25,7 +25,7 @@ from .config import STATE_HOMES, SwapConfig
 from .errors import HostBufferError, PhaseError
 from .host_budget import HostBudget
 from .master import MasterWeights
-from .partitions import FlatPartitions
+from .partitions import FlatPartitions, PartitionCopies
 from .residency import HostBuffer, Moved, Mover, PendingOffload, layout_bytes, nbytes
 from .state_homes import StateHomes
 from .streaming import StateStreamer
@@ -90,11 +90,14 @@ class Placement:
         # Under "auto" the streamed step is there from the start, owning nothing until the first step finds that
         # the states it creates do not all fit on the device beside what training holds (`home_new_states`).
         if self.homes.may_stream:
+            # Streamed flat partitions that are copies live with their states, as fp32 masters do.
+            streamed = partitions is not None and partitions.streamable
             self.streamer = StateStreamer(optimizer, device, HostBuffer("streamed optimizer", pin=pin, device=gpu),
                                           owns=lambda p: self.homes.home(p) == "host",
                                           chunk_bytes=config.stream_chunk_bytes,
                                           check_budget=self.budget.for_states, on_step=on_streamed_step,
-                                          masters=masters)
+                                          masters=PartitionCopies(partitions) if streamed else masters,
+                                          params=partitions.with_groups(optimizer) if streamed else None)
             if not self.homes.swaps and self.homes.streams:
                 self._res["optimizer"].location = "host"
 
@@ -130,6 +133,10 @@ class Placement:
         except BaseException:
             self.homes.undo_first_step(before)  # nothing was decided: the next step measures again
             raise
+        if self.homes.partitions is not None and any(self.home(t) == "host" for t in self._moving_themselves()):
+            # Flat partitions that are copies, on the device until now: at their home before the step plans, so
+            # that it stages them a piece at a time with their states rather than whole where they are.
+            self.streamer.layout.move_into_buffer("The step has not run; the homes stand.")
         return streamed
 
     def _host_buffers_for_new_homes(self) -> None:

@@ -85,8 +85,8 @@ class StateHomes:
                         f"{memory.gib(room.reserve):.2f} GiB of reserve"
                         + (f" and {memory.gib(grads):.2f} GiB of gradients" if grads else ""))
         # The first step's rule needs training's peak, which torch counts only as a peak since a reset: from now.
-        # Not for flat partitions: the "host" home it may give streams the step, which runs inside their owner's.
-        self._first_step_pending = (device.type == "cuda" and partitions is None
+        # Not for flat partitions whose owner's step cannot be streamed: the "host" home it may give streams it.
+        self._first_step_pending = (device.type == "cuda" and (partitions is None or partitions.streamable)
                                     and _expected_per_parameter(optimizer) is not None)
 
     # ---------------------------------------------------------------- what is where

@@ -56,6 +56,7 @@ import torch
 from .compat.torch import local_tensor
 from .host_states import HostStates
 from .master import MasterWeights
+from .partitions import PartitionCopies
 from .residency import HostBuffer, align, check_dense, host_view, layout_bytes, nbytes
 
 logger = logging.getLogger(__name__)
@@ -107,10 +108,12 @@ class StateStreamer:
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, buffer: HostBuffer, *,
                  chunk_bytes: int, check_budget: Callable[[int, int, str], None],
                  owns: Callable[[torch.Tensor], bool] = lambda p: True,
-                 on_step: Callable[[dict], None] | None = None, masters: MasterWeights | None = None) -> None:
+                 on_step: Callable[[dict], None] | None = None,
+                 masters: MasterWeights | PartitionCopies | None = None,
+                 params: Callable[[], list[tuple[torch.Tensor, dict]]] | None = None) -> None:
         self.optimizer, self.device, self.masters = optimizer, device, masters
         self.layout = HostStates(optimizer, device, buffer, chunk_bytes=chunk_bytes, check_budget=check_budget,
-                                 owns=owns, masters=masters)
+                                 owns=owns, masters=masters, params=params)
         self.chunk_bytes = chunk_bytes
         self.stepping = False
         self._on_step = on_step

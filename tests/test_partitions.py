@@ -43,7 +43,36 @@ class Flattened:
             self.model.weight.copy_(self.flat.view_as(self.model.weight))
 
 
-def bind(f: Flattened, config: swaprl.SwapConfig | None = None) -> swaprl.Runtime:
+class SubGroups:
+    """ZeRO-3's way with a Linear: one flat fp32 copy per sub-group (the weight, the bias), listed in its group only
+    inside the owner's step, each stepped by an `optimizer.step()` of its own with its gradient given just before and
+    copied back into the model after; declared streamable (each copy's model tensor, each tensor's group)."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(512, 256)
+        self.pairs = [(p.detach().reshape(-1).clone().requires_grad_(True), p) for p in self.model.parameters()]
+        flats = tuple(t for t, _ in self.pairs)
+        self.optimizer = torch.optim.AdamW([{"params": [t]} for t in flats], lr=0.1)
+        for group in self.optimizer.param_groups:
+            group["params"] = []
+        self.partitions = FlatPartitions(owner="a test's sub-grouper", tensors=flats, copies=frozenset(map(id, flats)),
+                                         groups=(0, 1), models=tuple(p.detach().view(-1) for p in self.model.parameters()))
+
+    def step(self) -> None:
+        self.model(torch.ones(2, 512)).square().sum().backward()
+        for i, (flat, p) in enumerate(self.pairs):
+            flat.grad = p.grad.reshape(-1).clone()
+            self.optimizer.param_groups[i]["params"] = [flat]
+            self.optimizer.step()
+            self.optimizer.param_groups[i]["params"] = []
+            flat.grad = None
+            with torch.no_grad():
+                p.copy_(flat.view_as(p))
+        self.model.zero_grad(set_to_none=True)
+
+
+def bind(f: Flattened | SubGroups, config: swaprl.SwapConfig | None = None) -> swaprl.Runtime:
     rt = swaprl.attach_later(config=config, until="the test binds it")
     return rt.bind(f.model, f.optimizer, "hf", partitions=f.partitions)
 
@@ -67,6 +96,33 @@ def test_declared_partitions_move_with_their_states_and_train_like_without_the_r
     assert held["location"] == "host" and held["host_bytes"] == states + f.flat.numel() * 4
     assert rt.status()["optimizer_homes"]["swap"] == states + f.flat.numel() * 4
     for a, b in ((plain.model.weight, f.model.weight), (plain.own, f.own), (plain.flat, f.flat)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_streamable_partitions_live_in_host_memory_and_train_like_without_the_runtime():
+    """The "host" home over partitions whose owner declares its step streamable: each copy lives in the host buffer
+    with its states in both phases, its owner's steps are streamed (in pieces: a chunk is smaller than the weight's
+    states), and training is bit for bit the owner's own."""
+    plain, f = SubGroups(), SubGroups()
+    rt = bind(f, swaprl.SwapConfig(optimizer_states="host", stream_chunk_bytes=2**20))
+    streamed = []
+    rt.add_listener(lambda e: streamed.append(e) if e.get("transition") == "optimizer.step" else None)
+    for _ in range(3):
+        plain.step()
+        with rt.phase("generate"):
+            held = rt.status()
+        f.step()
+    states = sum(v.numel() * v.element_size() for s in f.optimizer.state.values() for v in s.values())
+    copies = sum(t.numel() * 4 for t, _ in f.pairs)
+    assert held["optimizer_homes"]["host"] == states + copies and held["optimizer"]["bytes"] == 0
+    assert len(streamed) == 3 * 2 and max(e["chunks"] for e in streamed) > 1  # each sub-group's step, in pieces
+    for (a, p), (b, q) in zip(plain.pairs, f.pairs):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+    rt.detach()
+    plain.step()
+    f.step()  # plain torch again, the copies and states back where the owner keeps them
+    for (a, _), (b, _) in zip(plain.pairs, f.pairs):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
