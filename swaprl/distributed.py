@@ -77,12 +77,16 @@ def shard_causal_lm(model: torch.nn.Module, **fsdp_kwargs) -> torch.nn.Module:
 
 
 def reshard(model: torch.nn.Module) -> None:
-    """Free the parameters FSDP2 left unsharded after a forward pass without backward.
+    """Leave the model as it was before a forward pass without backward (scoring, generation).
 
     FSDP2 keeps the root module's parameters gathered after its forward (and the lm_head's, as `shard_causal_lm`
-    shards it), expecting a backward to follow; after a forward for scoring or generation none does, and they would
-    stay gathered while the engine needs the memory.
+    shards it), expecting a backward to follow; none does, and they would stay gathered while the engine needs the
+    memory: they are freed. DeepSpeed ZeRO-3 would prefetch the next training forward's parameters in this
+    forward's order: its trace is dropped (`swaprl.compat.deepspeed.forget_trace`).
     """
+    from .compat import deepspeed as deepspeed_compat
+
+    deepspeed_compat.forget_trace(model)
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:

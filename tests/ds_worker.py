@@ -8,8 +8,9 @@ sets accelerate's DeepSpeed plugin from the environment; TRL loads the model fro
 so under ZeRO-3 with `zero3_init_flag` it is built partitioned. DeepSpeed runs with its CPU accelerator on gloo
 ranks. `--runs`, one after the other in this process:
 
-- plain, wrapped: `--steps` GRPO steps plain and wrapped (SwapConfig(optimizer_states="swap")), each rank's final
-  parameters (gathered whole) and DeepSpeed's own view of its fp32 masters (`safe_get_full_fp32_param`) saved;
+- plain, wrapped: `--steps` GRPO steps plain and wrapped (`--swap`: SwapConfig(optimizer_states="swap"), the
+  default; "host", streamed in pieces; "defaults", SwapConfig()), each rank's final parameters (gathered whole) and
+  DeepSpeed's own view of its fp32 masters (`safe_get_full_fp32_param`) saved;
 - sync: after training, the weight sync into an engine with weights of its own (tests/grpo.py's `ReplicaEngine`,
   one per rank) and the weight check, counting ZeRO-3's gathers, then the check of a corrupted engine;
 - resume: four steps straight (plain), three with a checkpoint at the second (wrapped), and the checkpoint resumed
@@ -40,6 +41,10 @@ from trl import GRPOTrainer  # noqa: E402,F401 (before any trainer: tests/trl_wo
 
 
 BUCKET = 2**17  # bytes per bucket of the sync: several buckets of the tiny model's 0.8 MiB
+# The wrapped run's config: the smallest chunk cuts each rank's partition and its states (about 1.2 MiB) in pieces.
+CONFIGS = {"swap": swaprl.SwapConfig(optimizer_states="swap"),
+           "host": swaprl.SwapConfig(optimizer_states="host", stream_chunk_bytes=2**20),
+           "defaults": swaprl.SwapConfig()}
 
 
 def build(args, run: str, **overrides):
@@ -49,7 +54,7 @@ def build(args, run: str, **overrides):
     if args.vllm:
         overrides.update(use_vllm=True, vllm_importance_sampling_correction=False)
     return make_trainer(args.checkpoint, Path(args.out) / run, steps=args.steps, by_path=True, bf16=bf16,
-                        **overrides)
+                        cuda=torch.cuda.is_available(), **overrides)  # DeepSpeed's accelerator is the GPU there
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -81,7 +86,7 @@ def train(args, run: str) -> dict:
     trainer = build(args, run)
     seen: dict = {"phases": [], "generate": [], "steps": [], "syncs": [], "stage": None}
     if run == "wrapped":
-        rt = wrap(trainer, config=swaprl.SwapConfig(optimizer_states="swap"))
+        rt = wrap(trainer, config=CONFIGS[args.swap])
         try:
             rt.status()
         except swaprl.PhaseError as exc:
@@ -246,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", default="plain,wrapped", help=f"comma-separated, of {sorted(RUNS)}")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--vllm", action="store_true", help="TRL's vLLM colocate mode (one launch per run)")
+    ap.add_argument("--swap", default="swap", choices=sorted(CONFIGS), help="the wrapped run's SwapConfig")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

@@ -14,7 +14,7 @@ Importing this module does not import DeepSpeed: the ZeRO-3 tests on a parameter
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 
 import torch
@@ -92,6 +92,26 @@ def local_part(p: torch.Tensor):
     return part.detach().reshape(-1).narrow(0, 0, valid), group
 
 
+def forget_trace(model: torch.nn.Module) -> None:
+    """After a forward of a ZeRO-3 model that is no training step (the mismatch probe's scoring): invalidate the
+    order of modules ZeRO-3 recorded, so that the next training forward records its own.
+
+    ZeRO-3 records the modules of the first forward after its trace was invalidated and from then on prefetches
+    parameters in that order (`PartitionedParameterCoordinator`, reached through each parameter's `_z3_optimizer`,
+    set by `_link_all_hp_params`). A scoring forward calls the `lm_head` module; TRL's training forward does not
+    (its fused head reads `lm_head.weight` inside a `GatheredParameters` of its own), so with the scoring forward's
+    trace the training forward prefetched an untied `lm_head` and released it while autograd held it: its backward
+    failed with "The size of tensor a (0) must match the size of tensor b (3584)" (Qwen2.5-7B). A model that is not
+    under ZeRO-3 is left alone."""
+    first = next(model.parameters(), None)
+    zero = getattr(first, "_z3_optimizer", None) if first is not None and is_partitioned(first) else None
+    if zero is None:
+        return
+    coordinator = zero.parameter_offload.get_param_coordinator()
+    if not coordinator.is_invalid_trace():  # invalidating an invalid trace raises
+        coordinator._invalidate_trace()
+
+
 # ---------------------------------------------------------------- ZeRO's optimizers
 def zero_optimizer(engine):
     """The ZeRO optimizer of a `DeepSpeedEngine` (`engine.optimizer`), refused naming the fix when it is not one of
@@ -129,20 +149,70 @@ def partitions(zero) -> FlatPartitions:
     their storage (in 0.19.8 that branch compares a tensor's `torch.device` with a device name, a string, which is
     never equal: fp32 partitions are copies there too). With the optimizer offloaded
     (`offload_optimizer`) ZeRO keeps them and their states in host memory itself: stage 1/2's `cpu_offload`,
-    stage 3's `subgroup_to_device[i] == "cpu"`."""
+    stage 3's `subgroup_to_device[i] == "cpu"`.
+
+    Stage 3 without that offload may be streamed (see `_stream_step`): each sub-group's fp32 partition is cast into
+    its bf16 one, `fp16_partitioned_groups_flat[i]`, in the group `sub_group_to_group_id[i]`. Stage 1/2 may not:
+    its `_hp_mapping` views of the partitions would hold the device memory a host home leaves."""
     n = stage(zero)
+    streamed: dict = {}
     if n == 3:
         flats = list(zero.fp32_partitioned_groups_flat)
-        copies = [not _same_storage(f, m) for f, m in zip(flats, zero.fp16_partitioned_groups_flat)]
+        models = list(zero.fp16_partitioned_groups_flat)
+        copies = [not _same_storage(f, m) for f, m in zip(flats, models)]
         on_host = getattr(zero, "subgroup_to_device", {}) if zero.offload_optimizer else {}
         kept = [on_host.get(i) == "cpu" for i in range(len(flats))]
+        if not zero.offload_optimizer and all(m is not None for m in models):  # None: swapped to NVMe
+            streamed = {"groups": tuple(zero.sub_group_to_group_id[i] for i in range(len(flats))),
+                        "models": tuple(m if c else None for m, c in zip(models, copies)),
+                        "prepare_streaming": lambda at_home: _stream_step(zero, at_home)}
     else:
         flats = list(zero.single_partition_of_fp32_groups)
         copies = [True] * len(flats)
         kept = [bool(zero.cpu_offload)] * len(flats)
     return FlatPartitions(owner=f"DeepSpeed ZeRO-{n}", tensors=tuple(flats),
                           copies=frozenset(id(f) for f, c in zip(flats, copies) if c),
-                          kept=frozenset(id(f) for f, k in zip(flats, kept) if k))
+                          kept=frozenset(id(f) for f, k in zip(flats, kept) if k), **streamed)
+
+
+def _stream_step(zero, at_home) -> Callable[[], None]:
+    """Let stage 3's step run over fp32 partitions whose data is at its host home (`at_home(t)`), for the streamed
+    step (`swaprl.streaming`) to update; returns what undoes it. Two of its per-sub-group methods are wrapped on the
+    instance:
+
+    - `_prepare_sub_group(i)` gives the partition its fp32 gradient (`_prepare_fp32_grad_for_sub_group`: `.grad =`
+      a device tensor), which torch refuses for a tensor whose data is in host memory. For that call the partition's
+      data is a placeholder on the device of its shape (one element, expanded: no memory), and its home again after;
+      the gradient stays, and `unscale_and_clip_grads` scales it where it is.
+    - `_reassign_or_swap_out_partitioned_parameters(i)` copies the updated fp32 partition into the bf16 one. The
+      streamed step cast each piece into it on the device already; from host memory torch would cast on the CPU. For
+      a partition at home only the unflattening into the parameters' `ds_tensor`s runs.
+    """
+    prepare, reassign = zero._prepare_sub_group, zero._reassign_or_swap_out_partitioned_parameters
+
+    def prepare_sub_group(sub_group_id, timer_names):
+        fp32 = zero.fp32_partitioned_groups_flat[sub_group_id]
+        if not at_home(fp32):
+            return prepare(sub_group_id, timer_names)
+        home = fp32.data
+        fp32.data = torch.empty(1, dtype=fp32.dtype, device=zero.device).expand(fp32.shape)
+        try:
+            return prepare(sub_group_id, timer_names)
+        finally:
+            fp32.data = home
+
+    def reassign_or_swap_out(sub_group_id):
+        if at_home(zero.fp32_partitioned_groups_flat[sub_group_id]):
+            return zero._unflatten_partitioned_parameters(sub_group_id)
+        return reassign(sub_group_id)
+
+    zero._prepare_sub_group, zero._reassign_or_swap_out_partitioned_parameters = prepare_sub_group, reassign_or_swap_out
+
+    def undo() -> None:
+        for name in ("_prepare_sub_group", "_reassign_or_swap_out_partitioned_parameters"):
+            vars(zero).pop(name, None)
+
+    return undo
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor | None) -> bool:

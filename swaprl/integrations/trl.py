@@ -41,9 +41,11 @@ optimizer at `train()`'s `on_train_begin`, on every rank (until then `rt.status(
 Under DeepSpeed ZeRO-2 and ZeRO-3 the runtime is bound to the model, to ZeRO's inner torch optimizer and to a
 declaration of the flat fp32 partitions that optimizer steps (`swaprl.partitions`, built by
 `swaprl.compat.deepspeed.partitions`): the partitions that are copies of the model's values (the fp32 masters of a
-bf16 model; all of them under ZeRO-2) move with their states, as the homes place them. What DeepSpeed keeps in host
-memory itself (`offload_optimizer`, `offload_param`) swaprl leaves there. FSDP1, ZeRO stages 0 and 1, and DeepSpeed's
-NVMe offload are refused (`_check_setup` and `_check_deepspeed` say why and what to use).
+bf16 model; all of them under ZeRO-2) move with their states, as the homes place them, and under ZeRO-3 those in
+host memory (the "host" home) are streamed through ZeRO's own step. ZeRO-3's `offload_optimizer` (cpu) is replaced by
+those homes (`_replace_zero3_offload`): DeepSpeed builds its engine without it. What DeepSpeed keeps in host memory
+itself otherwise (ZeRO-2's `offload_optimizer`, `offload_param`) swaprl leaves there. FSDP1, ZeRO stages 0 and 1,
+and DeepSpeed's NVMe offload are refused (`_check_setup` and `_check_deepspeed` say why and what to use).
 
 The hook is on private TRL names whose behaviour changes between releases: `swaprl.compat.trl` holds every change
 and the version range it was checked on (`SUPPORTED_TRL`); other versions are refused rather than silently
@@ -215,27 +217,57 @@ def _check_deepspeed(trainer, config: SwapConfig) -> None:
                 f"which swaprl does not follow; use `offload_{part}_device: cpu` (DeepSpeed keeps them in host memory "
                 f"and swaprl leaves them there) or `none` (swaprl moves them to host memory only while generating)")
     ratio = ds.get_value("zero_optimization.offload_optimizer.ratio", 1.0)
-    if (ds.get_value("zero_optimization.offload_optimizer.device") or "none") != "none" and ratio != 1.0:
+    if stage == 2 and (ds.get_value("zero_optimization.offload_optimizer.device") or "none") != "none" and \
+            ratio != 1.0:  # ZeRO-3's offload is replaced whole (`_replace_zero3_offload`), its ratio with it
         raise ValueError(
-            f"offload_optimizer.ratio={ratio}: DeepSpeed then steps the sub-groups it keeps on the device with a "
-            "second optimizer of its own, whose states swaprl cannot find. Use ratio 1.0 (the default: every state in "
-            "host memory, DeepSpeed's), or no offload_optimizer (swaprl moves the states to host memory only while "
-            "generating)")
+            f"offload_optimizer.ratio={ratio} under ZeRO-2: DeepSpeed then steps the sub-groups it keeps on the device "
+            "with a second optimizer of its own, whose states swaprl cannot find. Use ratio 1.0 (the default: every "
+            "state in host memory, DeepSpeed's), no offload_optimizer (swaprl moves the states to host memory only "
+            "while generating), or ZeRO-3, whose offload swaprl's homes replace")
     if config.master_weights:
         raise ValueError("SwapConfig(master_weights=True) under DeepSpeed: ZeRO keeps fp32 master partitions of a "
                          "bf16 model itself (mixed_precision: bf16), which swaprl moves with their states; leave "
                          "master_weights=False")
-    if config.optimizer_states != "auto" and config.state_split()["host"] > 0:
+    if stage == 2 and config.optimizer_states != "auto" and config.state_split()["host"] > 0:
         raise ValueError(
-            f"SwapConfig(optimizer_states={config.optimizer_states!r}) under DeepSpeed: the 'host' home streams the "
-            "states through the device inside optimizer.step(), which runs inside ZeRO's own step. To keep the "
-            "optimizer states in host memory in both phases, have DeepSpeed do it: `offload_optimizer_device: cpu` "
-            "in the accelerate config (zero_optimization.offload_optimizer.device), with swaprl's 'swap' or 'auto'")
+            f"SwapConfig(optimizer_states={config.optimizer_states!r}) under DeepSpeed ZeRO-2: the 'host' home "
+            "streams the states through the device inside optimizer.step(), and ZeRO-2 keeps views of them that a "
+            "home in host memory would leave behind. Use ZeRO-3 (`zero_stage: 3`), where swaprl streams them, or "
+            "have DeepSpeed keep them in host memory: `offload_optimizer_device: cpu` in the accelerate config "
+            "(zero_optimization.offload_optimizer.device), with swaprl's 'swap' or 'auto'")
     if config.params == "offload":
         raise ValueError(
             "SwapConfig(params='offload') under DeepSpeed: ZeRO's model parameters are views of (ZeRO-2) or "
             "placeholders for (ZeRO-3) flat buffers DeepSpeed owns, which swaprl cannot move. Use params='keep'; to "
             "keep ZeRO-3's parameter partitions in host memory, have DeepSpeed do it: `offload_param_device: cpu`")
+
+
+def _replace_zero3_offload(trainer) -> Callable[[], None] | None:
+    """Under ZeRO-3 with `offload_optimizer_device: cpu`, have DeepSpeed build its engine without that offload, so
+    that the one home policy places the fp32 partitions and their states (ZeRO-Offload's layout is its "host" home,
+    updated on the GPU a piece at a time instead of by a CPU optimizer over fp32 gradients copied to host memory).
+    Changed in the config accelerate's plugin holds, which `train()` builds the engine from; returns what puts the
+    user's value back (at detach), or None where nothing was changed."""
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    ds = plugin.hf_ds_config
+    if ds.get_value("zero_optimization.stage", 0) != 3 or \
+            (ds.get_value("zero_optimization.offload_optimizer.device") or "none") != "cpu":
+        return None
+    # accelerate's plugin holds the dict transformers' config does, or a copy of it: whichever train() reads
+    configs = list({id(c): c for c in (ds.config, getattr(plugin, "deepspeed_config", ds.config))}.values())
+    offloads = [c["zero_optimization"]["offload_optimizer"] for c in configs]
+    before = [dict(o) for o in offloads]
+    for o in offloads:
+        o["device"] = "none"
+    logger.info("DeepSpeed ZeRO-3's offload_optimizer (cpu) is replaced: its fp32 partitions and optimizer states "
+                "are placed by swaprl's homes, those in host memory updated on the GPU")
+
+    def restore() -> None:
+        for o, b in zip(offloads, before):
+            o.clear()
+            o.update(b)
+
+    return restore
 
 
 def _fsdp_version(trainer) -> int:
@@ -362,8 +394,11 @@ def _wrap_at_train_begin(trainer, config: SwapConfig, engine: Engine | None, *, 
             _attach_sharded(trainer, rt, engine, lean_rollouts=lean_rollouts)
 
     callback = AttachWhenSharded()
-    trainer.add_callback(callback)
-    rt.on_detach(lambda: trainer.remove_callback(callback))
+    with interrupts.held("wrapping the GRPOTrainer"):
+        trainer.add_callback(callback)
+        rt.on_detach(lambda: trainer.remove_callback(callback))
+        if trainer.is_deepspeed_enabled and (restore := _replace_zero3_offload(trainer)) is not None:
+            rt.on_detach(restore)
     _register(trainer, rt)
     logger.info("wrapped GRPOTrainer under %s: swaprl attaches when train() has built the model and optimizer",
                 "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP2")
