@@ -120,6 +120,15 @@ def train(args, run: str) -> dict:
     seen["state_bytes"] = sum(v.numel() * v.element_size() for s in zero.optimizer.state.values()
                               for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     seen["grad_norms"] = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    # What DeepSpeed's checkpoint of the optimizer weighs when written, against the bytes of the tensors in it
+    import io
+
+    from swaprl.residency import nbytes
+
+    written = io.BytesIO()
+    torch.save(state := zero.state_dict(), written)
+    seen["optimizer_checkpoint"] = {"written": written.tell(), "tensors": sum(
+        nbytes(t) for t in _tensors(state))}
     save(args, run, {"params": full_params(trainer.model), "masters": fp32_masters(trainer.model)})
     if run == "wrapped":
         seen["logged_switches"] = sum(h.get("swaprl/switches", 0) for h in trainer.state.log_history)
@@ -127,6 +136,17 @@ def train(args, run: str) -> dict:
     if run == "wrapped" and "sync" in args.runs.split(","):
         seen["sync"] = sync_and_check(args, trainer)
     return seen
+
+
+def _tensors(x):
+    if torch.is_tensor(x):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
 
 
 def sync_and_check(args, trainer) -> dict:

@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from ..partitions import FlatPartitions
+from ..residency import savable
 from . import in_range
 
 SUPPORTED = ">=0.19.8,<0.20"
@@ -187,8 +188,13 @@ def _stream_step(zero, at_home) -> Callable[[], None]:
     - `_reassign_or_swap_out_partitioned_parameters(i)` copies the updated fp32 partition into the bf16 one. The
       streamed step cast each piece into it on the device already; from host memory torch would cast on the CPU. For
       a partition at home only the unflattening into the parameters' `ds_tensor`s runs.
+
+    And `state_dict()` (what `engine.save_checkpoint` saves) gives the fp32 partitions it lists (`fp32_flat_groups`)
+    storages of their own over their bytes (`residency.savable`): at home they view one host buffer, which
+    `torch.save` would write whole beside them.
     """
     prepare, reassign = zero._prepare_sub_group, zero._reassign_or_swap_out_partitioned_parameters
+    plain_state_dict = zero.state_dict
 
     def prepare_sub_group(sub_group_id, timer_names):
         fp32 = zero.fp32_partitioned_groups_flat[sub_group_id]
@@ -206,10 +212,19 @@ def _stream_step(zero, at_home) -> Callable[[], None]:
             return zero._unflatten_partitioned_parameters(sub_group_id)
         return reassign(sub_group_id)
 
+    def state_dict():
+        from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS
+
+        out = plain_state_dict()
+        if FP32_FLAT_GROUPS in out:
+            out[FP32_FLAT_GROUPS] = savable(list(out[FP32_FLAT_GROUPS]))
+        return out
+
     zero._prepare_sub_group, zero._reassign_or_swap_out_partitioned_parameters = prepare_sub_group, reassign_or_swap_out
+    zero.state_dict = state_dict
 
     def undo() -> None:
-        for name in ("_prepare_sub_group", "_reassign_or_swap_out_partitioned_parameters"):
+        for name in ("_prepare_sub_group", "_reassign_or_swap_out_partitioned_parameters", "state_dict"):
             vars(zero).pop(name, None)
 
     return undo
