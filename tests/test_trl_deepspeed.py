@@ -405,6 +405,7 @@ def _trainer_under(ds_config: dict, tiny_checkpoint, tmp_path, monkeypatch):
     ({"stage": 3, "offload_param": {"device": "nvme"}}, r"offload_param to NVMe.*offload_param_device: cpu"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, r"ratio=0.5.*second optimizer.*ratio 1.0"),
     ({"stage": 2}, r"optimizer_states='host'\) under DeepSpeed ZeRO-2.*`zero_stage: 3`.*offload_optimizer_device: cpu"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}, r"super_offload.*Remove super_offload"),
 ])
 def test_deepspeed_configurations_it_cannot_follow_are_refused_naming_the_fix(zero, match, tiny_checkpoint,
                                                                               tmp_path, monkeypatch):
@@ -422,6 +423,7 @@ def test_deepspeed_configurations_it_cannot_follow_are_refused_naming_the_fix(ze
 def test_zero3s_optimizer_offload_is_replaced_until_detach(tiny_checkpoint, tmp_path, monkeypatch):
     """wrap() turns ZeRO-3's offload_optimizer off in the config train() builds the engine from, and detach() gives
     the user's value back; ZeRO-2's is DeepSpeed's and stays."""
+    import swaprl
     from swaprl.integrations.trl import wrap
 
     for stage, replaced in ((3, True), (2, False)):
@@ -433,6 +435,23 @@ def test_zero3s_optimizer_offload_is_replaced_until_detach(tiny_checkpoint, tmp_
         assert held["offload_optimizer"] == ({"device": "none", "pin_memory": True} if replaced else offload)
         rt.detach()
         assert held["offload_optimizer"] == offload
+    # A wrap that fails after the change leaves nothing of it: the config, the trainer's callbacks, no runtime
+    offload = {"device": "cpu"}
+    trainer = _trainer_under({"zero_optimization": {"stage": 3, "offload_optimizer": offload}}, tiny_checkpoint,
+                             tmp_path / "failed", monkeypatch)
+    held = trainer.accelerator.state.deepspeed_plugin.hf_ds_config.config["zero_optimization"]
+    callbacks = list(trainer.callback_handler.callbacks)
+    import swaprl.integrations.trl as integration
+
+    def failing(trainer, rt):
+        raise RuntimeError("registering failed")
+
+    monkeypatch.setattr(integration, "_register", failing)
+    with pytest.raises(RuntimeError, match="registering failed"):
+        wrap(trainer)
+    assert held["offload_optimizer"] == offload and trainer.callback_handler.callbacks == callbacks
+    with pytest.raises(swaprl.PhaseError):
+        swaprl.current()
 
 
 def test_an_unsupported_deepspeed_version_is_refused(monkeypatch):

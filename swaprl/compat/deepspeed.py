@@ -220,12 +220,20 @@ def _stream_step(zero, at_home) -> Callable[[], None]:
             out[FP32_FLAT_GROUPS] = savable(list(out[FP32_FLAT_GROUPS]))
         return out
 
-    zero._prepare_sub_group, zero._reassign_or_swap_out_partitioned_parameters = prepare_sub_group, reassign_or_swap_out
-    zero.state_dict = state_dict
+    ours = {"_prepare_sub_group": prepare_sub_group,
+            "_reassign_or_swap_out_partitioned_parameters": reassign_or_swap_out, "state_dict": state_dict}
+    before = {name: vars(zero).get(name) for name in ours}  # an instance attribute of someone else's, if any
+    for name, fn in ours.items():
+        setattr(zero, name, fn)
 
     def undo() -> None:
-        for name in ("_prepare_sub_group", "_reassign_or_swap_out_partitioned_parameters", "state_dict"):
-            vars(zero).pop(name, None)
+        for name, fn in ours.items():
+            if vars(zero).get(name) is not fn:
+                continue  # replaced since: whoever did keeps it
+            if before[name] is None:
+                delattr(zero, name)
+            else:
+                setattr(zero, name, before[name])
 
     return undo
 

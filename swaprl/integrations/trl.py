@@ -209,6 +209,12 @@ def _check_deepspeed(trainer, config: SwapConfig) -> None:
             "DeepSpeed's own mixed-precision optimizer and stage 1 is not tested here; use `zero_stage: 2` (the "
             "optimizer states and gradients partitioned, the same states per rank as stage 1) or `zero_stage: 3` "
             "in the accelerate config (zero_optimization.stage in a DeepSpeed config)")
+    if stage == 3 and ds.get_value("zero_optimization.offload_optimizer.super_offload", False):
+        raise ValueError(
+            "offload_optimizer.super_offload under ZeRO-3: DeepSpeed then builds SuperOffload's optimizer, which steps "
+            "the partitions with an optimizer of its own on the CPU whatever the offload's device, and swaprl replaces "
+            "ZeRO-3's optimizer offload with its homes. Remove super_offload (swaprl's 'host' home streams the states "
+            "that do not fit through the GPU)")
     for part in ("optimizer", "param"):
         device = ds.get_value(f"zero_optimization.offload_{part}.device") or "none"
         if device == "nvme":
@@ -394,12 +400,16 @@ def _wrap_at_train_begin(trainer, config: SwapConfig, engine: Engine | None, *, 
             _attach_sharded(trainer, rt, engine, lean_rollouts=lean_rollouts)
 
     callback = AttachWhenSharded()
-    with interrupts.held("wrapping the GRPOTrainer"):
-        trainer.add_callback(callback)
-        rt.on_detach(lambda: trainer.remove_callback(callback))
-        if trainer.is_deepspeed_enabled and (restore := _replace_zero3_offload(trainer)) is not None:
-            rt.on_detach(restore)
-    _register(trainer, rt)
+    try:
+        with interrupts.held("wrapping the GRPOTrainer"):
+            trainer.add_callback(callback)
+            rt.on_detach(lambda: trainer.remove_callback(callback))
+            if trainer.is_deepspeed_enabled and (restore := _replace_zero3_offload(trainer)) is not None:
+                rt.on_detach(restore)
+            _register(trainer, rt)
+    except BaseException:
+        rt.detach()  # a Ctrl-C held to the block's end, or a failure in it: the trainer and its config as they were
+        raise
     logger.info("wrapped GRPOTrainer under %s: swaprl attaches when train() has built the model and optimizer",
                 "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP2")
     return rt
