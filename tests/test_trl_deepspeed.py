@@ -309,6 +309,7 @@ def untied_checkpoint(tiny_checkpoint, tmp_path_factory):
 
 
 @cpu_only
+@pytest.mark.vllm
 def test_an_untied_lm_head_trains_under_zero3_after_the_probes_scoring_forward(untied_checkpoint, tmp_path):
     """TRL's fused LM head reads an untied `lm_head.weight` inside a gather of its own, never calling the module; the
     mismatch probe's scoring forward calls it. ZeRO-3 prefetches by the order of the first forward it records: had
