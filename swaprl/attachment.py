@@ -208,7 +208,8 @@ class Runtime(PhaseMachine):
                     optimizer, check_step=self._check_step, wait_reload=self.wait_reload, streamer=place.streamer,
                     before_streamed_step=place.home_new_states), "the optimizer's hooks")
                 if place.streamer is not None and partitions is not None and partitions.prepare_streaming:
-                    wired.push(partitions.prepare_streaming(place.streamer.layout.at_home),
+                    wired.push(partitions.prepare_streaming(place.streamer.layout.at_home,
+                                                            place.streamer.masters.take_written),
                                f"{partitions.owner}'s step over partitions at their host home")
             steps = [Step("optimizer states to host", place.states_to_host, place.states_to_device)] \
                 if place.streamer is not None else []

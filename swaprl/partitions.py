@@ -12,8 +12,9 @@ either check being bypassed. `swaprl.compat.deepspeed.partitions` builds one fro
 An owner whose step calls `optimizer.step()` with each partition's gradient in place and then copies the partition
 into the model (ZeRO-3) can also have them streamed (the "host" home, `swaprl.streaming`): the owner declares which
 model tensor each copy is cast into (`models`) and what its step needs changed to run over a partition whose data
-is at its host home (`prepare_streaming`). The streamed step then treats each copy as it treats an fp32 master
-(`PartitionCopies`): staged with its states a piece at a time, updated on the device, cast into the model there.
+is at its host home and to leave out its own copy into the model where the streamed step made it
+(`prepare_streaming`). The streamed step then treats each copy as it treats an fp32 master (`PartitionCopies`):
+staged with its states a piece at a time when at its host home, updated on the device, cast into the model there.
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ class FlatPartitions:
     models: tuple[torch.Tensor | None, ...] = ()
     """For an owner whose partitions may be streamed: the model tensor each copy's values are cast into after its
     update (None for the tensors that are not copies). Empty: the owner's step cannot be streamed."""
-    prepare_streaming: Callable[[Callable[[torch.Tensor], bool]], Callable[[], None]] | None = None
-    """Given what tells whether a tensor's data is at its host home now, change what the owner's step needs changed
-    to step such a tensor through the streamed step; returns what undoes it."""
+    prepare_streaming: Callable[[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], bool]],
+                                Callable[[], None]] | None = None
+    """Given what tells whether a tensor's data is at its host home now, and whether the streamed step cast it into
+    its model tensor since last asked (`PartitionCopies.take_written`), change what the owner's step needs changed
+    to step such a tensor through the streamed step and not copy it into the model again; returns what undoes it."""
 
     def __post_init__(self) -> None:
         ids = [id(t) for t in self.tensors]
@@ -92,10 +95,15 @@ class PartitionCopies:
     """The streamed step's view of streamable partitions that are copies (`FlatPartitions.models`): what it asks of
     an fp32 master (`swaprl.master.MasterWeights`), answered for a copy. A copy steps on its own gradient, which the
     owner's step gave it; once updated on the device it is cast into its model tensor there, so the owner's copy
-    back (from host memory, cast on the host) is skipped for it (`FlatPartitions.prepare_streaming`)."""
+    back (for a copy at its host home, from host memory, cast on the host) is skipped for it
+    (`FlatPartitions.prepare_streaming`, told by `take_written`)."""
 
     def __init__(self, partitions: FlatPartitions) -> None:
         self._model = {id(t): m for t, m in zip(partitions.tensors, partitions.models) if m is not None}
+        # Copies cast into their model tensors since their owner last asked. One left over by a step that failed
+        # after the cast is harmless: the model tensor holds the copy's values until the copy is stepped again,
+        # which casts it again.
+        self._written: set[int] = set()
 
     def is_master(self, t: torch.Tensor) -> bool:
         return id(t) in self._model
@@ -123,3 +131,11 @@ class PartitionCopies:
         with torch.no_grad():
             for c in copies:
                 cast_into(self._model[id(c)], c)
+                self._written.add(id(c))
+
+    def take_written(self, copy: torch.Tensor) -> bool:
+        """Whether `copy` was cast into its model tensor since the last call for it (which forgets it)."""
+        if id(copy) not in self._written:
+            return False
+        self._written.discard(id(copy))
+        return True

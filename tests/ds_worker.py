@@ -9,7 +9,7 @@ so under ZeRO-3 with `zero3_init_flag` it is built partitioned. DeepSpeed runs w
 ranks. `--runs`, one after the other in this process:
 
 - plain, wrapped: `--steps` GRPO steps plain and wrapped (`--swap`: SwapConfig(optimizer_states="swap"), the
-  default; "host", streamed in pieces; "defaults", SwapConfig()), each rank's final parameters (gathered whole) and
+  default; "host", streamed in pieces; "split", half of it on the device; "defaults", SwapConfig()), each rank's final parameters (gathered whole) and
   DeepSpeed's own view of its fp32 masters (`safe_get_full_fp32_param`) saved;
 - sync: after training, the weight sync into an engine with weights of its own (tests/grpo.py's `ReplicaEngine`,
   one per rank) and the weight check, counting ZeRO-3's gathers, then the check of a corrupted engine;
@@ -44,6 +44,8 @@ BUCKET = 2**17  # bytes per bucket of the sync: several buckets of the tiny mode
 # The wrapped run's config: the smallest chunk cuts each rank's partition and its states (about 1.2 MiB) in pieces.
 CONFIGS = {"swap": swaprl.SwapConfig(optimizer_states="swap"),
            "host": swaprl.SwapConfig(optimizer_states="host", stream_chunk_bytes=2**20),
+           # the first partition on the device, stepped by the streamed step beside the second's pieces
+           "split": swaprl.SwapConfig(optimizer_states={"device": 0.5, "host": 0.5}, stream_chunk_bytes=2**20),
            "defaults": swaprl.SwapConfig()}
 
 

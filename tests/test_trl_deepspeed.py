@@ -110,6 +110,7 @@ LAUNCHES = {
     "zero3_offload": (config(ZERO3, ranks=2, offload_optimizer_device="cpu", offload_param_device="cpu"),
                       "plain,wrapped,sync", "defaults"),
     "zero3_offload_host": (config(ZERO3, ranks=2, offload_optimizer_device="cpu"), "plain,wrapped", "host"),
+    "zero3_offload_split": (config(ZERO3, ranks=2, offload_optimizer_device="cpu"), "wrapped", "split"),
     # on a GPU: one rank, NCCL, DeepSpeed's CUDA accelerator
     "gpu_zero3_offload_host": (config(ZERO3, ranks=1, offload_optimizer_device="cpu"), "plain,wrapped", "host"),
     "zero3_offload_param_1rank": (config(ZERO3, ranks=1, offload_param_device="cpu"), "plain,wrapped,sync"),
@@ -262,6 +263,24 @@ def test_zero3s_optimizer_offload_is_replaced_by_host_homes_streamed_bit_for_bit
             for name, t in plain[kind].items():
                 torch.testing.assert_close(wrapped[kind][name], t, rtol=0, atol=0, msg=f"rank {r['rank']}: {name}")
             assert_within_offloads_rounding(offloaded[kind], plain[kind], kind)
+
+
+@cpu_only
+def test_partitions_on_the_device_beside_streamed_ones_train_bit_for_bit_like_zero3_without_the_offload(launches):
+    """A split of the homes: the first partition of each rank on the device, stepped and cast into its bf16
+    partition by the streamed step (ZeRO's own copy then left out), the second in host memory in pieces; bit for bit
+    plain ZeRO-3 without the offload."""
+    out, ranks = launches("zero3_offload_split")
+    base_out, base = launches("zero3")
+    for r, b in zip(ranks, base):
+        w = r["wrapped"]
+        assert all(g["homes"]["device"] > 0 and g["homes"]["host"] > 0 for g in w["generate"]), w["generate"]
+        assert w["grad_norms"] == b["plain"]["grad_norms"] and len(w["grad_norms"]) == STEPS
+        wrapped, plain = saved(out, r["rank"], "wrapped"), saved(base_out, b["rank"], "plain")
+        for kind in ("params", "masters"):
+            assert wrapped[kind].keys() == plain[kind].keys() and plain[kind]
+            for name, t in plain[kind].items():
+                torch.testing.assert_close(wrapped[kind][name], t, rtol=0, atol=0, msg=f"rank {r['rank']}: {name}")
 
 
 @pytest.mark.gpu

@@ -166,7 +166,7 @@ def partitions(zero) -> FlatPartitions:
         if not zero.offload_optimizer and all(m is not None for m in models):  # None: swapped to NVMe
             streamed = {"groups": tuple(zero.sub_group_to_group_id[i] for i in range(len(flats))),
                         "models": tuple(m if c else None for m, c in zip(models, copies)),
-                        "prepare_streaming": lambda at_home: _stream_step(zero, at_home)}
+                        "prepare_streaming": lambda at_home, written: _stream_step(zero, at_home, written)}
     else:
         flats = list(zero.single_partition_of_fp32_groups)
         copies = [True] * len(flats)
@@ -176,18 +176,19 @@ def partitions(zero) -> FlatPartitions:
                           kept=frozenset(id(f) for f, k in zip(flats, kept) if k), **streamed)
 
 
-def _stream_step(zero, at_home) -> Callable[[], None]:
+def _stream_step(zero, at_home, written) -> Callable[[], None]:
     """Let stage 3's step run over fp32 partitions whose data is at its host home (`at_home(t)`), for the streamed
-    step (`swaprl.streaming`) to update; returns what undoes it. Two of its per-sub-group methods are wrapped on the
-    instance:
+    step (`swaprl.streaming`) to update, and leave out its copy into the bf16 partition where the streamed step made
+    it (`written(t)`); returns what undoes it. Two of its per-sub-group methods are wrapped on the instance:
 
     - `_prepare_sub_group(i)` gives the partition its fp32 gradient (`_prepare_fp32_grad_for_sub_group`: `.grad =`
       a device tensor), which torch refuses for a tensor whose data is in host memory. For that call the partition's
       data is a placeholder on the device of its shape (one element, expanded: no memory), and its home again after;
       the gradient stays, and `unscale_and_clip_grads` scales it where it is.
     - `_reassign_or_swap_out_partitioned_parameters(i)` copies the updated fp32 partition into the bf16 one. The
-      streamed step cast each piece into it on the device already; from host memory torch would cast on the CPU. For
-      a partition at home only the unflattening into the parameters' `ds_tensor`s runs.
+      streamed step cast it on the device already (a partition at home a piece at a time, one on the device whole),
+      and from host memory torch would cast on the CPU: for a partition at home, or one it wrote, only the
+      unflattening into the parameters' `ds_tensor`s runs.
 
     And `state_dict()` (what `engine.save_checkpoint` saves) gives the fp32 partitions it lists (`fp32_flat_groups`)
     storages of their own over their bytes (`residency.savable`): at home they view one host buffer, which
@@ -208,7 +209,8 @@ def _stream_step(zero, at_home) -> Callable[[], None]:
             fp32.data = home
 
     def reassign_or_swap_out(sub_group_id):
-        if at_home(zero.fp32_partitioned_groups_flat[sub_group_id]):
+        fp32 = zero.fp32_partitioned_groups_flat[sub_group_id]
+        if written(fp32) or at_home(fp32):  # asked first, so that it forgets; a partition in pieces is at home
             return zero._unflatten_partitioned_parameters(sub_group_id)
         return reassign(sub_group_id)
 
