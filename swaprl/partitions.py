@@ -79,14 +79,12 @@ class FlatPartitions:
         """Whether the owner's step may be streamed: the "host" home is open to these partitions."""
         return bool(self.models)
 
-    def with_groups(self, optimizer: torch.optim.Optimizer) -> Callable[[], list[tuple[torch.Tensor, dict]]]:
-        """What lists the placed tensors, each with its parameter group (the dict itself), in order, whether or not
-        the groups list them now."""
+    def with_groups(self, optimizer: torch.optim.Optimizer) -> Callable[[], list[tuple[torch.Tensor, dict]]] | None:
+        """For an owner that lists its tensors in the optimizer's groups only inside its step (`groups`): what lists
+        the placed tensors, each with its parameter group (the dict itself), in order. None where the groups list
+        them: the optimizer's own listing serves."""
         if not self.groups:
-            def listed() -> list[tuple[torch.Tensor, dict]]:
-                of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-                return [(t, of[id(t)]) for t in self.placed() if id(t) in of]
-            return listed
+            return None
         pairs = [(t, g) for t, g in zip(self.tensors, self.groups) if id(t) not in self.kept]
         return lambda: [(t, optimizer.param_groups[g]) for t, g in pairs]
 
