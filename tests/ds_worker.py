@@ -99,7 +99,8 @@ def train(args, run: str) -> dict:
                 seen["phases"].append(e["phase"])
                 if e["phase"] == "generate":
                     seen["generate"].append({"optimizer": e["status"]["optimizer"],
-                                             "homes": e["status"]["optimizer_homes"]})
+                                             "homes": e["status"]["optimizer_homes"],
+                                             "grad_buffer_bytes": grad_buffer_bytes(trainer)})
             elif e["type"] == "sync":  # TRL's vLLM engine, synced and checked by swaprl
                 seen["syncs"].append({"weights": e["weights"], "checked": e["checked"],
                                       "unreadable": e["unreadable"]})
@@ -108,7 +109,8 @@ def train(args, run: str) -> dict:
 
         class OnStep(TrainerCallback):
             def on_pre_optimizer_step(self, args, state, control, **kwargs):
-                seen["steps"].append({"phase": rt.current_phase, "optimizer": rt.status()["optimizer"]})
+                seen["steps"].append({"phase": rt.current_phase, "optimizer": rt.status()["optimizer"],
+                                      "grad_buffer_bytes": grad_buffer_bytes(trainer)})
 
         trainer.add_callback(OnStep())
     trainer.train()
@@ -138,6 +140,12 @@ def train(args, run: str) -> dict:
     if run == "wrapped" and "sync" in args.runs.split(","):
         seen["sync"] = sync_and_check(args, trainer)
     return seen
+
+
+def grad_buffer_bytes(trainer) -> int | None:
+    """The device bytes ZeRO-3's flat buffer of gradient partitions holds now (None under ZeRO-2)."""
+    buffer = getattr(trainer.model_wrapped.optimizer, "grad_partitions_flat_buffer", None)
+    return None if buffer is None else buffer.untyped_storage().nbytes()
 
 
 def _tensors(x):

@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from .. import interrupts
 from ..partitions import FlatPartitions
 from ..residency import savable
 from . import in_range
@@ -242,6 +243,47 @@ def _stream_step(zero, at_home, written) -> Callable[[], None]:
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor | None) -> bool:
     return b is not None and (a is b or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+def releasable_gradients(zero) -> torch.Tensor | None:
+    """ZeRO-3's flat buffer of this rank's gradient partitions (`grad_partitions_flat_buffer`: the model's size
+    over the ranks, in the gradient accumulation dtype, on the device) where nothing in it will be read again: ZeRO
+    is between optimizer steps, no backward has run since its `zero_grad` (`micro_step_id` 0, its
+    `_epilogue_ran_this_backward` unset), so the next backward copies every gradient it reduces into the buffer
+    rather than adding to it (`partition_grads`). None where it holds gradients still to be stepped, where ZeRO
+    keeps it in host memory itself (`offload_optimizer`), or under stages 1/2."""
+    if stage(zero) != 3 or zero.offload_optimizer:
+        return None
+    buffer = getattr(zero, "grad_partitions_flat_buffer", None)
+    if buffer is None or zero.micro_step_id != 0 or getattr(zero, "_epilogue_ran_this_backward", False):
+        return None
+    return buffer
+
+
+@contextlib.contextmanager
+def gradients_released(zero, *, keep: bool = False) -> Iterator[None]:
+    """Run the block (a `generate` phase, or the attach that wakes the engine) without ZeRO-3's buffer of gradient
+    partitions on the device, where its contents are dead (`releasable_gradients`); `keep` (SwapConfig.grads="keep")
+    leaves it. Its storage is freed (`resize_(0)`) and made again, zeroed, at the block's end: ZeRO's per-parameter
+    views of it (`__param_id_to_grad_partition`, `averaged_gradients`) share that storage and see the new memory. A
+    gradient no backward of the next window writes (a parameter that takes no part in it) is then zero, not the
+    last window's, which ZeRO would otherwise step again."""
+    buffer = None if keep or zero is None else releasable_gradients(zero)
+    if buffer is None:
+        yield
+        return
+    storage = buffer.untyped_storage()
+    size, released = storage.nbytes(), False
+    try:
+        with interrupts.held("releasing ZeRO-3's gradient buffer"):  # a Ctrl-C here comes after `released`
+            storage.resize_(0)
+            released = True
+        yield
+    finally:
+        if released:
+            with interrupts.held("making ZeRO-3's gradient buffer again"):
+                storage.resize_(size)
+                buffer.zero_()
 
 
 def has_views(zero) -> bool:

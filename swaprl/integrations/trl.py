@@ -342,6 +342,10 @@ def _engine(trainer, engine: Engine | None) -> Engine:
     # the runtime puts it back to sleep at attach, at its own level. (TRL's own record, where vLLM cannot say.)
     sleeping = vllm_compat.is_sleeping(llm)
     if sleeping if sleeping is not None else trainer.vllm_generation._llm_weights_sleeping:
+        if torch.cuda.is_available():
+            # vLLM maps its memory from the driver: what torch holds cached and free (DeepSpeed's build leaves its
+            # casts' blocks there, and a released gradient buffer) would otherwise stay out of its reach.
+            torch.cuda.empty_cache()
         llm.wake_up()
     if engine is None:
         # Under several processes: one engine per tensor-parallel group of TRL's (consecutive ranks), whose
@@ -440,8 +444,11 @@ def _attach_sharded(trainer, rt: Runtime, engine: Engine | None, *, lean_rollout
             optimizer, partitions = zero.optimizer, deepspeed_compat.partitions(zero)
         else:
             optimizer, partitions = _optimizer(trainer), None
-        built = _engine(trainer, engine)
-        rt.bind(trainer.model, optimizer, built, partitions=partitions)
+        # The engine wakes (TRL keeps it asleep) and the homes are decided beside it as it will generate: without
+        # ZeRO-3's gradient buffer, which every 'generate' releases (`gradients_released`).
+        with deepspeed_compat.gradients_released(zero, keep=rt.config.grads == "keep"):
+            built = _engine(trainer, engine)
+            rt.bind(trainer.model, optimizer, built, partitions=partitions)
         _install(trainer, rt, lean_rollouts=lean_rollouts, zero=zero)
     except BaseException:
         rt.detach()  # the trainer is TRL's own again, and train() stops with the error
@@ -461,8 +468,16 @@ def _install(trainer, rt: Runtime, *, lean_rollouts: bool, zero=None) -> None:
     """Route the trainer's generation through `rt`; record how to undo each change, undone at `rt.detach()`.
     `zero`: DeepSpeed's ZeRO optimizer, whose views of what the phase moves follow the moves
     (`swaprl.compat.deepspeed.views_follow`)."""
+    @contextlib.contextmanager
     def generating():
-        return deepspeed_compat.views_follow(zero, rt.phase("generate")) if zero is not None else rt.phase("generate")
+        if zero is None:
+            with rt.phase("generate"):
+                yield
+            return
+        # Released before the switch, so that the engine wakes into its memory; made again once training is back.
+        with deepspeed_compat.gradients_released(zero, keep=rt.config.grads == "keep"), \
+                deepspeed_compat.views_follow(zero, rt.phase("generate")):
+            yield
 
     undo = Undo("wrapping the GRPOTrainer")
     with undo.on_error():
