@@ -901,3 +901,103 @@ def test_split_units_count_the_reduce_scatter_input_fsdp2_keeps_from_the_unit_be
                    (layer + end) * 2 + 2 * layer * b_g,  # the first layer, the embedding prefetched
                    end * 2 + (end + layer) * b_g]  # the embedding
         assert split == max(windows) > (layer + end) * 2 + end * b_g, grad_dtype
+
+
+# ---------------------------------------------------------------- DeepSpeed ZeRO-3
+def zero3_plan(preset: str, **kw) -> sp.Plan:
+    """The planner asked for the measured ZeRO-3 runs' step (benchmarks/results/trl_zero3_h200): one H200 with the
+    machine's 125 GiB of host memory, 8 x 8 completions of 1024 tokens after 64-token prompts, micro batches of 8."""
+    rollout = sp.Rollout(prompts=8, completions_per_prompt=8, prompt_tokens=64, completion_tokens=1024)
+    return sp.plan(preset, cluster=dataclasses.replace(sp.get_cluster("1xH200"), host_memory_bytes=125 * GiB),
+                   rollout=rollout, micro_batch_tokens=8 * rollout.sequence_tokens, layout="zero3", **kw)
+
+
+def test_zero3s_homes_at_7b_are_those_the_measured_run_found():
+    """Qwen2.5-7B under ZeRO-3 on one H200 (b7_zero3): the homes "auto" gave its sub-groups on the GPU, bytes of
+    the fp32 partitions and AdamW states on the device and in host memory, are the planner's (within 1%: the same
+    sub-groups in each home)."""
+    from pathlib import Path
+
+    measured = json.loads((Path(__file__).parents[1] / "benchmarks/results/trl_zero3_h200/b7_zero3.json").read_text())
+    homes = measured["ways"]["b"]["extra"]["optimizer_homes"]
+    p = zero3_plan("qwen2.5-7b", precision="master-weights")
+    assert p.ok and p.inputs["layout"] == "zero3"
+    total = sum(homes.values())
+    assert homes["host"] > 0 and total == pytest.approx(sum(p.state_bytes.values()), rel=1e-3)
+    for home in ("device", "swap", "host"):  # a sub-group (12 GB) off would be 13% of them
+        assert abs(p.state_bytes[home] - homes[home]) < 0.01 * total, (home, p.state_bytes, homes)
+
+
+def test_zero3s_sub_groups_are_deepspeeds_over_transformers_two_parameter_groups(monkeypatch):
+    """DeepSpeed's rule (`_create_fp16_sub_groups`) applied to the transformers model's own parameters in
+    transformers' two groups (decayed, then biases and norms), each parameter's partition over two ranks: the
+    planner's sub-groups, element for element."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from swaprl.checkpoints import hf_config
+    from swaprl.plan import formulas
+
+    size = 3 * 10**7  # smaller than DeepSpeed's default, so that qwen2.5-0.5b has several
+    monkeypatch.setattr(formulas, "ZERO3_SUB_GROUP_ELEMENTS", size)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config("qwen2.5-0.5b"))
+    named = [(n, p) for n, p in model.named_parameters()]
+    groups = [[p for n, p in named if not ("bias" in n or "norm" in n)], [p for n, p in named if "bias" in n or "norm" in n]]
+    expected = []
+    for group in groups:
+        held = 0
+        for i, p in enumerate(group):
+            held += -(-p.numel() // 2)
+            if held >= size or i == len(group) - 1:
+                expected.append(held)
+                held = 0
+    spec = zero3_plan("qwen2.5-0.5b", precision="master-weights")  # validates the inputs
+    s = sp.search.Spec(**{**_spec_fields(spec), "cluster": sp.get_cluster("2xH200"), "shard_degree": 2})
+    assert formulas.zero3_sub_groups(s) == expected and len(expected) > 3
+
+
+def _spec_fields(p: sp.Plan) -> dict:
+    """The Spec a plan was built from, again (its inputs, the model as a preset)."""
+    i = p.inputs
+    names = [f.name for f in dataclasses.fields(sp.search.Spec)]
+    fields = {k: i[k] for k in names if k in i}
+    return {**fields, "model": get_preset(p.model), "cluster": sp.Cluster(**i["cluster"]),
+            "rollout": sp.Rollout(**i["rollout"]), "pinned": ()}
+
+
+def test_under_zero3_the_gradients_are_released_for_generate_and_the_partitions_stay():
+    p = zero3_plan("qwen2.5-7b")
+    assert p.settings.grads in ("free", "keep") and p.settings.params == "keep"
+    if p.settings.grads == "free":
+        assert p.gpu["generate"]["grads"] == 0 and p.gpu["train"]["grads"] > 0
+    assert p.gpu["generate"]["params"] == p.gpu["train"]["params"] > 0
+    assert all(c.settings.grads != "offload" and c.settings.params == "keep" for c in p.candidates)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"precision": "bf16"}, "precision='master-weights'"),
+    ({"settings": {"grads": "offload"}}, "pin grads='free' or 'keep'"),
+    ({"settings": {"params": "offload"}}, "params='keep'"),
+    ({"fsdp_units": "split"}, "leave it out with layout='zero3'"),
+])
+def test_zero3_inputs_it_cannot_follow_are_refused_naming_the_fix(kw, match):
+    with pytest.raises(ValueError, match=match):
+        zero3_plan("qwen2.5-7b", **kw)
+
+
+def test_zero3_over_part_of_the_gpus_and_zero2_are_refused_naming_the_fix():
+    rollout = sp.Rollout(prompts=8, completions_per_prompt=8, prompt_tokens=64, completion_tokens=1024)
+    with pytest.raises(ValueError, match="leave shard_degree out"):
+        sp.plan("qwen2.5-7b", cluster="2xH200", rollout=rollout, layout="zero3", shard_degree=1)
+    with pytest.raises(ValueError, match="ZeRO-2 is not planned yet"):
+        sp.plan("qwen2.5-7b", cluster="2xH200", rollout=rollout, layout="zero2")
+
+
+def test_swaprl_plan_takes_the_zero3_layout(capsys):
+    from swaprl.plan.cli import main
+
+    code = main(["qwen2.5-7b", "--cluster", "1xH200", "--host-memory-gib", "125", "--layout", "zero3",
+                 "--prompts", "8", "--prompt-tokens", "64", "--micro-batch-tokens", "8704"])
+    out = capsys.readouterr().out
+    assert code == 0 and "DeepSpeed ZeRO-3 over 1 GPUs" in out and "grads=free" in out

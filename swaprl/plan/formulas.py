@@ -10,7 +10,7 @@ from ..config import KV_WAVE_HEADROOM, STATES_PER_PARAMETER
 from ..homes import Capacity, Room, by_fractions, decide, totals
 from ..presets import Preset
 from .hardware import MiB
-from .inputs import STREAM_CHUNK_BYTES, Settings, Spec
+from .inputs import STREAM_CHUNK_BYTES, ZERO3_SUB_GROUP_ELEMENTS, Settings, Spec
 from .model import dtype_bytes
 
 PHASES = ("train", "generate")
@@ -89,14 +89,29 @@ def train_activation_bytes(s: Spec, checkpointing: bool) -> int:
 def head_backward_bytes(s: Spec, t: int, b: int) -> int:
     """§Activations: the lm_head's backward in a micro batch after the first: the logits the loss holds and their
     gradient, and the head weight's new gradient, formed whole before it is added into `.grad`. Unsharded only:
-    with FSDP the root's unsharded gradient is already in the fsdp term."""
-    if s.shard_degree > 1:
+    with FSDP or ZeRO-3 the root's unsharded gradient is already in their working set."""
+    if s.shard_degree > 1 or s.layout == "zero3":
         return 0
     m = s.model
     return t * m.vocab_size * (2 * b + 4) + m.vocab_size * m.hidden_size * dtype_bytes(s.grad_dtype)[1]
 
 
 def fsdp_working_bytes(s: Spec) -> int:
+    """§Activations: the unsharded working set of FSDP2's units, or ZeRO-3's (`zero3_working_bytes`)."""
+    return zero3_working_bytes(s) if s.layout == "zero3" else fsdp2_working_bytes(s)
+
+
+def zero3_working_bytes(s: Spec) -> int:
+    """§Activations: ZeRO-3 gathers each module's parameters for its forward and backward (on one GPU too: into
+    memory of their own) and prefetches the next, as FSDP2's root layout does (two layers and the root, one layer's
+    and the root's gradients before their reduce), and holds its reduce bucket (`reduce_bucket_size`, accelerate's
+    "auto": hidden^2 elements in the gradients' dtype) for good."""
+    layer, root = unit_params(s.model)
+    b_c, b_g = dtype_bytes(s.compute_dtype)[1], dtype_bytes(s.grad_dtype)[1]
+    return (2 * layer + root) * b_c + (layer + root) * b_g + s.model.hidden_size ** 2 * b_g
+
+
+def fsdp2_working_bytes(s: Spec) -> int:
     """§Activations: unsharded parameters and gradients before their reduce-scatter, when the trainer shards at all.
     With the root holding the embedding and lm_head: 2 layers + the root, and 1 layer's gradients + the root's. With
     those as units of their own (untied): the largest of the backward's windows, each the unit being worked on and
@@ -129,7 +144,10 @@ def cuda_context_bytes(s: Spec) -> int:
 
 def state_bytes_per_param(s: Spec) -> int:
     """§Trainer state: optimizer-state bytes of one parameter (its states, and the fp32 master copy if kept)."""
-    return STATES_PER_PARAMETER[s.optimizer] * dtype_bytes(s.optimizer_dtype)[1] + (4 if s.master_weights else 0)
+    # ZeRO-3 steps an fp32 partition of its own in both precise modes: in fp32 too, DeepSpeed 0.19.8 copies the
+    # model's partition (`swaprl.compat.deepspeed.partitions`).
+    master = s.master_weights or s.layout == "zero3"
+    return STATES_PER_PARAMETER[s.optimizer] * dtype_bytes(s.optimizer_dtype)[1] + (4 if master else 0)
 
 
 def trainer_state(s: Spec) -> dict[str, int]:
@@ -184,11 +202,36 @@ def parameter_elements(m: Preset) -> list[int]:
     return [embed, *layer * m.num_hidden_layers, h] + ([] if m.tie_word_embeddings else [embed])
 
 
+def zero3_sub_groups(s: Spec) -> list[int]:
+    """§Split: the elements of one rank's ZeRO-3 sub-groups, in the order its fp32 partitions are listed: per
+    optimizer parameter group (transformers' two: the weights it decays, then the biases and norms it does not),
+    each parameter's partition (its elements over the ranks, rounded up) added to the sub-group until that reaches
+    `ZERO3_SUB_GROUP_ELEMENTS` (DeepSpeed's `_create_fp16_sub_groups`)."""
+    m, shard = s.model, s.shard_degree
+    params = parameter_elements(m)
+    # The no-decay group holds the 1-D parameters (biases, norms), none longer than the widest dimension; every
+    # matrix, the embedding included, is longer (hidden_size times a dimension) and decays.
+    widest = max(m.hidden_size, m.q_dim, m.kv_dim, m.intermediate_size)
+    decay, no_decay = [n for n in params if n > widest], [n for n in params if n <= widest]
+    out = []
+    for group in (decay, no_decay):
+        held = 0
+        for i, n in enumerate(group):
+            held += -(-n // shard)
+            if held >= ZERO3_SUB_GROUP_ELEMENTS or i == len(group) - 1:
+                out.append(held)
+                held = 0
+    return out
+
+
 def state_sizes(s: Spec) -> list[int]:
-    """§Split: each parameter's optimizer-state bytes on one GPU (masters included), in the optimizer's order: FSDP2
-    gives each rank an equal share of every parameter, counted here to the byte so that they add up to the states
-    of §Trainer state exactly."""
+    """§Split: the optimizer-state bytes on one GPU (masters included) of each unit the homes place, in the
+    optimizer's order. FSDP2: each parameter, every rank an equal share of it, counted here to the byte so that they
+    add up to the states of §Trainer state exactly. ZeRO-3: each sub-group of the rank's partitions
+    (`zero3_sub_groups`)."""
     per, shard = state_bytes_per_param(s), s.shard_degree
+    if s.layout == "zero3":
+        return [n * per for n in zero3_sub_groups(s)]
     out, elements, held = [], 0, 0
     for n in parameter_elements(s.model):
         elements += n
@@ -232,6 +275,7 @@ def phase_bytes(s: Spec, st: Settings) -> dict[str, dict[str, int]]:
         "train": {**zero, "params": state["params"], "grads": state["grads"],
                   "engine_other": _ENGINE_POOLED_RESIDENT_BYTES if s.release_other else _ENGINE_RESIDENT_BYTES + graphs,
                   "activations": train_activation_bytes(s, st.activation_checkpointing), "cuda_context": ctx},
+        # ZeRO-3: the bf16 partitions stay; the gradient buffer is released unless kept (`gradients_released`)
         "generate": {**zero, "params": state["params"] if st.params == "keep" else 0,
                      "grads": state["grads"] if st.grads == "keep" else 0, "engine_weights": engine_weights,
                      "engine_other": _ENGINE_RESIDENT_BYTES + graphs + engine_profile_peak(s),

@@ -19,6 +19,7 @@ from ..config import (
 )
 from ..presets import Preset, shown_value
 from .hardware import COUNT_LIMIT, Cluster, check_gpus, check_number
+from .model import dtype_bytes
 
 # The search space, each axis from the least to the most moving value (§Search). The optimizer states' modes and
 # the parameters' settings are SwapConfig's, in its order; the gradients' are SwapConfig's in §Search's order, and
@@ -30,6 +31,12 @@ CHECKPOINTING = (False, True)
 # How the trainer's FSDP units are cut (§Activations): one root unit around the embedding and lm_head, or those two
 # as units of their own.
 FSDP_UNITS = ("root", "split")
+# How the trainer is spread (§Trainer state): FSDP2 (or one unsharded GPU), or DeepSpeed's ZeRO-3 with swaprl's homes
+# for its fp32 partitions and states (`swaprl.integrations.trl` under accelerate's DeepSpeed plugin).
+LAYOUTS = ("fsdp2", "zero3")
+ZERO3_SUB_GROUP_ELEMENTS = 10**9
+"""DeepSpeed's `sub_group_size` default (open-r1's zero3.yaml leaves it): ZeRO-3 steps, and swaprl homes, each
+rank's partitions in sub-groups of at least this many elements (§Split)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -129,6 +136,7 @@ class Spec:
     rollout: Rollout
     shard_degree: int
     fsdp_units: str
+    layout: str
     tp: int
     param_dtype: str
     grad_dtype: str
@@ -173,6 +181,23 @@ class Spec:
             raise ValueError(f"fsdp_units={self.fsdp_units!r}; use 'root' (decoder layers, and one root unit holding "
                              "the embedding and lm_head: accelerate's FSDP2, TRL's) or 'split' (the embedding and an "
                              "untied lm_head as units of their own: swaprl.distributed.shard_causal_lm, the examples')")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}; use 'fsdp2' (FSDP2, or one unsharded GPU) or 'zero3' "
+                             "(DeepSpeed ZeRO-3); ZeRO-2 is not planned yet")
+        if self.layout == "zero3":
+            if s != c.gpus:
+                raise ValueError(f"layout='zero3' partitions over every GPU (DeepSpeed's data-parallel world), so "
+                                 f"shard_degree={s} must be the cluster's {c.gpus} GPUs; leave shard_degree out")
+            if self.fsdp_units != "root":
+                raise ValueError("fsdp_units is FSDP2's unit layout; leave it out with layout='zero3'")
+            if dtype_bytes(self.param_dtype)[1] < 4 and not self.master_weights:
+                raise ValueError("layout='zero3' with parameters below fp32 keeps DeepSpeed's fp32 partitions "
+                                 "(its bf16 mode): use precision='master-weights' (or 'auto'), not 'bf16'")
+            pinned = dict(self.pinned)
+            if pinned.get("grads") == "offload" or pinned.get("params") == "offload":
+                raise ValueError("under layout='zero3' swaprl releases ZeRO-3's gradient buffer for 'generate' "
+                                 "(grads 'free') or keeps it ('keep'), and leaves its bf16 partitions on the GPU: "
+                                 "pin grads='free' or 'keep' and params='keep', or leave them out")
         if self.optimizer not in STATES_PER_PARAMETER:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(STATES_PER_PARAMETER)}")
         if self.master_weights and self.param_dtype == "float32":

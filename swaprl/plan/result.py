@@ -156,8 +156,8 @@ class Plan:
             (f"cluster   {c['nodes']} x {c['gpus_per_node']} GPUs of {gib(c['gpu_memory_bytes'])} GiB, "
              f"host {gib(c['host_memory_bytes'])} GiB per node, copies at {c['copy_bytes_per_s'] / 1e9:.0f} GB/s "
              "per GPU and direction"),
-            (f"trainer   shard degree {i['shard_degree']}"
-             f"{' (' + i.get('fsdp_units', 'root') + ' units)' if i['shard_degree'] > 1 else ''}, "
+            (f"trainer   {'DeepSpeed ZeRO-3 over ' + str(i['shard_degree']) + ' GPUs' if i.get('layout') == 'zero3' else 'shard degree ' + str(i['shard_degree'])}"
+             f"{' (' + i.get('fsdp_units', 'root') + ' units)' if i['shard_degree'] > 1 and i.get('layout') != 'zero3' else ''}, "
              f"params {i['param_dtype']}, grads {i['grad_dtype']}, "
              f"{i['optimizer']} states {i['optimizer_dtype']}{' + fp32 master' if i['master_weights'] else ''}, "
              f"compute {i['compute_dtype']}, micro batch {i['micro_batch_tokens']} tokens"),

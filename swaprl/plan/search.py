@@ -82,7 +82,10 @@ def _evaluate(s: Spec, st: Settings) -> dict:
 def _candidates(s: Spec) -> list[Settings]:
     """§Search: every allowed point, each with the split `choose_split` gives it unless the split is pinned."""
     pinned = dict(s.pinned)
-    axes = {"grads": GRADS, "params": PARAM_POLICIES, "sleep_level": SLEEP_LEVELS,
+    # ZeRO-3: its gradient buffer is released or kept, never offloaded; its bf16 partitions stay (§Phases)
+    zero3 = s.layout == "zero3"
+    axes = {"grads": tuple(g for g in GRADS if g != "offload") if zero3 else GRADS,
+            "params": ("keep",) if zero3 else PARAM_POLICIES, "sleep_level": SLEEP_LEVELS,
             "activation_checkpointing": CHECKPOINTING}
     values = [(pinned[k],) if k in pinned else v for k, v in axes.items()]
     points = [Settings(grads=g, params=p, sleep_level=lvl, activation_checkpointing=ac)
@@ -179,7 +182,7 @@ def _suggestions(s: Spec) -> list[str]:
 
 
 def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: Rollout,
-         shard_degree: int | None = None, fsdp_units: str = "root", tp: int | str = "auto",
+         shard_degree: int | None = None, fsdp_units: str = "root", layout: str = "fsdp2", tp: int | str = "auto",
          precision: str = "auto", param_dtype: str | None = None,
          grad_dtype: str | None = None,
          optimizer_dtype: str = "float32", master_weights: bool = False, optimizer: str = "adamw",
@@ -199,6 +202,9 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
     fsdp_units: "root" (the default: decoder layers, and one root unit holding the embedding and lm_head, as
         accelerate's FSDP2 wraps TRL's model) or "split" (the embedding and an untied lm_head as units of their own:
         `swaprl.distributed.shard_causal_lm`, the examples'); it sets the unsharded working set (§Activations).
+    layout: "fsdp2" (the default: FSDP2 over `shard_degree` GPUs, or one unsharded GPU) or "zero3" (DeepSpeed
+        ZeRO-3 over every GPU, wrapped by `swaprl.integrations.trl`: fp32 partitions in both precise modes, homed a
+        sub-group at a time, its gradient buffer released for 'generate'; §Trainer state).
     tp: vLLM tensor-parallel size (inside one node), or "auto" (the default): of the sizes the node and the model
         allow, the one that fits with the lowest predicted step cost (§Cost); `inputs["tp_auto"]` says
         what each size gave (§Search).
@@ -267,6 +273,7 @@ def plan(model: str | os.PathLike | Preset, *, cluster: Cluster | str, rollout: 
         host_margin_bytes = min(host_margin_bytes, cluster.host_memory_bytes - 1)
     fields = dict(model=spec_model, cluster=cluster, rollout=rollout,
               shard_degree=cluster.gpus if shard_degree is None else shard_degree, fsdp_units=fsdp_units,
+              layout=layout,
               optimizer_dtype=dtype_bytes(optimizer_dtype)[0], optimizer=str(optimizer).lower(),
               compute_dtype=dtype_bytes(compute_dtype)[0], engine_dtype=engine_dtype,
               kv_dtype=dtype_bytes(kv_dtype or engine_dtype)[0],
@@ -453,7 +460,8 @@ def _build(s: Spec, *, suggest: bool = True) -> Plan:
     inputs = {
         "cluster": dataclasses.asdict(s.cluster), "rollout": dataclasses.asdict(s.rollout),
         "max_position_embeddings": m.max_position_embeddings,
-        "shard_degree": s.shard_degree, "fsdp_units": s.fsdp_units, "tp": s.tp, "engines": engines,
+        "shard_degree": s.shard_degree, "fsdp_units": s.fsdp_units, "layout": s.layout, "tp": s.tp,
+        "engines": engines,
         "param_dtype": s.param_dtype,
         "grad_dtype": s.grad_dtype, "optimizer_dtype": s.optimizer_dtype, "master_weights": s.master_weights,
         "optimizer": s.optimizer, "compute_dtype": s.compute_dtype, "engine_dtype": s.engine_dtype,
