@@ -97,7 +97,8 @@ class SwapConfig:
     grads: GradPolicy = "offload"
     """Gradients during `generate`: "offload" keeps them in host memory and brings them back (costs nothing when
     the loop zeroes them with `set_to_none=True` before generating, the usual case); "free" drops them (use only
-    when no gradient is accumulated across a generate phase); "keep" leaves them on the GPU."""
+    when no gradient is accumulated across a generate phase); "keep" leaves them on the GPU. Under DeepSpeed ZeRO-3
+    "keep" also keeps ZeRO's gradient buffer, which the others release between its steps (docs/trl.md)."""
 
     params: ParamPolicy = "keep"
     """Trainer parameters during `generate`: "keep" leaves them on the GPU; "offload" moves them to host memory
