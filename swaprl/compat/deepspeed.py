@@ -14,12 +14,14 @@ Importing this module does not import DeepSpeed: the ZeRO-3 tests on a parameter
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 
 import torch
 
 from .. import interrupts
+from ..errors import PhaseError
 from ..partitions import FlatPartitions
 from ..residency import savable
 from . import in_range
@@ -250,12 +252,15 @@ def releasable_gradients(zero) -> torch.Tensor | None:
     over the ranks, in the gradient accumulation dtype, on the device) where nothing in it will be read again: ZeRO
     is between optimizer steps, no backward has run since its `zero_grad` (`micro_step_id` 0, its
     `_epilogue_ran_this_backward` unset), so the next backward copies every gradient it reduces into the buffer
-    rather than adding to it (`partition_grads`). None where it holds gradients still to be stepped, where ZeRO
-    keeps it in host memory itself (`offload_optimizer`), or under stages 1/2."""
+    rather than adding to it (`partition_grads`). None where it holds gradients still to be stepped, where it is not
+    on ZeRO's device (ZeRO keeps it in host memory itself under `offload_optimizer`; a user's
+    `offload_states(include=[lp_grads])` moves it there), or under stages 1/2."""
     if stage(zero) != 3 or zero.offload_optimizer:
         return None
     buffer = getattr(zero, "grad_partitions_flat_buffer", None)
-    if buffer is None or zero.micro_step_id != 0 or getattr(zero, "_epilogue_ran_this_backward", False):
+    if buffer is None or buffer.device != torch.device(zero.device):
+        return None
+    if zero.micro_step_id != 0 or getattr(zero, "_epilogue_ran_this_backward", False):
         return None
     return buffer
 
@@ -264,26 +269,74 @@ def releasable_gradients(zero) -> torch.Tensor | None:
 def gradients_released(zero, *, keep: bool = False) -> Iterator[None]:
     """Run the block (a `generate` phase, or the attach that wakes the engine) without ZeRO-3's buffer of gradient
     partitions on the device, where its contents are dead (`releasable_gradients`); `keep` (SwapConfig.grads="keep")
-    leaves it. Its storage is freed (`resize_(0)`) and made again, zeroed, at the block's end: ZeRO's per-parameter
-    views of it (`__param_id_to_grad_partition`, `averaged_gradients`) share that storage and see the new memory. A
-    gradient no backward of the next window writes (a parameter that takes no part in it) is then zero, not the
-    last window's, which ZeRO would otherwise step again."""
+    leaves it. Its storage is freed (`resize_(0)`) and made again, zeroed, at the block's end (`_make_again`): ZeRO's
+    per-parameter views of it (`__param_id_to_grad_partition`, `averaged_gradients`) share that storage and see the
+    new memory. A gradient no backward of the next window writes (a parameter that takes no part in it) is then
+    zero, not the last window's, which ZeRO would otherwise step again."""
     buffer = None if keep or zero is None else releasable_gradients(zero)
     if buffer is None:
         yield
         return
-    storage = buffer.untyped_storage()
-    size, released = storage.nbytes(), False
+    unmade = _unmade.get(zero)  # released already: a block before this one could not make it again
+    size = unmade.size if unmade is not None else buffer.untyped_storage().nbytes()
+    released = unmade is not None
     try:
         with interrupts.held("releasing ZeRO-3's gradient buffer"):  # a Ctrl-C here comes after `released`
-            storage.resize_(0)
+            buffer.untyped_storage().resize_(0)
             released = True
         yield
-    finally:
+    except BaseException as exc:
         if released:
-            with interrupts.held("making ZeRO-3's gradient buffer again"):
-                storage.resize_(size)
-                buffer.zero_()
+            _make_again(zero, buffer, size, failed=exc)
+        raise
+    _make_again(zero, buffer, size)
+
+
+class _Unmade:
+    """A released gradient buffer the device had no room to make again: its size, and the guard on ZeRO's module."""
+
+    def __init__(self, size: int, guard) -> None:
+        self.size, self.guard = size, guard
+
+
+_unmade: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ZeRO optimizer -> _Unmade
+
+
+def _make_again(zero, buffer: torch.Tensor, size: int, *, failed: BaseException | None = None) -> None:
+    """Give the released buffer its `size` bytes again, zeroed. Where the device has no room (a switch that failed
+    with the engine still awake, another process on the GPU), the buffer stays released behind a guard that makes
+    it again before ZeRO's module runs its next forward with gradients, since a backward would write into the empty
+    storage; the failure is then the error, or, where the block `failed` already, a note on that error (the first
+    cause stays the one raised)."""
+    try:
+        with interrupts.held("making ZeRO-3's gradient buffer again"):
+            buffer.untyped_storage().resize_(size)
+            buffer.zero_()
+    except RuntimeError as exc:  # the allocator's out-of-memory error (torch.OutOfMemoryError on a GPU)
+        _guard(zero, buffer, size)
+        why = (f"swaprl could not make DeepSpeed ZeRO-3's gradient buffer ({size / 2**30:.2f} GiB on {buffer.device})"
+               f" again after releasing it for generation ({str(exc).splitlines()[0].rstrip('.')}). It stays "
+               "released, and the next forward with gradients tries again (and refuses while there is no room). "
+               "Free that device memory (a vLLM engine still awake after a failed switch, another process on the "
+               "GPU), or keep the buffer through generation: SwapConfig(grads='keep').")
+        if failed is None:
+            raise PhaseError(why) from exc
+        failed.add_note(why)
+        return
+    unmade = _unmade.pop(zero, None)
+    if unmade is not None:
+        unmade.guard.remove()
+
+
+def _guard(zero, buffer: torch.Tensor, size: int) -> None:
+    if zero in _unmade:
+        return
+
+    def before_forward(module, args) -> None:
+        if torch.is_grad_enabled():  # a forward without gradients (a probe, an evaluation) writes none into it
+            _make_again(zero, buffer, size)
+
+    _unmade[zero] = _Unmade(size, zero.module.register_forward_pre_hook(before_forward, prepend=True))
 
 
 def has_views(zero) -> bool:

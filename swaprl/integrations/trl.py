@@ -123,8 +123,8 @@ def wrap(trainer: GRPOTrainer, *, config: SwapConfig | None = None, engine: Engi
     if _sharded_by_train(trainer):
         return _wrap_at_train_begin(trainer, config, engine, lean_rollouts=lean_rollouts)
     optimizer = _optimizer(trainer)
-    engine = _engine(trainer, engine)
-    rt = swaprl.attach(trainer.model, optimizer, engine, config=config)
+    with _engine(trainer, engine) as engine:
+        rt = swaprl.attach(trainer.model, optimizer, engine, config=config)
     try:
         with interrupts.held("wrapping the GRPOTrainer"):
             _install(trainer, rt, lean_rollouts=lean_rollouts)
@@ -325,14 +325,18 @@ def _check_engine(trainer, engine: Engine | None) -> None:
         _checkpoint_dir(trainer.model)  # raises naming the fix when the checkpoint's files cannot be found
 
 
-def _engine(trainer, engine: Engine | None) -> Engine:
-    """The engine for the checked `engine` argument: itself, or the one matching how the trainer generates."""
+@contextlib.contextmanager
+def _engine(trainer, engine: Engine | None) -> Iterator[Engine]:
+    """The engine for the checked `engine` argument: itself, or the one matching how the trainer generates. TRL's
+    vLLM engine is woken for the attach the block makes, and put back to sleep, as TRL keeps it, if the block fails:
+    the trainer is TRL's own again, and what the attach released (ZeRO-3's gradient buffer) has its room back."""
     if not trainer.use_vllm:
         if engine is None:
             from ..engines.hf import HFEngine
 
-            return HFEngine()
-        return engine
+            engine = HFEngine()
+        yield engine
+        return
     from ..compat import vllm as vllm_compat
     from ..engines.vllm import VLLMEngine
 
@@ -341,7 +345,8 @@ def _engine(trainer, engine: Engine | None) -> Engine:
     # TRL puts the engine to sleep (level 2) as soon as it builds it; VLLMEngine starts from an awake engine and
     # the runtime puts it back to sleep at attach, at its own level. (TRL's own record, where vLLM cannot say.)
     sleeping = vllm_compat.is_sleeping(llm)
-    if sleeping if sleeping is not None else trainer.vllm_generation._llm_weights_sleeping:
+    woken = sleeping if sleeping is not None else trainer.vllm_generation._llm_weights_sleeping
+    if woken:
         if torch.cuda.is_available():
             # vLLM maps its memory from the driver: what torch holds cached and free (DeepSpeed's build leaves its
             # casts' blocks there, and a released gradient buffer) would otherwise stay out of its reach.
@@ -351,7 +356,15 @@ def _engine(trainer, engine: Engine | None) -> Engine:
         # Under several processes: one engine per tensor-parallel group of TRL's (consecutive ranks), whose
         # VLLMEngine builds the same groups from the LLM's tensor-parallel size.
         engine = VLLMEngine(llm=llm, model=_checkpoint_dir(trainer.model))
-    return engine
+    try:
+        yield engine
+    except BaseException as exc:
+        if woken:  # a failed attach gives the engine back awake, as it was handed over
+            try:
+                llm.sleep(level=2)  # TRL's own level (VLLMGeneration)
+            except Exception as again:
+                exc.add_note(f"putting TRL's vLLM engine back to sleep failed too: {again!r}")
+        raise
 
 
 def _checkpoint_dir(model: torch.nn.Module) -> Path:
@@ -445,9 +458,9 @@ def _attach_sharded(trainer, rt: Runtime, engine: Engine | None, *, lean_rollout
         else:
             optimizer, partitions = _optimizer(trainer), None
         # The engine wakes (TRL keeps it asleep) and the homes are decided beside it as it will generate: without
-        # ZeRO-3's gradient buffer, which every 'generate' releases (`gradients_released`).
-        with deepspeed_compat.gradients_released(zero, keep=rt.config.grads == "keep"):
-            built = _engine(trainer, engine)
+        # ZeRO-3's gradient buffer where every generation releases it (`_every_generation_releases`).
+        release = _every_generation_releases(trainer, rt)
+        with deepspeed_compat.gradients_released(zero, keep=not release), _engine(trainer, engine) as built:
             rt.bind(trainer.model, optimizer, built, partitions=partitions)
         _install(trainer, rt, lean_rollouts=lean_rollouts, zero=zero)
     except BaseException:
@@ -455,6 +468,17 @@ def _attach_sharded(trainer, rt: Runtime, engine: Engine | None, *, lean_rollout
         raise
     logger.info("swaprl attached to the %s GRPOTrainer: generation in phase 'generate' with %s",
                 partitions.owner if zero is not None else "FSDP2-sharded", type(built).__name__)
+
+
+def _every_generation_releases(trainer, rt: Runtime) -> bool:
+    """Whether each of the trainer's generations starts an accumulation window, where ZeRO-3's gradient buffer is
+    dead and 'generate' releases it (`swaprl.compat.deepspeed.releasable_gradients`). GRPOTrainer generates every
+    `steps_per_generation * num_iterations` micro-steps (`_prepare_inputs`); where that is not a multiple of
+    `gradient_accumulation_steps`, some generations come inside a window and keep the buffer, so the attach decides
+    the homes beside it."""
+    args = trainer.args
+    every = args.steps_per_generation * args.num_iterations
+    return rt.config.grads != "keep" and every % args.gradient_accumulation_steps == 0
 
 
 def _register(trainer, rt: Runtime) -> None:
