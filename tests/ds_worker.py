@@ -287,6 +287,7 @@ def unmade(args, run: str) -> dict:
             raise torch.OutOfMemoryError(f"Tried to allocate {n} bytes (no room, as the test makes it)")
         return resize(self, n)
 
+    hooks = len(zero.module._forward_pre_hooks)
     out: dict = {"size": size, "releasable": deepspeed_compat.releasable_gradients(zero) is not None}
     real = zero.grad_partitions_flat_buffer  # off ZeRO's device (as after offload_states(lp_grads)), then back
     zero.grad_partitions_flat_buffer = torch.empty_like(real, device="meta")
@@ -315,10 +316,16 @@ def unmade(args, run: str) -> dict:
             out["clean_block_refused"] = str(exc)
     finally:
         torch.UntypedStorage.resize_ = resize
-    loss = trainer.model_wrapped(input_ids=tokens).logits.float().pow(2).mean()  # room again: made before it
+    engine = trainer.model_wrapped
+    out["guarded"] = len(zero.module._forward_pre_hooks) == hooks + 1
+    engine.backward(engine(input_ids=tokens).logits.float().pow(2).mean())  # room again: made before the forward
     out["made_at_forward"] = grad_buffer_bytes(trainer)
-    trainer.model_wrapped.backward(loss)
-    out["written_by_backward"] = bool(zero.grad_partitions_flat_buffer.abs().sum() > 0)
+    first = zero.grad_partitions_flat_buffer.clone()
+    out["written_by_backward"] = bool(first.abs().sum() > 0)
+    out["guard_removed"] = len(zero.module._forward_pre_hooks) == hooks
+    # The window's second micro-step, on the same tokens: added to the first's gradients, none of them zeroed
+    engine.backward(engine(input_ids=tokens).logits.float().pow(2).mean())
+    out["second_micro_step_accumulates"] = torch.equal(zero.grad_partitions_flat_buffer, 2 * first)
     return out
 
 

@@ -231,8 +231,9 @@ def test_a_gradient_buffer_without_room_to_be_made_again_stays_released_and_guar
     """No room to make the released buffer again (the allocator's out-of-memory error for its size): a block that
     failed raises its own error, the buffer's failure noted on it; the buffer stays released; a forward without
     gradients goes through, one with gradients (whose backward would write into the empty storage) refuses naming
-    the fix, as does a block that ended well; once there is room the next forward with gradients makes it again,
-    and its backward writes into it. A buffer off ZeRO's device is not released."""
+    the fix, as does a block that ended well; once there is room the next forward with gradients makes it again
+    (the guard then gone), its backward writes into it and the window's next micro-step adds to it. A buffer off
+    ZeRO's device is not released."""
     (r,) = launches("zero3_accumulating_1rank")[1]
     u = r["unmade"]
     assert u["size"] > 0 and u["releasable"] and not u["off_device_releasable"]
@@ -241,8 +242,9 @@ def test_a_gradient_buffer_without_room_to_be_made_again_stays_released_and_guar
     assert "could not make DeepSpeed ZeRO-3's gradient buffer" in note and "SwapConfig(grads='keep')" in note
     assert u["after_block"] == 0
     assert "no room, as the test makes it" in u["forward_refused"] and "Free that device memory" in u["forward_refused"]
-    assert "could not make" in u["clean_block_refused"]
-    assert u["made_at_forward"] == u["size"] and u["written_by_backward"]
+    assert "could not make" in u["clean_block_refused"] and u["guarded"]
+    assert u["made_at_forward"] == u["size"] and u["written_by_backward"] and u["guard_removed"]
+    assert u["second_micro_step_accumulates"]  # a whole buffer is never zeroed again
 
 
 @cpu_only

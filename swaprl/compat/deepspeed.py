@@ -265,8 +265,7 @@ def releasable_gradients(zero) -> torch.Tensor | None:
     return buffer
 
 
-@contextlib.contextmanager
-def gradients_released(zero, *, keep: bool = False) -> Iterator[None]:
+def gradients_released(zero, *, keep: bool = False) -> AbstractContextManager[None]:
     """Run the block (a `generate` phase, or the attach that wakes the engine) without ZeRO-3's buffer of gradient
     partitions on the device, where its contents are dead (`releasable_gradients`); `keep` (SwapConfig.grads="keep")
     leaves it. Its storage is freed (`resize_(0)`) and made again, zeroed, at the block's end (`_make_again`): ZeRO's
@@ -274,22 +273,30 @@ def gradients_released(zero, *, keep: bool = False) -> Iterator[None]:
     new memory. A gradient no backward of the next window writes (a parameter that takes no part in it) is then
     zero, not the last window's, which ZeRO would otherwise step again."""
     buffer = None if keep or zero is None else releasable_gradients(zero)
-    if buffer is None:
-        yield
-        return
-    unmade = _unmade.get(zero)  # released already: a block before this one could not make it again
-    size = unmade.size if unmade is not None else buffer.untyped_storage().nbytes()
-    released = unmade is not None
-    try:
-        with interrupts.held("releasing ZeRO-3's gradient buffer"):  # a Ctrl-C here comes after `released`
-            buffer.untyped_storage().resize_(0)
-            released = True
-        yield
-    except BaseException as exc:
-        if released:
-            _make_again(zero, buffer, size, failed=exc)
-        raise
-    _make_again(zero, buffer, size)
+    return contextlib.nullcontext() if buffer is None else _Released(zero, buffer)
+
+
+class _Released:
+    """`gradients_released` of a buffer it frees. A class, not a generator, so that its exit is one protected call:
+    a Ctrl-C once the block is done waits for the buffer to be made again."""
+
+    def __init__(self, zero, buffer: torch.Tensor) -> None:
+        unmade = _unmade.get(zero)  # released already: a block before this one could not make it again
+        self.zero, self.buffer = zero, buffer
+        self.size = unmade.size if unmade is not None else buffer.untyped_storage().nbytes()
+
+    def __enter__(self) -> None:
+        try:
+            with interrupts.held("releasing ZeRO-3's gradient buffer"):
+                self.buffer.untyped_storage().resize_(0)
+        except BaseException as exc:  # a Ctrl-C held to the section's end: no block runs, and no exit
+            _make_again(self.zero, self.buffer, self.size, failed=exc)
+            raise
+
+    @interrupts.protected
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        _make_again(self.zero, self.buffer, self.size, failed=exc)
+        return False
 
 
 class _Unmade:
@@ -303,37 +310,53 @@ _unmade: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ZeRO optimiz
 
 
 def _make_again(zero, buffer: torch.Tensor, size: int, *, failed: BaseException | None = None) -> None:
-    """Give the released buffer its `size` bytes again, zeroed. Where the device has no room (a switch that failed
-    with the engine still awake, another process on the GPU), the buffer stays released behind a guard that makes
-    it again before ZeRO's module runs its next forward with gradients, since a backward would write into the empty
-    storage; the failure is then the error, or, where the block `failed` already, a note on that error (the first
-    cause stays the one raised)."""
-    try:
-        with interrupts.held("making ZeRO-3's gradient buffer again"):
-            buffer.untyped_storage().resize_(size)
+    """Give the released buffer its `size` bytes again, zeroed (a buffer whole already is left as it is: it may
+    hold a window's gradients). Where the device has no room (a switch that failed with the engine still awake,
+    another process on the GPU), the buffer stays released behind a guard that makes it again before ZeRO's module
+    runs its next forward with gradients, since a backward would write into the empty storage; the failure is then
+    the error, or, where the block `failed` already, a note on that error (the first cause stays the one raised).
+    Under several ranks each decides alone: a rank that refuses leaves the others waiting in their next collective
+    until its timeout."""
+    with interrupts.held("making ZeRO-3's gradient buffer again"):
+        storage = buffer.untyped_storage()
+        if storage.nbytes() != size:
+            try:
+                storage.resize_(size)
+            except RuntimeError as exc:
+                if not _no_room(exc):
+                    raise
+                _guard(zero, buffer, size)
+                why = (f"swaprl could not make DeepSpeed ZeRO-3's gradient buffer ({size / 2**30:.2f} GiB on "
+                       f"{buffer.device}) again after releasing it for generation "
+                       f"({str(exc).splitlines()[0].rstrip('.')}). It stays released, and the next forward with "
+                       "gradients tries again (and refuses while there is no room). Free that device memory (a vLLM "
+                       "engine still awake after a failed switch, another process on the GPU), or keep the buffer "
+                       "through generation: SwapConfig(grads='keep').")
+                if failed is None:
+                    raise PhaseError(why) from exc
+                failed.add_note(why)
+                return
             buffer.zero_()
-    except RuntimeError as exc:  # the allocator's out-of-memory error (torch.OutOfMemoryError on a GPU)
-        _guard(zero, buffer, size)
-        why = (f"swaprl could not make DeepSpeed ZeRO-3's gradient buffer ({size / 2**30:.2f} GiB on {buffer.device})"
-               f" again after releasing it for generation ({str(exc).splitlines()[0].rstrip('.')}). It stays "
-               "released, and the next forward with gradients tries again (and refuses while there is no room). "
-               "Free that device memory (a vLLM engine still awake after a failed switch, another process on the "
-               "GPU), or keep the buffer through generation: SwapConfig(grads='keep').")
-        if failed is None:
-            raise PhaseError(why) from exc
-        failed.add_note(why)
-        return
-    unmade = _unmade.pop(zero, None)
-    if unmade is not None:
-        unmade.guard.remove()
+        unmade = _unmade.pop(zero, None)
+        if unmade is not None:
+            unmade.guard.remove()
+
+
+def _no_room(exc: RuntimeError) -> bool:
+    """The allocator's out-of-memory error: torch.OutOfMemoryError on a GPU, a plain RuntimeError on the CPU."""
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 def _guard(zero, buffer: torch.Tensor, size: int) -> None:
+    """Make the buffer again before ZeRO's module runs a forward with gradients (registered and recorded in the
+    caller's held section: a guard nothing records would never be removed)."""
     if zero in _unmade:
         return
+    owner = weakref.ref(zero)  # the hook lives on the module: it must not keep a discarded optimizer alive
 
     def before_forward(module, args) -> None:
-        if torch.is_grad_enabled():  # a forward without gradients (a probe, an evaluation) writes none into it
+        zero = owner()
+        if zero is not None and torch.is_grad_enabled():  # a forward without gradients writes none into it
             _make_again(zero, buffer, size)
 
     _unmade[zero] = _Unmade(size, zero.module.register_forward_pre_hook(before_forward, prepend=True))

@@ -345,25 +345,32 @@ def _engine(trainer, engine: Engine | None) -> Iterator[Engine]:
     # TRL puts the engine to sleep (level 2) as soon as it builds it; VLLMEngine starts from an awake engine and
     # the runtime puts it back to sleep at attach, at its own level. (TRL's own record, where vLLM cannot say.)
     sleeping = vllm_compat.is_sleeping(llm)
-    woken = sleeping if sleeping is not None else trainer.vllm_generation._llm_weights_sleeping
-    if woken:
-        if torch.cuda.is_available():
-            # vLLM maps its memory from the driver: what torch holds cached and free (DeepSpeed's build leaves its
-            # casts' blocks there, and a released gradient buffer) would otherwise stay out of its reach.
-            torch.cuda.empty_cache()
-        llm.wake_up()
-    if engine is None:
-        # Under several processes: one engine per tensor-parallel group of TRL's (consecutive ranks), whose
-        # VLLMEngine builds the same groups from the LLM's tensor-parallel size.
-        engine = VLLMEngine(llm=llm, model=_checkpoint_dir(trainer.model))
+    asleep = sleeping if sleeping is not None else trainer.vllm_generation._llm_weights_sleeping
+    woken = False
     try:
+        if asleep:
+            if torch.cuda.is_available():
+                # vLLM maps its memory from the driver: what torch holds cached and free (DeepSpeed's build leaves
+                # its casts' blocks there, and a released gradient buffer) would otherwise stay out of its reach.
+                torch.cuda.empty_cache()
+            llm.wake_up()
+            woken = True
+        if engine is None:
+            # Under several processes: one engine per tensor-parallel group of TRL's (consecutive ranks), whose
+            # VLLMEngine builds the same groups from the LLM's tensor-parallel size.
+            engine = VLLMEngine(llm=llm, model=_checkpoint_dir(trainer.model))
         yield engine
     except BaseException as exc:
         if woken:  # a failed attach gives the engine back awake, as it was handed over
             try:
-                llm.sleep(level=2)  # TRL's own level (VLLMGeneration)
+                if vllm_compat.is_sleeping(llm):  # asleep in part (a sleep undone halfway): LLM.sleep does nothing
+                    vllm_compat.sleep_partly_awake(llm, 2)
+                else:
+                    llm.sleep(level=2)  # TRL's own level (VLLMGeneration)
             except Exception as again:
                 exc.add_note(f"putting TRL's vLLM engine back to sleep failed too: {again!r}")
+        elif asleep:
+            exc.add_note("TRL's vLLM engine may be left awake in part: its wake-up for swaprl's attach did not end")
         raise
 
 
