@@ -52,9 +52,11 @@ def metrics(out: Path) -> list[dict]:
     return rows
 
 
-def figures(row: dict) -> str:
-    """The row's figures but the timings, as text: equal text is equal bits (a NaN loss equals a NaN loss)."""
-    return json.dumps({k: v for k, v in row.items() if k not in TIMINGS}, sort_keys=True)
+def differing(row: dict, ref: dict | None) -> list[str]:
+    """The figures of `row` but the timings that `ref` gives differently (all of them without a `ref`), compared as
+    text: equal text is equal bits (a NaN loss equals a NaN loss)."""
+    keys = ({*row, *(ref or {})}) - set(TIMINGS)
+    return sorted(k for k in keys if ref is None or json.dumps(row.get(k)) != json.dumps(ref.get(k)))
 
 
 def run(cmd: list[str], out: Path, log: Path, *, kill_after: int | None = None) -> dict:
@@ -109,7 +111,8 @@ def compare(rows: list[dict], reference: list[dict]) -> list[dict]:
     out = []
     for r in rows:
         ref = by_step.get(r["step"])
-        out.append({"step": r["step"], "equal": ref is not None and figures(r) == figures(ref),
+        differs = differing(r, ref)
+        out.append({"step": r["step"], "equal": ref is not None and not differs, "differs": differs,
                     "loss": r.get("loss"), "reference_loss": ref and ref.get("loss"),
                     "reward": r.get("reward"), "reference_reward": ref and ref.get("reward")})
     return out
@@ -183,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {r['wall_s']:.1f} s, first line after {r['first_line_s'] or float('nan'):.1f} s, "
               f"{r['lines']} lines")
     if not result["reproducible"]:
-        print("the killed run's steps differ from the straight run's: the run itself is not reproducible, so a resume "
-              "cannot be compared bit for bit (see resume.json)")
+        first = next(r for r in reproducible if not r["equal"])
+        print(f"the killed run's steps differ from the straight run's, from step {first['step']} on (there: "
+              f"{', '.join(first['differs'])}): the run itself is not reproducible, so a resume cannot be compared bit "
+              "for bit (see resume.json)")
     print(json.dumps({k: result[k] for k in ("benchmark", "kill_after", "resumed_from", "reproducible",
                                               "bit_for_bit")}))
     return 0 if result["reproducible"] and result["bit_for_bit"] else 1

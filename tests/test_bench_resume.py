@@ -40,9 +40,14 @@ def test_a_run_killed_after_a_step_past_its_checkpoint_resumes_bit_for_bit(tmp_p
 
 def test_a_figure_that_differs_or_a_step_with_nothing_to_compare_is_not_equal(bench):
     reference = [{"step": 0, "loss": 0.5, "reward": 1.0, "step_s": 2.0}, {"step": 1, "loss": 0.25, "reward": 0.5}]
-    assert all(r["equal"] for r in bench.compare([{**reference[0], "step_s": 9.0}, reference[1]], reference))
-    assert not bench.compare([{**reference[1], "loss": 0.25000001}], reference)[0]["equal"]
-    assert not bench.compare([{"step": 2, "loss": 0.5}], reference)[0]["equal"]
+    assert all(r["equal"] and r["differs"] == [] for r in
+               bench.compare([{**reference[0], "step_s": 9.0}, reference[1]], reference))
+    moved = bench.compare([{**reference[1], "loss": 0.25000001}], reference)[0]
+    assert not moved["equal"] and moved["differs"] == ["loss"]  # the figure that moved, named
+    extra = bench.compare([{**reference[1], "kl": 0.0}], reference)[0]
+    assert not extra["equal"] and extra["differs"] == ["kl"]  # a figure only one run gives differs too
+    alone = bench.compare([{"step": 2, "loss": 0.5}], reference)[0]
+    assert not alone["equal"] and alone["differs"] == ["loss", "step"]  # nothing to compare: every figure differs
     nan = [{"step": 0, "loss": float("nan")}]
     assert bench.compare([{"step": 0, "loss": float("nan")}], nan)[0]["equal"]  # the same bits, though NaN != NaN
 
