@@ -23,7 +23,6 @@ large model's shards costs seconds, not minutes. The sizes, also in the manifest
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import datetime
 import errno
@@ -48,7 +47,6 @@ on any number. This one resumes format 3 only."""
 MANIFEST = "manifest.json"
 STEP = re.compile(r"step-(\d{8})")
 READ_BYTES = 16 * 2**20
-CRC_THREADS = max(1, min(8, os.cpu_count() or 1))
 OLD_FORMAT = (f"no {MANIFEST}: written by a grpo.py of checkpoint format 1 (before manifests), or its manifest was "
               f"lost; this one resumes format {FORMAT} only")
 FORMAT_2 = (f"checkpoint format 2 (a torch.save file per rank, rank*.pt); this grpo.py resumes format {FORMAT} "
@@ -140,16 +138,8 @@ def crc32(path: Path) -> int:
     value = 0
     with open(path, "rb") as f:
         while chunk := f.read(READ_BYTES):
-            value = zlib.crc32(chunk, value)  # (without the GIL: a chunk this large lets other threads run)
+            value = zlib.crc32(chunk, value)
     return value
-
-
-def crc32s(paths: list[Path]) -> list[int]:
-    """`crc32` of each path, in threads: one thread checksums slower than a disk reads."""
-    if len(paths) < 2:
-        return [crc32(p) for p in paths]
-    with concurrent.futures.ThreadPoolExecutor(min(len(paths), CRC_THREADS)) as pool:
-        return list(pool.map(crc32, paths))
 
 
 class Checkpoints:
@@ -197,7 +187,7 @@ class Checkpoints:
             return [f"{path}: checkpoint format {version}; this grpo.py resumes format {FORMAT}"]
         if step != int(STEP.fullmatch(path.name).group(1)):
             return [f"{listed}: the manifest is of step {step}, not of its directory's"]
-        found, mine = [], []
+        found = []
         for name, rank, size, checksum in files:
             f = path / name
             if not f.is_file():
@@ -205,10 +195,7 @@ class Checkpoints:
             elif (actual := f.stat().st_size) != size:
                 found.append(f"{f}: {actual} bytes, the manifest says {size} (cut short, or another file put in "
                              "its place)")
-            elif rank % self.world == self.rank:
-                mine.append((f, checksum))
-        for (f, checksum), value in zip(mine, crc32s([f for f, _ in mine])):
-            if value != checksum:
+            elif rank % self.world == self.rank and (value := crc32(f)) != checksum:
                 found.append(f"{f}: checksum crc32 {value:08x}, the manifest says {checksum:08x} (changed since "
                              "it was written: a flipped bit, or another file of the same size put in its place)")
         return found
@@ -255,12 +242,13 @@ class Checkpoints:
             tmp.mkdir(parents=True)
 
         def files() -> list[dict]:
-            written = [Path(f) for f in write(tmp)]
-            for f in written:
+            listed = []
+            for f in write(tmp):
                 with open(f, "rb") as fd:  # on disk before the manifest says it is
                     os.fsync(fd.fileno())
-            return [{"name": str(f.relative_to(tmp)), "rank": self.rank, "bytes": f.stat().st_size,
-                     "crc32": f"{value:08x}"} for f, value in zip(written, crc32s(written))]
+                listed.append({"name": str(Path(f).relative_to(tmp)), "rank": self.rank,
+                               "bytes": Path(f).stat().st_size, "crc32": f"{crc32(Path(f)):08x}"})
+            return listed
 
         def commit(listed: list[dict]) -> None:
             manifest = {"format": FORMAT, "step": step, "world": self.world, "checksum": "crc32",

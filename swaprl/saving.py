@@ -67,9 +67,6 @@ logger = logging.getLogger(__name__)
 FORMAT = 1
 """The layout of what `save` writes, recorded in the checkpoint; `load` refuses another."""
 METADATA = ".metadata"  # DCP's index of a checkpoint, written by the coordinating rank (its FileSystemReader's name)
-WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
-"""DCP's writing threads, each writing a file of this rank's share: one thread serializes and writes slower than a
-disk takes, and a file each lets the caller's checksums of them run in threads too."""
 TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "chat_template", "spiece")
 """The start of the names of the tokenizer files `export_hf` copies from the model's checkpoint directory."""
 
@@ -178,7 +175,7 @@ class _Writer(FileSystemWriter):
     """DCP's file writer (each file fsynced), noting the files this rank wrote, for the caller's manifest."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(path, sync_files=True, thread_count=WRITE_THREADS)
+        super().__init__(path, sync_files=True)
         self.fs = _Files()
         self.files: list[str] = []
 
