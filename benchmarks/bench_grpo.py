@@ -507,21 +507,16 @@ def numpy_state_digest() -> str:
 
 
 def deterministic_backward(backward: Callable, count: dict) -> Callable:
-    """The trainer's backward under torch's deterministic algorithms: where training's sums vary from run to run
-    (attention's backward accumulates in a varying order). Only there: the engine's kernels and swaprl's switches
-    run as they do in a plain run, and an operation torch has no deterministic version of would fail the run."""
-    import torch
+    """The trainer's backward under torch's deterministic algorithms (`swaprl.compat.torch.deterministic_algorithms`),
+    and only there: the engine's kernels and swaprl's switches run as they do in a plain run."""
+    from swaprl.compat.torch import deterministic_algorithms
 
     @functools.wraps(backward)
     def run(*args, **kwargs):
-        torch.use_deterministic_algorithms(True)
-        fill = torch.utils.deterministic.fill_uninitialized_memory
-        torch.utils.deterministic.fill_uninitialized_memory = False  # its fill changes no result, only the time
         try:
-            return backward(*args, **kwargs)
+            with deterministic_algorithms():
+                return backward(*args, **kwargs)
         finally:
-            torch.use_deterministic_algorithms(False)
-            torch.utils.deterministic.fill_uninitialized_memory = fill
             count["backwards"] += 1
     return run
 
@@ -624,7 +619,9 @@ def child(spec_path: str) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before the sampler and the floor pick a device
     held = hold_beyond(spec["as_gpu_bytes"]) if spec.get("as_gpu_bytes") else 0
     if spec.get("deterministic") and spec["way"] in ("a", "b"):
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any product
+        from swaprl.compat.torch import deterministic_cublas
+
+        deterministic_cublas()  # before any product
     if spec["way"] in ("a", "b"):
         # Imported here, before any trainer exists: TRL's trainer imports vLLM, which keeps an import error it met (an
         # optional audio dependency missing) with its traceback, and so every frame that was on the stack then.

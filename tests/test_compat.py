@@ -340,3 +340,36 @@ def test_a_vllm_without_the_gpu_worker_is_named_with_the_fix(monkeypatch):
     with pytest.raises(ImportError, match=r"64 MiB pages.*Install a supported vLLM.*large_segment_size_mb"):
         with vllm_compat.load_split_within_pages():
             pass
+
+
+def test_deterministic_algorithms_hold_inside_the_block_only_and_leave_new_memory_unfilled():
+    """Inside the block an operation torch has no deterministic version of raises (put_ without accumulate, on any
+    device); after it, the setting is the one before (warn-only included) and such an operation runs again."""
+    def put():
+        torch.zeros(4).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with torch_compat.deterministic_algorithms():
+            assert torch.are_deterministic_algorithms_enabled()
+            assert not torch.is_deterministic_algorithms_warn_only_enabled()
+            assert not torch.utils.deterministic.fill_uninitialized_memory
+            with pytest.raises(RuntimeError, match="put_"):
+                put()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.utils.deterministic.fill_uninitialized_memory
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with torch_compat.deterministic_algorithms(), pytest.raises(KeyError):
+        raise KeyError("an error inside the block")
+    assert not torch.are_deterministic_algorithms_enabled()
+    put()
+
+
+def test_deterministic_cublas_keeps_a_workspace_setting_the_environment_gives(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch_compat.deterministic_cublas()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == torch_compat.CUBLAS_WORKSPACE_CONFIG
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    torch_compat.deterministic_cublas()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"

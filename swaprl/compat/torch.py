@@ -203,3 +203,32 @@ def whole_segments(device: torch.device) -> Iterator[None]:
         yield
     finally:
         set_settings(",".join(parts))
+
+
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+"""cuBLAS's workspace setting that torch's deterministic algorithms require of it (a fixed workspace per stream, so
+that its products sum in one order)."""
+
+
+def deterministic_cublas() -> None:
+    """Give cuBLAS the workspace setting `deterministic_algorithms` needs, unless the environment sets one. cuBLAS
+    reads it when it starts, at the process's first product on the GPU: call this before that."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """torch's deterministic algorithms inside the block, the previous setting after it. A GPU backward sums in an
+    order that varies from run to run without them (attention's accumulates its query gradients in whatever order
+    its blocks finish), so two runs of the same steps drift apart in their low bits from the first update on. An
+    operation torch has no deterministic version of raises inside the block, naming itself. The setting also has
+    `torch.empty` fill what it allocates; that fill stays off here, since it changes no result, only the time."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
