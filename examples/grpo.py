@@ -49,6 +49,7 @@ import torch.distributed as dist
 import swaprl
 from swaprl import memory, saving
 from swaprl.profile import attach_profiler
+from swaprl.compat.torch import deterministic_algorithms, deterministic_cublas
 from swaprl.config import parse_optimizer_states
 
 import run_files  # (beside this file: checkpoints and the files a resume rewrites)
@@ -163,7 +164,7 @@ def optimizer_states(text: str) -> str | dict[str, float]:
 
 COMPUTATION = ("model", "preset", "layers", "engine", "dtype", "master_weights", "fp32_params", "bf16_only", "task",
                "dataset", "reward", "prompts", "completions", "prompt_tokens", "max_tokens", "micro_batch", "updates",
-               "clip", "tis_cap", "kl_coef", "lr", "seed", "tp", "enforce_eager")
+               "clip", "tis_cap", "kl_coef", "lr", "seed", "tp", "enforce_eager", "deterministic")
 """The flags that change what a run computes (the model, the data, the objective, the optimizer, the sampling, the
 engine's kernels): a checkpoint records them (`computation`) and a resume refuses a change to any of them. The
 micro-batch is one: it changes the order of the gradients' sums, and a resume is bit for bit."""
@@ -190,6 +191,8 @@ def computation(args) -> dict:
         del settings["prompt_tokens"]
     if settings["engine"] == "hf":
         del settings["tp"], settings["enforce_eager"]
+    if not settings["deterministic"]:  # recorded when on: checkpoints from before the flag resume as they were
+        del settings["deterministic"]
     return settings
 
 
@@ -467,6 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "sized from the memory free when the engine starts")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="a run that repeats bit for bit on the GPU, so that a resume continues the run it resumes "
+                         "exactly: torch's deterministic kernels, and vLLM without CUDA graphs and torch.compile "
+                         "(implies --enforce-eager)")
     ap.add_argument("--release-other", action=argparse.BooleanOptionalAction, default=None,
                     help="vLLM: release its CUDA graphs, buffers and workspaces while it sleeps (VLLMEngine's "
                          "release_other; default: wherever swaprl.vmm can)")
@@ -641,6 +648,9 @@ def main(argv: list[str] | None = None) -> dict:
 def _run(argv: list[str] | None, undo: list) -> dict:
     """main(), which puts in `undo` what it opens (and takes out what it closes)."""
     args = build_parser().parse_args(argv)
+    if args.deterministic:
+        args.enforce_eager = True  # vLLM's compiled kernels and CUDA graphs vary from one engine start to the next
+        deterministic_cublas()
     rank, world, device = init_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
@@ -952,7 +962,7 @@ def train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, p
     for lo, hi in zip(bounds, bounds[1:]):
         c = slice(lo * n, hi * n)
         part: dict = {}
-        with autocast:
+        with autocast, deterministic_algorithms() if args.deterministic else contextlib.nullcontext():
             part_loss, part_tokens = grpo_loss(model, prompts[lo:hi], completions[c], n, rewards=rewards[c],
                                                engine_logprobs=engine_lp[c], old_logprobs=old and old[c],
                                                ref_logprobs=ref and ref[c], kl_coef=args.kl_coef, stats=part, **kw)

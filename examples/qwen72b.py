@@ -125,8 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--export-hf", default=None, metavar="DIR",
                     help="at the end, the trained model as a transformers checkpoint in DIR (examples/grpo.py "
                          "--export-hf)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="vLLM without CUDA graphs and torch.compile (examples/grpo.py --enforce-eager; planned too)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="a run that repeats bit for bit, so that a resume continues it exactly (examples/grpo.py "
+                         "--deterministic; implies --enforce-eager)")
     ap.add_argument("--out", default="out/qwen72b")
     args = ap.parse_args(argv)
+    args.enforce_eager = args.enforce_eager or args.deterministic
 
     # torchrun sets these; a plain `python` run is one rank.
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -178,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         the_plan = planner.plan(model, cluster=cluster, rollout=rollout, layers=layers, tp=tp, settings=pinned,
                                 fsdp_units="split",  # examples/grpo.py shards with shard_causal_lm
                                 micro_batch_tokens=micro * rollout.sequence_tokens, release_other=release,
+                                cuda_graphs=not args.enforce_eager,
                                 precision=precision, optimizer_dtype="bfloat16" if args.bf16_only else "float32")
         if the_plan.ok:
             break
@@ -210,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             loop += [flag, str(value)]
     loop += ["--resume"] if args.resume else []
+    loop += ["--enforce-eager"] if args.enforce_eager else []
+    loop += ["--deterministic"] if args.deterministic else []
     chosen = the_plan.swap_config()
     # the mode the plan chose, as the loop's flags (the loop's own default is fp32 masters, so bf16 is named too); on
     # the CPU the loop's default dtype is float32

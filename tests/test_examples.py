@@ -176,25 +176,29 @@ def test_qwen72b_example_runs_the_master_weights_its_plan_chose(tmp_path, capsys
     sys.modules.pop("grpo", None)
 
 
-def test_qwen72b_example_passes_checkpoints_resumes_datasets_and_exports_to_the_loop(tmp_path, capsys):
-    """On the tiny preset: --dataset, --save-steps, --resume and --export-hf reach examples/grpo.py; the resumed
-    run, planned again, has the settings of the one it goes on from."""
+def test_qwen72b_example_passes_checkpoints_resumes_datasets_and_exports_to_the_loop(tmp_path, capsys, monkeypatch):
+    """On the tiny preset: --dataset, --save-steps, --resume, --export-hf and --deterministic reach
+    examples/grpo.py; the resumed run, planned again, has the settings of the one it goes on from."""
     import qwen72b
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what --deterministic sets, put back after the test
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "answer": str(a + 2)}) + "\n"
                             for a in range(6)))
     q = tmp_path / "q"
-    assert qwen72b.main(["--steps", "2", "--save-steps", "1", "--dataset", str(data), "--out", str(q)]) == 0
+    assert qwen72b.main(["--steps", "2", "--save-steps", "1", "--dataset", str(data), "--deterministic",
+                         "--out", str(q)]) == 0
     sys.modules.pop("grpo", None)
     assert sorted(p.name for p in (q / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
     assert qwen72b.main(["--steps", "3", "--resume", "--dataset", str(data), "--export-hf", str(tmp_path / "hf"),
-                         "--out", str(q)]) == 0
+                         "--deterministic", "--out", str(q)]) == 0
     sys.modules.pop("grpo", None)
     capsys.readouterr()
     metrics = json.loads((q / "metrics.json").read_text())
     assert metrics["resumed_from"] == 2 and [s["step"] for s in metrics["steps"]] == [2]
     assert metrics["args"]["dataset"] == str(data) and metrics["steps"][0]["correct"] is not None
+    assert metrics["args"]["deterministic"] and metrics["args"]["enforce_eager"]
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")

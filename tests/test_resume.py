@@ -430,6 +430,20 @@ def test_a_resume_refuses_any_setting_that_changes_what_it_computes(tmp_path, ev
     assert files(out) == before
 
 
+def test_a_resume_refuses_to_turn_deterministic_kernels_on_or_off(tmp_path, even_tokens, monkeypatch):
+    """--deterministic changes the kernels, so a resume keeps it as saved; off, it is not recorded at all (the
+    checkpoints of runs from before the flag existed resume as they were)."""
+    import grpo
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what the flag sets, put back after the test
+    out = copy(even_tokens, tmp_path / "o")
+    assert "deterministic" not in json.loads((next((out / "checkpoints").iterdir()) / "manifest.json").read_text()
+                                             )["meta"]["settings"]
+    with pytest.raises(SystemExit, match=r"--deterministic '\(not used\)' -> True\); resume with its settings"):
+        grpo.main([*COMMON, "--task", "even-tokens", "--steps", "2", "--resume", "--out", str(out),
+                   "--checkpoint-dir", str(tmp_path / "ck"), "--deterministic"])
+
+
 def test_a_resume_may_change_what_does_not_change_the_computation(tmp_path, worker, runs):
     """--steps, --save-steps, --warmup, --report-to, the checks and where the optimizer states live: the resumed
     run trains as the straight one, bit for bit."""
