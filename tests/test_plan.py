@@ -904,12 +904,12 @@ def test_split_units_count_the_reduce_scatter_input_fsdp2_keeps_from_the_unit_be
 
 
 # ---------------------------------------------------------------- DeepSpeed ZeRO-3
-def zero3_plan(preset: str, **kw) -> sp.Plan:
+def zero3_plan(preset: str, layout: str = "zero3", **kw) -> sp.Plan:
     """The planner asked for the measured ZeRO-3 runs' step (benchmarks/results/trl_zero3_h200): one H200 with the
     machine's 125 GiB of host memory, 8 x 8 completions of 1024 tokens after 64-token prompts, micro batches of 8."""
     rollout = sp.Rollout(prompts=8, completions_per_prompt=8, prompt_tokens=64, completion_tokens=1024)
     return sp.plan(preset, cluster=dataclasses.replace(sp.get_cluster("1xH200"), host_memory_bytes=125 * GiB),
-                   rollout=rollout, micro_batch_tokens=8 * rollout.sequence_tokens, layout="zero3", **kw)
+                   rollout=rollout, micro_batch_tokens=8 * rollout.sequence_tokens, layout=layout, **kw)
 
 
 def test_zero3s_homes_at_7b_are_those_the_measured_run_found():
@@ -986,12 +986,55 @@ def test_zero3_inputs_it_cannot_follow_are_refused_naming_the_fix(kw, match):
         zero3_plan("qwen2.5-7b", **kw)
 
 
-def test_zero3_over_part_of_the_gpus_and_zero2_are_refused_naming_the_fix():
+def test_zero3_over_part_of_the_gpus_is_refused_naming_the_fix():
     rollout = sp.Rollout(prompts=8, completions_per_prompt=8, prompt_tokens=64, completion_tokens=1024)
     with pytest.raises(ValueError, match="leave shard_degree out"):
         sp.plan("qwen2.5-7b", cluster="2xH200", rollout=rollout, layout="zero3", shard_degree=1)
-    with pytest.raises(ValueError, match="ZeRO-2 is not planned yet"):
-        sp.plan("qwen2.5-7b", cluster="2xH200", rollout=rollout, layout="zero2")
+    with pytest.raises(ValueError, match="'fsdp2' .*'zero2' or 'zero3'"):
+        sp.plan("qwen2.5-7b", cluster="2xH200", rollout=rollout, layout="zero1")
+
+
+# ---------------------------------------------------------------- DeepSpeed ZeRO-2
+def test_zero2_keeps_the_parameters_whole_and_partitions_gradients_partitions_and_states():
+    """Over 8 GPUs: the bf16 parameters whole on each, the gradient partition and the fp32 partitions with their
+    AdamW states an eighth, in two units (transformers' two parameter groups); no gradients between steps."""
+    rollout = sp.Rollout(prompts=8, completions_per_prompt=8, prompt_tokens=64, completion_tokens=1024)
+    p = sp.plan("qwen2.5-7b", cluster="8xH200", rollout=rollout, layout="zero2", precision="master-weights")
+    n = p.parameters
+    assert p.ok and p.inputs["layout"] == "zero2" and p.inputs["shard_degree"] == 8
+    assert p.gpu["train"]["params"] == p.gpu["generate"]["params"] == 2 * n
+    assert p.gpu["train"]["grads"] == -(-2 * n // 8) and p.gpu["generate"]["grads"] == 0
+    assert sum(p.state_bytes.values()) == pytest.approx(12 * n / 8, rel=1e-6)
+    assert p.state_bytes["host"] == 0
+    assert all(c.settings.grads == "free" and c.settings.params == "keep" for c in p.candidates)
+    from swaprl.plan import formulas
+
+    s = sp.search.Spec(**_spec_fields(p))
+    decay, no_decay = formulas.zero2_partitions(s)
+    assert decay > 1000 * no_decay > 0 and decay + no_decay == pytest.approx(n / 8, abs=2)
+
+
+def test_zero2_never_homes_states_in_host_memory_and_says_what_does_not_fit():
+    """Its step cannot stream: on one H200 at 7B the states that would stream under ZeRO-3 overflow train instead,
+    and the verdict says by how much."""
+    z2, z3 = zero3_plan("qwen2.5-7b", layout="zero2"), zero3_plan("qwen2.5-7b")
+    assert z3.ok and z3.state_bytes["host"] > 0
+    assert not z2.ok and "train needs" in z2.verdict
+    assert all(c.settings.optimizer_states.get("host", 0) == 0 for c in z2.candidates)
+    small = zero3_plan("qwen2.5-1.5b", layout="zero2")
+    assert small.ok and small.state_bytes["host"] == 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"precision": "bf16"}, "precision='master-weights'"),
+    ({"settings": {"grads": "keep"}}, "no gradients between optimizer steps.*pin grads='free'"),
+    ({"settings": {"grads": "offload"}}, "pin grads='free'"),
+    ({"settings": {"params": "offload"}}, "whole on every GPU.*params='keep'"),
+    ({"fsdp_units": "split"}, "leave it out with layout='zero2'"),
+])
+def test_zero2_inputs_it_cannot_follow_are_refused_naming_the_fix(kw, match):
+    with pytest.raises(ValueError, match=match):
+        zero3_plan("qwen2.5-7b", layout="zero2", **{k: v for k, v in kw.items()})
 
 
 def test_swaprl_plan_takes_the_zero3_layout(capsys):
@@ -1001,3 +1044,7 @@ def test_swaprl_plan_takes_the_zero3_layout(capsys):
                  "--prompts", "8", "--prompt-tokens", "64", "--micro-batch-tokens", "8704"])
     out = capsys.readouterr().out
     assert code == 0 and "DeepSpeed ZeRO-3 over 1 GPUs" in out and "grads=free" in out
+    code = main(["qwen2.5-1.5b", "--cluster", "1xH200", "--host-memory-gib", "125", "--layout", "zero2",
+                 "--prompts", "8", "--prompt-tokens", "64", "--micro-batch-tokens", "8704"])
+    out = capsys.readouterr().out
+    assert code == 0 and "DeepSpeed ZeRO-2 over 1 GPUs" in out and "host 0.00 GiB" in out

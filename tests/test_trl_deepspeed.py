@@ -177,6 +177,27 @@ def test_wrapped_training_is_bitwise_identical_to_plain_deepspeed(launches, name
 
 
 @cpu_only
+@pytest.mark.parametrize("name, layout", [("zero2", "zero2"), ("zero3", "zero3")])
+def test_the_planner_counts_each_ranks_fp32_partitions_and_states_as_deepspeed_makes_them(launches, name, layout):
+    """`swaprl plan --layout zero2 / zero3` for the tiny model over the launch's two GPUs: its optimizer-state
+    bytes per GPU (the fp32 partitions and AdamW's two states) are what each rank of plain DeepSpeed held, but for
+    DeepSpeed's alignment padding of its flat groups."""
+    import dataclasses
+
+    import swaprl.plan as sp
+
+    _, ranks = launches(name)
+    rollout = sp.Rollout(prompts=2, completions_per_prompt=2, prompt_tokens=8, completion_tokens=8)
+    plan = sp.plan("tiny", cluster=dataclasses.replace(sp.get_cluster("2xH200"), gpus_per_node=2, nodes=1),
+                   rollout=rollout, layout=layout, precision="master-weights")
+    planned = sum(plan.state_bytes.values())
+    for r in ranks:
+        held = r["plain"]["partitions"]["bytes"] + r["plain"]["state_bytes"]
+        assert r["plain"]["partitions"]["n"] > 0 and abs(held - planned) <= 12 * 64 * r["plain"]["partitions"]["n"], \
+            (held, planned)
+
+
+@cpu_only
 @pytest.mark.parametrize("name", ["zero3", "zero2", "zero3_fp32_1rank"])
 def test_the_fp32_partitions_and_their_states_leave_for_generate(launches, name):
     """Each rank's fp32 partitions are copies of the model's (its masters under bf16; in fp32 too, DeepSpeed 0.19.8

@@ -70,9 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fsdp-units", default="root", choices=["root", "split"],
                         help="root: the embedding and lm_head in FSDP's root unit (accelerate, TRL); split: units of "
                              "their own (swaprl.distributed.shard_causal_lm, the examples)")
-    parser.add_argument("--layout", default="fsdp2", choices=["fsdp2", "zero3"],
-                        help="fsdp2: FSDP2 over --shard-degree GPUs (or one unsharded GPU); zero3: DeepSpeed ZeRO-3 "
-                             "over every GPU, wrapped by swaprl (docs/plan.md, Trainer state)")
+    parser.add_argument("--layout", default="fsdp2", choices=["fsdp2", "zero2", "zero3"],
+                        help="fsdp2: FSDP2 over --shard-degree GPUs (or one unsharded GPU); zero2 / zero3: DeepSpeed "
+                             "ZeRO-2 / ZeRO-3 over every GPU, wrapped by swaprl (docs/plan.md, Trainer state)")
     parser.add_argument("--release-other", action="store_true",
                         help="the engine releases its graphs and buffers while asleep (VLLMEngine release_other)")
     parser.add_argument("--processes-per-gpu", type=int, default=1)

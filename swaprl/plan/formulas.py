@@ -83,21 +83,30 @@ def train_activation_bytes(s: Spec, checkpointing: bool) -> int:
         peak = m.num_hidden_layers * t * m.hidden_size * b + outside + max(logits, 2 * layer, head)
     else:
         peak = m.num_hidden_layers * layer + outside + max(logits, layer, head)
+    if s.layout == "zero2":
+        # its step flattens each group's gradient partition into fp32 (the fp32 partition's `.grad`), after the
+        # backward has freed the activations: the larger of the two
+        peak = max(peak, -(-m.num_parameters() // s.shard_degree) * 4)
     return peak + fsdp_working_bytes(s)
 
 
 def head_backward_bytes(s: Spec, t: int, b: int) -> int:
     """§Activations: the lm_head's backward in a micro batch after the first: the logits the loss holds and their
     gradient, and the head weight's new gradient, formed whole before it is added into `.grad`. Unsharded only:
-    with FSDP or ZeRO-3 the root's unsharded gradient is already in their working set."""
-    if s.shard_degree > 1 or s.layout == "zero3":
+    with FSDP or ZeRO-3 the root's unsharded gradient is already in their working set. ZeRO-2's parameters are whole:
+    its head's backward is the unsharded one."""
+    if s.layout == "zero3" or (s.layout == "fsdp2" and s.shard_degree > 1):
         return 0
     m = s.model
     return t * m.vocab_size * (2 * b + 4) + m.vocab_size * m.hidden_size * dtype_bytes(s.grad_dtype)[1]
 
 
 def fsdp_working_bytes(s: Spec) -> int:
-    """§Activations: the unsharded working set of FSDP2's units, or ZeRO-3's (`zero3_working_bytes`)."""
+    """§Activations: the unsharded working set of FSDP2's units, or ZeRO-3's (`zero3_working_bytes`); under ZeRO-2,
+    whose parameters are whole, its reduce bucket (`reduce_bucket_size`, accelerate's "auto": hidden^2 elements in
+    the gradients' dtype), into which each gradient is copied as the backward makes it."""
+    if s.layout == "zero2":
+        return s.model.hidden_size ** 2 * dtype_bytes(s.grad_dtype)[1]
     return zero3_working_bytes(s) if s.layout == "zero3" else fsdp2_working_bytes(s)
 
 
@@ -144,23 +153,27 @@ def cuda_context_bytes(s: Spec) -> int:
 
 def state_bytes_per_param(s: Spec) -> int:
     """§Trainer state: optimizer-state bytes of one parameter (its states, and the fp32 master copy if kept)."""
-    # ZeRO-3 steps an fp32 partition of its own in both precise modes: in fp32 too, DeepSpeed 0.19.8 copies the
-    # model's partition (`swaprl.compat.deepspeed.partitions`).
-    master = s.master_weights or s.layout == "zero3"
+    # ZeRO steps an fp32 partition of its own in both precise modes: in fp32 too, DeepSpeed 0.19.8 copies the
+    # model's (`swaprl.compat.deepspeed.partitions`).
+    master = s.master_weights or s.layout in ("zero2", "zero3")
     return STATES_PER_PARAMETER[s.optimizer] * dtype_bytes(s.optimizer_dtype)[1] + (4 if master else 0)
 
 
 def trainer_state(s: Spec) -> dict[str, int]:
-    """§Trainer state: per-GPU shards of parameters, gradients and optimizer states."""
+    """§Trainer state: per-GPU shards of parameters, gradients and optimizer states. ZeRO-2 keeps the parameters
+    whole on every GPU and partitions the rest (its gradients: the partition each backward reduces into)."""
     n = s.model.num_parameters()
     b_p, b_g = (dtype_bytes(d)[1] for d in (s.param_dtype, s.grad_dtype))
-    return {"params": -(-n * b_p // s.shard_degree), "grads": -(-n * b_g // s.shard_degree),
+    return {"params": n * b_p if s.layout == "zero2" else -(-n * b_p // s.shard_degree),
+            "grads": -(-n * b_g // s.shard_degree),
             "optimizer": -(-n * state_bytes_per_param(s) // s.shard_degree)}
 
 
 def largest_state_bytes(s: Spec) -> int:
     """§Phases: the states of the largest parameter (the embedding, or an MLP matrix) on one GPU: FSDP2 shards
-    every parameter, and each rank streams its own shard's states."""
+    every parameter, and each rank streams its own shard's states. ZeRO-2: its larger partition (`state_sizes`)."""
+    if s.layout == "zero2":
+        return max(state_sizes(s))
     m = s.model
     return -(-max(m.vocab_size, m.intermediate_size) * m.hidden_size * state_bytes_per_param(s) // s.shard_degree)
 
@@ -202,19 +215,30 @@ def parameter_elements(m: Preset) -> list[int]:
     return [embed, *layer * m.num_hidden_layers, h] + ([] if m.tie_word_embeddings else [embed])
 
 
+def parameter_groups(m: Preset) -> tuple[list[int], list[int]]:
+    """§Split: the elements of each parameter (`parameter_elements`) in transformers' two optimizer groups: the
+    weights it decays, then the biases and norms it does not."""
+    params = parameter_elements(m)
+    # The no-decay group holds the 1-D parameters (biases, norms), none longer than the widest dimension; every
+    # matrix, the embedding included, is longer (hidden_size times a dimension) and decays.
+    widest = max(m.hidden_size, m.q_dim, m.kv_dim, m.intermediate_size)
+    return [n for n in params if n > widest], [n for n in params if n <= widest]
+
+
+def zero2_partitions(s: Spec) -> list[int]:
+    """§Split: the elements of one rank's ZeRO-2 fp32 partitions, one per optimizer parameter group (DeepSpeed's
+    `single_partition_of_fp32_groups`): each group's parameters flattened and split evenly over the ranks."""
+    return [-(-sum(group) // s.shard_degree) for group in parameter_groups(s.model)]
+
+
 def zero3_sub_groups(s: Spec) -> list[int]:
     """§Split: the elements of one rank's ZeRO-3 sub-groups, in the order its fp32 partitions are listed: per
     optimizer parameter group (transformers' two: the weights it decays, then the biases and norms it does not),
     each parameter's partition (its elements over the ranks, rounded up) added to the sub-group until that reaches
     `ZERO3_SUB_GROUP_ELEMENTS` (DeepSpeed's `_create_fp16_sub_groups`)."""
-    m, shard = s.model, s.shard_degree
-    params = parameter_elements(m)
-    # The no-decay group holds the 1-D parameters (biases, norms), none longer than the widest dimension; every
-    # matrix, the embedding included, is longer (hidden_size times a dimension) and decays.
-    widest = max(m.hidden_size, m.q_dim, m.kv_dim, m.intermediate_size)
-    decay, no_decay = [n for n in params if n > widest], [n for n in params if n <= widest]
+    shard = s.shard_degree
     out = []
-    for group in (decay, no_decay):
+    for group in parameter_groups(s.model):
         held = 0
         for i, n in enumerate(group):
             held += -(-n // shard)
@@ -232,6 +256,8 @@ def state_sizes(s: Spec) -> list[int]:
     per, shard = state_bytes_per_param(s), s.shard_degree
     if s.layout == "zero3":
         return [n * per for n in zero3_sub_groups(s)]
+    if s.layout == "zero2":
+        return [n * per for n in zero2_partitions(s)]
     out, elements, held = [], 0, 0
     for n in parameter_elements(s.model):
         elements += n
@@ -329,6 +355,10 @@ def split_capacity(s: Spec, st: Settings, sizes: list[int]) -> Capacity:
     device = min(max(host_edge, room - wave_kv_bytes(s, budget["one_sequence"])), room - budget["one_sequence"])
     train_room = budget["train"] - sum(phases["train"].values())
     resident = train_room if total <= train_room else train_room - staging_bytes(s, total)
+    if s.layout == "zero2":
+        # its step cannot stream (its views of the partitions would keep their device memory): no host home, and
+        # what does not fit in train overflows it
+        resident = total
     return Capacity(device=device, resident=resident)
 
 

@@ -31,9 +31,9 @@ CHECKPOINTING = (False, True)
 # How the trainer's FSDP units are cut (§Activations): one root unit around the embedding and lm_head, or those two
 # as units of their own.
 FSDP_UNITS = ("root", "split")
-# How the trainer is spread (§Trainer state): FSDP2 (or one unsharded GPU), or DeepSpeed's ZeRO-3 with swaprl's homes
-# for its fp32 partitions and states (`swaprl.integrations.trl` under accelerate's DeepSpeed plugin).
-LAYOUTS = ("fsdp2", "zero3")
+# How the trainer is spread (§Trainer state): FSDP2 (or one unsharded GPU), or DeepSpeed's ZeRO-2 or ZeRO-3 with
+# swaprl's homes for its fp32 partitions and states (`swaprl.integrations.trl` under accelerate's DeepSpeed plugin).
+LAYOUTS = ("fsdp2", "zero2", "zero3")
 ZERO3_SUB_GROUP_ELEMENTS = 10**9
 """DeepSpeed's `sub_group_size` default (open-r1's zero3.yaml leaves it): ZeRO-3 steps, and swaprl homes, each
 rank's partitions in sub-groups of at least this many elements (§Split)."""
@@ -182,19 +182,27 @@ class Spec:
                              "the embedding and lm_head: accelerate's FSDP2, TRL's) or 'split' (the embedding and an "
                              "untied lm_head as units of their own: swaprl.distributed.shard_causal_lm, the examples')")
         if self.layout not in LAYOUTS:
-            raise ValueError(f"layout={self.layout!r}; use 'fsdp2' (FSDP2, or one unsharded GPU) or 'zero3' "
-                             "(DeepSpeed ZeRO-3); ZeRO-2 is not planned yet")
-        if self.layout == "zero3":
+            raise ValueError(f"layout={self.layout!r}; use 'fsdp2' (FSDP2, or one unsharded GPU), 'zero2' or 'zero3' "
+                             "(DeepSpeed ZeRO-2 or ZeRO-3)")
+        if self.layout in ("zero2", "zero3"):
+            name = self.layout
             if s != c.gpus:
-                raise ValueError(f"layout='zero3' partitions over every GPU (DeepSpeed's data-parallel world), so "
+                raise ValueError(f"layout={name!r} partitions over every GPU (DeepSpeed's data-parallel world), so "
                                  f"shard_degree={s} must be the cluster's {c.gpus} GPUs; leave shard_degree out")
             if self.fsdp_units != "root":
-                raise ValueError("fsdp_units is FSDP2's unit layout; leave it out with layout='zero3'")
+                raise ValueError(f"fsdp_units is FSDP2's unit layout; leave it out with layout={name!r}")
             if dtype_bytes(self.param_dtype)[1] < 4 and not self.master_weights:
-                raise ValueError("layout='zero3' with parameters below fp32 keeps DeepSpeed's fp32 partitions "
+                raise ValueError(f"layout={name!r} with parameters below fp32 keeps DeepSpeed's fp32 partitions "
                                  "(its bf16 mode): use precision='master-weights' (or 'auto'), not 'bf16'")
             pinned = dict(self.pinned)
-            if pinned.get("grads") == "offload" or pinned.get("params") == "offload":
+            if name == "zero2" and pinned.get("grads", "free") != "free":
+                raise ValueError("under layout='zero2' DeepSpeed holds no gradients between optimizer steps (its "
+                                 "partition of them is made in each backward and freed after the step): pin "
+                                 "grads='free', or leave it out")
+            if name == "zero2" and pinned.get("params") == "offload":
+                raise ValueError("under layout='zero2' the bf16 parameters are DeepSpeed's flat groups, whole on "
+                                 "every GPU, and stay there: pin params='keep', or leave it out")
+            if name == "zero3" and (pinned.get("grads") == "offload" or pinned.get("params") == "offload"):
                 raise ValueError("under layout='zero3' swaprl releases ZeRO-3's gradient buffer for 'generate' "
                                  "(grads 'free') or keeps it ('keep'), and leaves its bf16 partitions on the GPU: "
                                  "pin grads='free' or 'keep' and params='keep', or leave them out")

@@ -29,6 +29,14 @@ def describe_precision(inputs: dict) -> str:
     return f"{inputs['param_dtype']} parameters updated in place, no fp32 copy"
 
 
+def _trainer(inputs: dict) -> str:
+    """How the trainer is spread, in words: DeepSpeed's stage over its GPUs, or FSDP2's shard degree and units."""
+    layout, shard = inputs.get("layout", "fsdp2"), inputs["shard_degree"]
+    if layout != "fsdp2":
+        return f"DeepSpeed ZeRO-{layout[-1]} over {shard} GPUs"
+    return f"shard degree {shard}" + (f" ({inputs.get('fsdp_units', 'root')} units)" if shard > 1 else "")
+
+
 @dataclass(kw_only=True, slots=True)
 class Candidate:
     """The verdict on one point of the search space."""
@@ -156,8 +164,7 @@ class Plan:
             (f"cluster   {c['nodes']} x {c['gpus_per_node']} GPUs of {gib(c['gpu_memory_bytes'])} GiB, "
              f"host {gib(c['host_memory_bytes'])} GiB per node, copies at {c['copy_bytes_per_s'] / 1e9:.0f} GB/s "
              "per GPU and direction"),
-            (f"trainer   {'DeepSpeed ZeRO-3 over ' + str(i['shard_degree']) + ' GPUs' if i.get('layout') == 'zero3' else 'shard degree ' + str(i['shard_degree'])}"
-             f"{' (' + i.get('fsdp_units', 'root') + ' units)' if i['shard_degree'] > 1 and i.get('layout') != 'zero3' else ''}, "
+            (f"trainer   {_trainer(i)}, "
              f"params {i['param_dtype']}, grads {i['grad_dtype']}, "
              f"{i['optimizer']} states {i['optimizer_dtype']}{' + fp32 master' if i['master_weights'] else ''}, "
              f"compute {i['compute_dtype']}, micro batch {i['micro_batch_tokens']} tokens"),

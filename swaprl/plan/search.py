@@ -82,10 +82,10 @@ def _evaluate(s: Spec, st: Settings) -> dict:
 def _candidates(s: Spec) -> list[Settings]:
     """§Search: every allowed point, each with the split `choose_split` gives it unless the split is pinned."""
     pinned = dict(s.pinned)
-    # ZeRO-3: its gradient buffer is released or kept, never offloaded; its bf16 partitions stay (§Phases)
-    zero3 = s.layout == "zero3"
-    axes = {"grads": tuple(g for g in GRADS if g != "offload") if zero3 else GRADS,
-            "params": ("keep",) if zero3 else PARAM_POLICIES, "sleep_level": SLEEP_LEVELS,
+    # ZeRO-3: its gradient buffer is released or kept, never offloaded; ZeRO-2 holds no gradients between steps.
+    # Both keep their bf16 parameters on the GPU (§Phases).
+    grads = {"zero2": ("free",), "zero3": tuple(g for g in GRADS if g != "offload")}.get(s.layout, GRADS)
+    axes = {"grads": grads, "params": PARAM_POLICIES if s.layout == "fsdp2" else ("keep",), "sleep_level": SLEEP_LEVELS,
             "activation_checkpointing": CHECKPOINTING}
     values = [(pinned[k],) if k in pinned else v for k, v in axes.items()]
     points = [Settings(grads=g, params=p, sleep_level=lvl, activation_checkpointing=ac)
