@@ -996,14 +996,18 @@ def test_zero3_over_part_of_the_gpus_is_refused_naming_the_fix():
 
 # ---------------------------------------------------------------- DeepSpeed ZeRO-2
 def test_zero2_keeps_the_parameters_whole_and_partitions_gradients_partitions_and_states():
-    """Over 8 GPUs: the bf16 parameters whole on each, the gradient partition and the fp32 partitions with their
-    AdamW states an eighth, in two units (transformers' two parameter groups); no gradients between steps."""
+    """Over 8 GPUs: the bf16 parameters whole on each; the gradients in two partitions of an eighth (the sum so far
+    and the next backward's) and none between steps, or one kept for a generation inside an accumulation window;
+    the fp32 partitions with their AdamW states an eighth, in two units (transformers' two parameter groups)."""
     rollout = sp.Rollout(prompts=8, completions_per_prompt=8, prompt_tokens=64, completion_tokens=1024)
     p = sp.plan("qwen2.5-7b", cluster="8xH200", rollout=rollout, layout="zero2", precision="master-weights")
     n = p.parameters
     assert p.ok and p.inputs["layout"] == "zero2" and p.inputs["shard_degree"] == 8
     assert p.gpu["train"]["params"] == p.gpu["generate"]["params"] == 2 * n
-    assert p.gpu["train"]["grads"] == -(-2 * n // 8) and p.gpu["generate"]["grads"] == 0
+    assert p.gpu["train"]["grads"] == 2 * -(-2 * n // 8) and p.gpu["generate"]["grads"] == 0
+    kept = sp.plan("qwen2.5-7b", cluster="8xH200", rollout=rollout, layout="zero2", precision="master-weights",
+                   settings={"grads": "keep"})
+    assert kept.gpu["generate"]["grads"] == -(-2 * n // 8)
     assert sum(p.state_bytes.values()) == pytest.approx(12 * n / 8, rel=1e-6)
     assert p.state_bytes["host"] == 0
     assert all(c.settings.grads == "free" and c.settings.params == "keep" for c in p.candidates)
@@ -1027,8 +1031,9 @@ def test_zero2_never_homes_states_in_host_memory_and_says_what_does_not_fit():
 
 @pytest.mark.parametrize("kw, match", [
     ({"precision": "bf16"}, "precision='master-weights'"),
-    ({"settings": {"grads": "keep"}}, "no gradients between optimizer steps.*pin grads='free'"),
-    ({"settings": {"grads": "offload"}}, "pin grads='free'"),
+    ({"settings": {"grads": "offload"}}, "no gradients between optimizer steps.*pin grads='free', or 'keep'"),
+    ({"settings": {"optimizer_states": "host"}}, "cannot have the 'host' home.*Pin 'swap'.*layout='zero3'"),
+    ({"settings": {"optimizer_states": {"device": 0.5, "host": 0.5}}}, "cannot have the 'host' home"),
     ({"settings": {"params": "offload"}}, "whole on every GPU.*params='keep'"),
     ({"fsdp_units": "split"}, "leave it out with layout='zero2'"),
 ])

@@ -10,7 +10,7 @@ from ..config import KV_WAVE_HEADROOM, STATES_PER_PARAMETER
 from ..homes import Capacity, Room, by_fractions, decide, totals
 from ..presets import Preset
 from .hardware import MiB
-from .inputs import STREAM_CHUNK_BYTES, ZERO3_SUB_GROUP_ELEMENTS, Settings, Spec
+from .inputs import STREAM_CHUNK_BYTES, ZERO2_REDUCE_BUCKET_ELEMENTS, ZERO3_SUB_GROUP_ELEMENTS, Settings, Spec
 from .model import dtype_bytes
 
 PHASES = ("train", "generate")
@@ -84,9 +84,11 @@ def train_activation_bytes(s: Spec, checkpointing: bool) -> int:
     else:
         peak = m.num_hidden_layers * layer + outside + max(logits, layer, head)
     if s.layout == "zero2":
-        # its step flattens each group's gradient partition into fp32 (the fp32 partition's `.grad`), after the
-        # backward has freed the activations: the larger of the two
-        peak = max(peak, -(-m.num_parameters() // s.shard_degree) * 4)
+        # its step flattens each group's gradient partition (a copy in the gradients' dtype) and casts that to fp32
+        # (the fp32 partition's `.grad`; the cast copies nothing in fp32), after the backward has freed the
+        # activations: the larger of the two
+        b_g = dtype_bytes(s.grad_dtype)[1]
+        peak = max(peak, -(-m.num_parameters() // s.shard_degree) * (4 + (b_g if b_g < 4 else 0)))
     return peak + fsdp_working_bytes(s)
 
 
@@ -106,7 +108,7 @@ def fsdp_working_bytes(s: Spec) -> int:
     whose parameters are whole, its reduce bucket (`reduce_bucket_size`, accelerate's "auto": hidden^2 elements in
     the gradients' dtype), into which each gradient is copied as the backward makes it."""
     if s.layout == "zero2":
-        return s.model.hidden_size ** 2 * dtype_bytes(s.grad_dtype)[1]
+        return ZERO2_REDUCE_BUCKET_ELEMENTS * dtype_bytes(s.grad_dtype)[1]
     return zero3_working_bytes(s) if s.layout == "zero3" else fsdp2_working_bytes(s)
 
 
@@ -161,11 +163,13 @@ def state_bytes_per_param(s: Spec) -> int:
 
 def trainer_state(s: Spec) -> dict[str, int]:
     """§Trainer state: per-GPU shards of parameters, gradients and optimizer states. ZeRO-2 keeps the parameters
-    whole on every GPU and partitions the rest (its gradients: the partition each backward reduces into)."""
+    whole on every GPU and partitions the rest. Its gradients in `train`: two partitions, since each backward after
+    a step's first reduces into a new one while the previous holds the sum so far."""
     n = s.model.num_parameters()
     b_p, b_g = (dtype_bytes(d)[1] for d in (s.param_dtype, s.grad_dtype))
-    return {"params": n * b_p if s.layout == "zero2" else -(-n * b_p // s.shard_degree),
-            "grads": -(-n * b_g // s.shard_degree),
+    zero2 = s.layout == "zero2"
+    return {"params": n * b_p if zero2 else -(-n * b_p // s.shard_degree),
+            "grads": (2 if zero2 else 1) * -(-n * b_g // s.shard_degree),
             "optimizer": -(-n * state_bytes_per_param(s) // s.shard_degree)}
 
 
@@ -297,13 +301,15 @@ def phase_bytes(s: Spec, st: Settings) -> dict[str, dict[str, int]]:
     ctx = cuda_context_bytes(s)
     zero = dict.fromkeys(CATEGORIES, 0)
     gpn = s.cluster.gpus_per_node
+    # kept for a generation inside an accumulation window: ZeRO-2's one partition of the window's sum
+    between_steps = state["grads"] // 2 if s.layout == "zero2" else state["grads"]
     return {
         "train": {**zero, "params": state["params"], "grads": state["grads"],
                   "engine_other": _ENGINE_POOLED_RESIDENT_BYTES if s.release_other else _ENGINE_RESIDENT_BYTES + graphs,
                   "activations": train_activation_bytes(s, st.activation_checkpointing), "cuda_context": ctx},
         # ZeRO-3: the bf16 partitions stay; the gradient buffer is released unless kept (`gradients_released`)
         "generate": {**zero, "params": state["params"] if st.params == "keep" else 0,
-                     "grads": state["grads"] if st.grads == "keep" else 0, "engine_weights": engine_weights,
+                     "grads": between_steps if st.grads == "keep" else 0, "engine_weights": engine_weights,
                      "engine_other": _ENGINE_RESIDENT_BYTES + graphs + engine_profile_peak(s),
                      "cuda_context": ctx},
         "host_train": {**dict.fromkeys(HOST_CATEGORIES, 0),

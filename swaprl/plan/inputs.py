@@ -34,6 +34,9 @@ FSDP_UNITS = ("root", "split")
 # How the trainer is spread (§Trainer state): FSDP2 (or one unsharded GPU), or DeepSpeed's ZeRO-2 or ZeRO-3 with
 # swaprl's homes for its fp32 partitions and states (`swaprl.integrations.trl` under accelerate's DeepSpeed plugin).
 LAYOUTS = ("fsdp2", "zero2", "zero3")
+ZERO2_REDUCE_BUCKET_ELEMENTS = 5 * 10**8
+"""DeepSpeed's `reduce_bucket_size` default, which open-r1's zero2.yaml leaves: ZeRO-2's bucket of gradients being
+reduced, in their dtype, for the whole backward (§Activations)."""
 ZERO3_SUB_GROUP_ELEMENTS = 10**9
 """DeepSpeed's `sub_group_size` default (open-r1's zero3.yaml leaves it): ZeRO-3 steps, and swaprl homes, each
 rank's partitions in sub-groups of at least this many elements (§Split)."""
@@ -195,10 +198,17 @@ class Spec:
                 raise ValueError(f"layout={name!r} with parameters below fp32 keeps DeepSpeed's fp32 partitions "
                                  "(its bf16 mode): use precision='master-weights' (or 'auto'), not 'bf16'")
             pinned = dict(self.pinned)
-            if name == "zero2" and pinned.get("grads", "free") != "free":
+            if name == "zero2" and pinned.get("grads") == "offload":
                 raise ValueError("under layout='zero2' DeepSpeed holds no gradients between optimizer steps (its "
-                                 "partition of them is made in each backward and freed after the step): pin "
-                                 "grads='free', or leave it out")
+                                 "partition of them is made in the backward and freed after the step) and swaprl "
+                                 "moves none: pin grads='free', or 'keep' for a generation inside an accumulation "
+                                 "window, which finds the window's partition still held")
+            split = pinned.get("optimizer_states")
+            if name == "zero2" and isinstance(split, dict) and split.get("host", 0) > 0:
+                raise ValueError("under layout='zero2' the states cannot have the 'host' home: it streams them "
+                                 "through the device inside the step, and ZeRO-2 keeps views of them that a home in "
+                                 "host memory would leave behind. Pin 'swap' or a split of 'device' and 'swap', or "
+                                 "use layout='zero3', where swaprl streams them")
             if name == "zero2" and pinned.get("params") == "offload":
                 raise ValueError("under layout='zero2' the bf16 parameters are DeepSpeed's flat groups, whole on "
                                  "every GPU, and stay there: pin params='keep', or leave it out")
