@@ -650,7 +650,10 @@ def _run(argv: list[str] | None, undo: list) -> dict:
     args = build_parser().parse_args(argv)
     if args.deterministic:
         args.enforce_eager = True  # vLLM's compiled kernels and CUDA graphs vary from one engine start to the next
-        deterministic_cublas()
+        try:
+            deterministic_cublas()
+        except ValueError as exc:
+            raise SystemExit(f"--deterministic: {exc}") from None
     rank, world, device = init_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
@@ -949,8 +952,10 @@ def train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, p
     before the first, is clipped. With a `reference` model, its log-probabilities are scored first, for the KL."""
     n, k = args.completions, max(1, min(args.updates, len(prompts)))
     kw = dict(micro_batch=args.micro_batch, pad_id=pad_id, clip=args.clip, tis_cap=args.tis_cap)
+    # --deterministic: the model's forwards and backwards (the optimizer's step is elementwise)
+    kernels = deterministic_algorithms if args.deterministic else contextlib.nullcontext
     old = ref = None
-    with autocast:
+    with autocast, kernels():
         if k > 1:
             old = grpo_loss(model, prompts, completions, n, score_only=True, **kw)
         if reference is not None:
@@ -962,7 +967,7 @@ def train_on(model, optimizer, prompts, completions, rewards, engine_lp, args, p
     for lo, hi in zip(bounds, bounds[1:]):
         c = slice(lo * n, hi * n)
         part: dict = {}
-        with autocast, deterministic_algorithms() if args.deterministic else contextlib.nullcontext():
+        with autocast, kernels():
             part_loss, part_tokens = grpo_loss(model, prompts[lo:hi], completions[c], n, rewards=rewards[c],
                                                engine_logprobs=engine_lp[c], old_logprobs=old and old[c],
                                                ref_logprobs=ref and ref[c], kl_coef=args.kl_coef, stats=part, **kw)

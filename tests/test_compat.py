@@ -366,10 +366,13 @@ def test_deterministic_algorithms_hold_inside_the_block_only_and_leave_new_memor
     put()
 
 
-def test_deterministic_cublas_keeps_a_workspace_setting_the_environment_gives(monkeypatch):
+def test_deterministic_cublas_keeps_a_workspace_setting_torch_accepts_and_refuses_another(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     torch_compat.deterministic_cublas()
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == torch_compat.CUBLAS_WORKSPACE_CONFIG
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     torch_compat.deterministic_cublas()
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
+    with pytest.raises(ValueError, match="':4096:8' or ':16:8'; set one of them, or unset it"):
+        torch_compat.deterministic_cublas()

@@ -211,16 +211,20 @@ that its products sum in one order)."""
 
 
 def deterministic_cublas() -> None:
-    """Give cuBLAS the workspace setting `deterministic_algorithms` needs, unless the environment sets one. cuBLAS
-    reads it when it starts, at the process's first product on the GPU: call this before that."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    """Give cuBLAS the workspace setting `deterministic_algorithms` needs, unless the environment sets one of the
+    two torch accepts (another is refused now, not at the first product inside the block). cuBLAS reads it when it
+    starts, at the process's first product on the GPU: call this before that."""
+    given = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    if given not in (CUBLAS_WORKSPACE_CONFIG, ":16:8"):
+        raise ValueError(f"CUBLAS_WORKSPACE_CONFIG={given!r}: torch's deterministic algorithms need "
+                         f"{CUBLAS_WORKSPACE_CONFIG!r} or ':16:8'; set one of them, or unset it")
 
 
 @contextlib.contextmanager
 def deterministic_algorithms() -> Iterator[None]:
     """torch's deterministic algorithms inside the block, the previous setting after it. A GPU backward sums in an
-    order that varies from run to run without them (attention's accumulates its query gradients in whatever order
-    its blocks finish), so two runs of the same steps drift apart in their low bits from the first update on. An
+    order that varies from run to run without them (kernels that accumulate with atomics, as attention's backward
+    does its query gradients), so two runs of the same steps drift apart in their low bits from the first update. An
     operation torch has no deterministic version of raises inside the block, naming itself. The setting also has
     `torch.empty` fill what it allocates; that fill stays off here, since it changes no result, only the time."""
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
