@@ -967,10 +967,11 @@ def _spec_fields(p: sp.Plan) -> dict:
 
 
 def test_under_zero3_the_gradients_are_released_for_generate_and_the_partitions_stay():
+    """Released but for its reduce bucket, which ZeRO-3 makes once (DeepSpeed's default 5e8 elements, in bf16)."""
     p = zero3_plan("qwen2.5-7b")
     assert p.settings.grads in ("free", "keep") and p.settings.params == "keep"
     if p.settings.grads == "free":
-        assert p.gpu["generate"]["grads"] == 0 and p.gpu["train"]["grads"] > 0
+        assert p.gpu["generate"]["grads"] == 5 * 10**8 * 2 and p.gpu["train"]["grads"] > 0
     assert p.gpu["generate"]["params"] == p.gpu["train"]["params"] > 0
     assert all(c.settings.grads != "offload" and c.settings.params == "keep" for c in p.candidates)
 

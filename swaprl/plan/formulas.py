@@ -10,7 +10,7 @@ from ..config import KV_WAVE_HEADROOM, STATES_PER_PARAMETER
 from ..homes import Capacity, Room, by_fractions, decide, totals
 from ..presets import Preset
 from .hardware import MiB
-from .inputs import STREAM_CHUNK_BYTES, ZERO2_REDUCE_BUCKET_ELEMENTS, ZERO3_SUB_GROUP_ELEMENTS, Settings, Spec
+from .inputs import REDUCE_BUCKET_ELEMENTS, STREAM_CHUNK_BYTES, ZERO3_SUB_GROUP_ELEMENTS, Settings, Spec
 from .model import dtype_bytes
 
 PHASES = ("train", "generate")
@@ -105,21 +105,27 @@ def head_backward_bytes(s: Spec, t: int, b: int) -> int:
 
 def fsdp_working_bytes(s: Spec) -> int:
     """§Activations: the unsharded working set of FSDP2's units, or ZeRO-3's (`zero3_working_bytes`); under ZeRO-2,
-    whose parameters are whole, its reduce bucket (`reduce_bucket_size`, accelerate's "auto": hidden^2 elements in
-    the gradients' dtype), into which each gradient is copied as the backward makes it."""
+    whose parameters are whole, its reduce bucket (`reduce_bucket_bytes`), into which each gradient is copied as the
+    backward makes it."""
     if s.layout == "zero2":
-        return ZERO2_REDUCE_BUCKET_ELEMENTS * dtype_bytes(s.grad_dtype)[1]
+        return reduce_bucket_bytes(s)
     return zero3_working_bytes(s) if s.layout == "zero3" else fsdp2_working_bytes(s)
+
+
+def reduce_bucket_bytes(s: Spec) -> int:
+    """§Activations: DeepSpeed's bucket of gradients being reduced (`reduce_bucket_size`, its default), in their
+    dtype; none outside DeepSpeed."""
+    return REDUCE_BUCKET_ELEMENTS * dtype_bytes(s.grad_dtype)[1] if s.layout in ("zero2", "zero3") else 0
 
 
 def zero3_working_bytes(s: Spec) -> int:
     """§Activations: ZeRO-3 gathers each module's parameters for its forward and backward (on one GPU too: into
     memory of their own) and prefetches the next, as FSDP2's root layout does (two layers and the root, one layer's
-    and the root's gradients before their reduce), and holds its reduce bucket (`reduce_bucket_size`, accelerate's
-    "auto": hidden^2 elements in the gradients' dtype) for good."""
+    and the root's gradients before their reduce), and its reduce bucket (`reduce_bucket_bytes`), which it holds
+    in `generate` too (§Phases)."""
     layer, root = unit_params(s.model)
     b_c, b_g = dtype_bytes(s.compute_dtype)[1], dtype_bytes(s.grad_dtype)[1]
-    return (2 * layer + root) * b_c + (layer + root) * b_g + s.model.hidden_size ** 2 * b_g
+    return (2 * layer + root) * b_c + (layer + root) * b_g + reduce_bucket_bytes(s)
 
 
 def fsdp2_working_bytes(s: Spec) -> int:
@@ -303,13 +309,14 @@ def phase_bytes(s: Spec, st: Settings) -> dict[str, dict[str, int]]:
     gpn = s.cluster.gpus_per_node
     # kept for a generation inside an accumulation window: ZeRO-2's one partition of the window's sum
     between_steps = state["grads"] // 2 if s.layout == "zero2" else state["grads"]
+    held = reduce_bucket_bytes(s) if s.layout == "zero3" else 0  # ZeRO-3's reduce bucket, made once
     return {
         "train": {**zero, "params": state["params"], "grads": state["grads"],
                   "engine_other": _ENGINE_POOLED_RESIDENT_BYTES if s.release_other else _ENGINE_RESIDENT_BYTES + graphs,
                   "activations": train_activation_bytes(s, st.activation_checkpointing), "cuda_context": ctx},
         # ZeRO-3: the bf16 partitions stay; the gradient buffer is released unless kept (`gradients_released`)
         "generate": {**zero, "params": state["params"] if st.params == "keep" else 0,
-                     "grads": between_steps if st.grads == "keep" else 0, "engine_weights": engine_weights,
+                     "grads": (between_steps if st.grads == "keep" else 0) + held, "engine_weights": engine_weights,
                      "engine_other": _ENGINE_RESIDENT_BYTES + graphs + engine_profile_peak(s),
                      "cuda_context": ctx},
         "host_train": {**dict.fromkeys(HOST_CATEGORIES, 0),

@@ -34,9 +34,10 @@ FSDP_UNITS = ("root", "split")
 # How the trainer is spread (§Trainer state): FSDP2 (or one unsharded GPU), or DeepSpeed's ZeRO-2 or ZeRO-3 with
 # swaprl's homes for its fp32 partitions and states (`swaprl.integrations.trl` under accelerate's DeepSpeed plugin).
 LAYOUTS = ("fsdp2", "zero2", "zero3")
-ZERO2_REDUCE_BUCKET_ELEMENTS = 5 * 10**8
-"""DeepSpeed's `reduce_bucket_size` default, which open-r1's zero2.yaml leaves: ZeRO-2's bucket of gradients being
-reduced, in their dtype, for the whole backward (§Activations)."""
+REDUCE_BUCKET_ELEMENTS = 5 * 10**8
+"""DeepSpeed's `reduce_bucket_size` default, which accelerate's config from open-r1's zero2.yaml and zero3.yaml
+leaves: the bucket of gradients being reduced, in their dtype; ZeRO-2 makes it for each backward, ZeRO-3 holds it
+for good (§Activations, §Phases)."""
 ZERO3_SUB_GROUP_ELEMENTS = 10**9
 """DeepSpeed's `sub_group_size` default (open-r1's zero3.yaml leaves it): ZeRO-3 steps, and swaprl homes, each
 rank's partitions in sub-groups of at least this many elements (§Split)."""
