@@ -40,6 +40,7 @@ sys.path.insert(0, str(EXAMPLES))
 import swaprl  # noqa: E402
 from swaprl import saving  # noqa: E402
 from swaprl.config import parse_optimizer_states  # noqa: E402
+from swaprl.compat.transformers import enable_activation_checkpointing  # noqa: E402
 
 import grpo  # noqa: E402  (the loop whose state this measures: its model loading and sharding)
 import run_files  # noqa: E402  (its checkpoints: the manifest, the checks, the rename)
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype)
     model = (grpo.load_sharded(source, dtype, device) if world > 1
              else AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device))
-    model.gradient_checkpointing_enable()
+    enable_activation_checkpointing(model)
     model.config.use_cache = False
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)

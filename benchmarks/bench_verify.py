@@ -35,6 +35,7 @@ import torch
 import swaprl
 from swaprl.checkpoints import write_random_checkpoint
 from swaprl.compat import vllm as vllm_compat
+from swaprl.compat.transformers import enable_activation_checkpointing
 
 from bench_transitions import device_copy_GBps
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     path = write_random_checkpoint(args.preset, Path(args.workdir) / name, layers=args.layers)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.param_dtype), device_map="cuda")
-    model.gradient_checkpointing_enable()
+    enable_activation_checkpointing(model)
     model.config.use_cache = False
     model.train()
     load_s = time.perf_counter() - t0

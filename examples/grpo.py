@@ -50,6 +50,7 @@ import swaprl
 from swaprl import memory, saving
 from swaprl.profile import attach_profiler
 from swaprl.compat.torch import deterministic_algorithms, deterministic_cublas
+from swaprl.compat.transformers import enable_activation_checkpointing
 from swaprl.config import parse_optimizer_states
 
 import run_files  # (beside this file: checkpoints and the files a resume rewrites)
@@ -721,7 +722,7 @@ def _run(argv: list[str] | None, undo: list) -> dict:
             reference = load()
         reference.requires_grad_(False)
         reference.config.use_cache = False
-    model.gradient_checkpointing_enable()  # only active in training mode, and from_pretrained returns eval mode
+    enable_activation_checkpointing(model)  # only active in training mode, and from_pretrained returns eval mode
     model.config.use_cache = False
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -376,3 +376,17 @@ def test_deterministic_cublas_keeps_a_workspace_setting_torch_accepts_and_refuse
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
     with pytest.raises(ValueError, match="':4096:8' or ':16:8'; set one of them, or unset it"):
         torch_compat.deterministic_cublas()
+
+
+def test_activation_checkpointing_is_enabled_under_the_name_the_installed_transformers_gives_it(tiny_checkpoint):
+    import warnings
+
+    from swaprl.compat.transformers import enable_activation_checkpointing
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    assert not model.is_gradient_checkpointing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers 5.25 warns on the old name
+        enable_activation_checkpointing(model)
+    assert model.is_gradient_checkpointing
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
