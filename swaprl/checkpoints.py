@@ -19,13 +19,16 @@ entries would make every generation that detokenizes (TRL's, vLLM's default) CPU
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import json
 import logging
 import os
+import shutil
 import string
 from pathlib import Path
 
+import psutil
 import torch
 
 from ._extras import needs
@@ -136,22 +139,72 @@ def write_random_checkpoint(preset: str, path: str | os.PathLike, *, layers: int
 
     `layers` cuts the depth while keeping each layer's real shapes. `device` is where the random numbers are drawn
     ("cuda" is much faster for large models; default: cuda when available). An existing complete checkpoint at
-    `path` with the same settings is reused.
+    `path` with the same settings is reused; one with other settings is replaced. The checkpoint is written in a
+    directory beside `path` and renamed into place, so that a run stopped midway, or another run writing the same
+    `path` at once, never leaves a partial checkpoint where a reader looks.
     """
-    with needs("hf"):
-        from safetensors.torch import save_file
-
     spec = get_preset(preset)
     if layers is not None and not 1 <= layers <= spec.num_hidden_layers:
         raise ValueError(f"layers={layers} is outside 1..{spec.num_hidden_layers} for {spec.name}")
     path = Path(path)
     tokenizer_size = min(QWEN_TOKENIZER_SIZE, spec.vocab_size)
     stamp = {"preset": spec.name, "layers": layers, "dtype": str(dtype), "seed": seed, "tokenizer": tokenizer_size}
-    done = path / "swaprl_random.json"
-    if done.exists() and json.loads(done.read_text()) == stamp:
+    if _stamp_of(path) == stamp:
         logger.info("reusing random checkpoint at %s", path)
         return path
-    path.mkdir(parents=True, exist_ok=True)
+    if path.exists() and _stamp_of(path) is None and any(path.iterdir()):
+        raise FileExistsError(f"{path} holds files that are not a complete random checkpoint of swaprl's; "
+                              "remove them, or give a new or empty directory")
+    _remove_stopped_writes(path)
+    final_path, path = path, path.parent / f".{path.name}.writing-{os.getpid()}"
+    path.mkdir(parents=True)
+    try:
+        _write_random(spec, path, layers=layers, dtype=dtype, seed=seed, device=device, shard_bytes=shard_bytes,
+                      tokenizer_size=tokenizer_size, stamp=stamp)
+        return _move_into_place(path, final_path, stamp)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_stopped_writes(path: Path) -> None:
+    """Remove what writes of `path` by processes no longer running left beside it (a write or a replacement stopped
+    midway)."""
+    name = glob.escape(path.name)
+    for left in [*path.parent.glob(f".{name}.writing-*"), *path.parent.glob(f".{name}.old-*")]:
+        pid = left.name.rpartition("-")[2]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+
+
+def _stamp_of(path: Path) -> dict | None:
+    """The settings a complete random checkpoint at `path` was written with; None where there is none."""
+    try:
+        return json.loads((path / "swaprl_random.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _move_into_place(written: Path, path: Path, stamp: dict) -> Path:
+    """Rename the checkpoint written at `written` to `path`: an empty `path` is replaced, one of other settings is
+    moved aside and removed once the new one stands, and one another run has just completed with the same settings
+    is kept (this run's copy is then dropped)."""
+    old = path.parent / f".{path.name}.old-{os.getpid()}"
+    if path.exists() and _stamp_of(path) is not None and _stamp_of(path) != stamp:
+        path.rename(old)
+    try:
+        written.rename(path)  # replaces an empty directory, refuses a full one
+    except OSError:
+        if _stamp_of(path) != stamp:
+            raise
+        logger.info("another run wrote the same random checkpoint at %s first; reusing it", path)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _write_random(spec, path: Path, *, layers, dtype, seed, device, shard_bytes, tokenizer_size, stamp) -> None:
+    with needs("hf"):
+        from safetensors.torch import save_file
+
     ids = write_tokenizer(path, tokenizer_size)
     config = hf_config(spec.name, layers=layers, dtype=dtype, bos_token_id=ids["<|endoftext|>"],
                        eos_token_id=ids["<|im_end|>"])
@@ -191,9 +244,8 @@ def write_random_checkpoint(preset: str, path: str | os.PathLike, *, layers: int
         os.replace(path / f"model-{i:05d}.safetensors", path / final)
     index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in weight_map.items()}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    done.write_text(json.dumps(stamp))
-    logger.info("wrote random %s checkpoint (%.2f GiB, %d shards) to %s", spec.name, total / 2**30, n, path)
-    return path
+    (path / "swaprl_random.json").write_text(json.dumps(stamp))  # last: it marks the checkpoint complete
+    logger.info("wrote random %s checkpoint (%.2f GiB, %d shards)", spec.name, total / 2**30, n)
 
 
 def checkpoint_dir_of(model: torch.nn.Module) -> Path | None:
