@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deterministic", action="store_true",
                     help="a run that repeats bit for bit, so that a resume continues it exactly (examples/grpo.py "
                          "--deterministic; implies --enforce-eager)")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="where the random-weight checkpoint is written and reused (examples/grpo.py "
+                         "--checkpoint-dir)")
     ap.add_argument("--out", default="out/qwen72b")
     args = ap.parse_args(argv)
     args.enforce_eager = args.enforce_eager or args.deterministic
@@ -192,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         print_target()
         print(f"\nthis run: precision {why_precision(the_plan, pinned_by)}")
         print(the_plan.table())
+        if not on_gpu:
+            print("\nno GPU here: the loop generates with transformers (swaprl.engines.HFEngine), and half of this "
+                  "machine's memory stands in for the GPU the plan above puts vLLM on")
     if not the_plan.ok:
         if rank == 0:
             print(f"\nthis run cannot fit: {the_plan.verdict}", file=sys.stderr)
@@ -213,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         loop += ["--lend-pages" if args.lend_pages else "--no-lend-pages"]
     for flag, value in (("--trace-step", args.trace_step), ("--memory-step", args.memory_step),
                         ("--dataset", args.dataset), ("--save-steps", args.save_steps or None),
-                        ("--export-hf", args.export_hf)):
+                        ("--export-hf", args.export_hf), ("--checkpoint-dir", args.checkpoint_dir)):
         if value is not None:
             loop += [flag, str(value)]
     loop += ["--resume"] if args.resume else []

@@ -130,8 +130,9 @@ def test_resume_without_a_checkpoint_says_what_to_do(tmp_path):
 def test_qwen72b_example_plans_then_runs_on_the_tiny_preset(tmp_path, capsys):
     import qwen72b
 
-    assert qwen72b.main(["--steps", "2", "--out", str(tmp_path / "q")]) == 0
+    assert qwen72b.main(["--steps", "2", "--out", str(tmp_path / "q"), "--checkpoint-dir", str(tmp_path / "ck")]) == 0
     out = capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["tiny"]  # the random checkpoint, where it was told
     # First the target's plan (the full model on one 8 x H200 node, whatever this machine is), with the precise
     # mode the planner picks for it and why, then this run's.
     lines = out.splitlines()
@@ -140,6 +141,8 @@ def test_qwen72b_example_plans_then_runs_on_the_tiny_preset(tmp_path, capsys):
     assert "the lowest predicted step cost" in lines[1] and lines[2].startswith("  fits with")
     run = out.index("this run: precision chosen by the plan: ")
     assert run < out.index("model     tiny") < out.index("per GPU (GiB)")
+    # the plan is of vLLM on a GPU; the run says what stands in for them here
+    assert out.index("per GPU (GiB)") < out.index("no GPU here: the loop generates with transformers")
     # the loop trains in the mode the plan chose: fp32 parameters under bf16 compute
     metrics = json.loads((tmp_path / "q" / "metrics.json").read_text())
     chosen = out[run:].split("chosen by the plan: ", 1)[1].split(" ", 1)[0]
